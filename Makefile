@@ -1,0 +1,31 @@
+# Quick start: `make train` and `make test` each create .venv if missing, install, and run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= workdir/countdown
+PYTEST_ARGS ?=
+
+.PHONY: train test bench clean-venv
+
+$(VENV)/.runtime: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+train: $(VENV)/.runtime
+	$(PY) -m vcpo_jax.main --config=configs/countdown.py --workdir=$(WORKDIR)
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: $(VENV)/.dev
+	$(PY) -m benchmarks.run
+
+clean-venv:
+	rm -rf $(VENV)

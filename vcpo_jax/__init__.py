@@ -1,0 +1,1 @@
+"""vcpo_jax: Variance-Controlled Policy Optimization for asynchronous RL post-training of LLMs."""
