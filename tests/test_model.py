@@ -1,0 +1,100 @@
+"""Model: shapes, dtypes, KV-cache decode equals the full forward, log-probs vs a float64 reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vcpo_jax import model as M
+
+CFG = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return M.init_params(CFG, jax.random.PRNGKey(0))
+
+
+def test_param_tree_and_logical_axes(params):
+  axes = M.param_logical_axes(CFG)
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  assert {"embed_tokens", "norm", "lm_head", "layers_0", "layers_1"} == set(params)
+  for path, leaf in leaves:
+    spec = axes
+    for k in path:
+      spec = spec[k.key]
+    assert len(spec) == leaf.ndim, path
+  assert tuple(axes["layers_0"]["self_attn"]["q_proj"]["kernel"]) == ("embed", "q_heads")
+  assert tuple(axes["layers_0"]["mlp"]["down_proj"]["kernel"]) == ("mlp", "embed")
+  assert tuple(axes["embed_tokens"]) == ("vocab", "embed")
+
+
+def test_tied_embeddings_have_no_head():
+  cfg = M.ModelConfig(**{**CFG.to_dict(), "tie_word_embeddings": True})
+  assert "lm_head" not in M.init_params(cfg, jax.random.PRNGKey(0))
+
+
+def test_logprobs_are_log_softmax_of_next_token(params):
+  toks = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, CFG.vocab_size)
+  mask = (jnp.arange(12)[None, :] >= 4).astype(jnp.int32) * jnp.ones((3, 1), jnp.int32)
+  logits = np.asarray(M.forward(params, CFG, toks), np.float64)
+  ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  want = np.zeros((3, 12))
+  want[:, 1:] = np.take_along_axis(ref[:, :-1], np.asarray(toks)[:, 1:, None], -1)[..., 0]
+  want *= np.asarray(mask)
+  lp, ent = M.token_logprobs_and_entropy(params, CFG, toks, mask)
+  np.testing.assert_allclose(lp, want, atol=1e-5)
+  assert np.all(np.asarray(ent)[:, :4] == 0) and np.all(np.asarray(ent)[:, 4:] > 0)
+
+
+def test_kv_cache_decode_matches_full_forward(params):
+  B, P, N = 3, 5, 7
+  toks = jax.random.randint(jax.random.PRNGKey(2), (B, P + N), 0, CFG.vocab_size)
+  full = M.token_logprobs(params, CFG, toks, jnp.ones_like(toks))
+  S = 16
+  cache = M.init_cache(CFG, B, S)
+  key_mask = jnp.zeros((B, S), bool).at[:, :P + N].set(True)
+  pos = jnp.broadcast_to(jnp.arange(P + N)[None], (B, P + N))
+  logits, cache = M.decode(params, CFG, toks[:, :P], pos[:, :P], cache, 0, key_mask)
+  steps = [logits[:, -1]]
+  for t in range(P, P + N - 1):
+    logits, cache = M.decode(params, CFG, toks[:, t:t + 1], pos[:, t:t + 1], cache, t, key_mask)
+    steps.append(logits[:, 0])
+  logits_BxNxV = jnp.stack(steps, axis=1)
+  lp = jnp.take_along_axis(jax.nn.log_softmax(logits_BxNxV), toks[:, P:, None], -1)[..., 0]
+  np.testing.assert_allclose(lp, full[:, P:], atol=1e-5)
+
+
+def test_left_padded_decode_matches_unpadded(params):
+  """A left-padded row with shifted positions gives the same log-probs as the row alone."""
+  toks = jax.random.randint(jax.random.PRNGKey(3), (1, 6), 0, CFG.vocab_size)
+  pad = 3
+  padded = jnp.concatenate([jnp.zeros((1, pad), toks.dtype), toks], axis=1)
+  pos = jnp.maximum(jnp.arange(6 + pad)[None] - pad, 0)
+  key_mask = (jnp.arange(6 + pad)[None] >= pad)
+  logits = M.forward(params, CFG, padded, pos, key_mask)[:, pad:]
+  np.testing.assert_allclose(logits, M.forward(params, CFG, toks), atol=1e-5)
+
+
+def test_bfloat16_compute_is_close_to_float32(params):
+  cfg16 = M.ModelConfig(**{**CFG.to_dict(), "dtype": "bfloat16"})
+  toks = jax.random.randint(jax.random.PRNGKey(4), (2, 10), 0, CFG.vocab_size)
+  lp32 = M.token_logprobs(params, CFG, toks, jnp.ones_like(toks))
+  lp16 = M.token_logprobs(params, cfg16, toks, jnp.ones_like(toks))
+  assert lp16.dtype == jnp.float32
+  np.testing.assert_allclose(lp16, lp32, atol=0.1)
+  p16 = M.init_params(M.ModelConfig(**{**CFG.to_dict(), "param_dtype": "bfloat16"}), jax.random.PRNGKey(0))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(p16))
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 0), ("num_heads", 3), ("dtype", "float8"),
+                                         ("head_dim", 7)])
+def test_invalid_config_names_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    M.ModelConfig(**{**CFG.to_dict(), field: value})
+
+
+def test_from_dict_rejects_unknown_key():
+  with pytest.raises(ValueError, match="num_layerz"):
+    M.ModelConfig.from_dict({**CFG.to_dict(), "num_layerz": 2})

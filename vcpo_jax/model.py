@@ -1,0 +1,313 @@
+"""Qwen2-architecture decoder transformer in Flax linen: logical axis names, log-probs and a KV cache."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Shape letters: B batch, T query length, S cache (key) length, D hidden, H query heads, K kv heads,
+# E head dim, F MLP hidden, V vocab.
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and dtypes of a Qwen2-style model; field names follow the HF config where one exists."""
+  vocab_size: int = 128
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_seq_len: int = 256
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                       f"model.num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**d)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def jnp_param_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+
+def _init(scale: float = 0.02):
+  return nn.initializers.normal(stddev=scale)
+
+
+class Dense(nn.Module):
+  """y = x @ kernel (+ bias). With `capture`, sows its input and perturbs its output (per-sequence grad norms)."""
+  features: int
+  kernel_axes: tuple[str, str]
+  use_bias: bool
+  cfg: ModelConfig
+  capture: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxTxI):
+    kernel = self.param("kernel", nn.with_logical_partitioning(_init(), self.kernel_axes),
+                        (x_BxTxI.shape[-1], self.features), self.cfg.jnp_param_dtype)
+    dtype = self.cfg.jnp_dtype
+    if self.capture:
+      self.sow("intermediates", "inputs", x_BxTxI)
+    y_BxTxO = jnp.einsum("bti,io->bto", x_BxTxI.astype(dtype), kernel.astype(dtype),
+                         preferred_element_type=jnp.float32).astype(dtype)
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[1:]),
+                        (self.features,), self.cfg.jnp_param_dtype)
+      y_BxTxO = y_BxTxO + bias.astype(dtype)[None, None, :]
+    if self.capture:
+      y_BxTxO = self.perturb("outputs", y_BxTxO)
+    return y_BxTxO
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm computed in float32, as Qwen2 does; `capture` exposes the normalised input and output-grad."""
+  cfg: ModelConfig
+  capture: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x_BxTxD.shape[-1],), self.cfg.jnp_param_dtype)
+    x = x_BxTxD.astype(jnp.float32)
+    xhat = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    xhat = xhat.astype(self.cfg.jnp_dtype)
+    if self.capture:
+      self.sow("intermediates", "inputs", xhat)
+    y = xhat * scale.astype(self.cfg.jnp_dtype)[None, None, :]
+    if self.capture:
+      y = self.perturb("outputs", y)
+    return y
+
+
+def rope_cos_sin(positions_BxT, head_dim: int, theta: float):
+  """Qwen2/Llama RoPE tables (non-interleaved halves), float32."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs_BxTxE2 = positions_BxT.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+  emb_BxTxE = jnp.concatenate([freqs_BxTxE2, freqs_BxTxE2], axis=-1)
+  return jnp.cos(emb_BxTxE), jnp.sin(emb_BxTxE)
+
+
+def apply_rope(x_BxTxNxE, cos_BxTxE, sin_BxTxE):
+  half = x_BxTxNxE.shape[-1] // 2
+  x1, x2 = x_BxTxNxE[..., :half], x_BxTxNxE[..., half:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  x = x_BxTxNxE.astype(jnp.float32)
+  out = x * cos_BxTxE[:, :, None, :] + rotated.astype(jnp.float32) * sin_BxTxE[:, :, None, :]
+  return out.astype(x_BxTxNxE.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention with q/k/v bias and an optional KV cache (functional: passed in and returned)."""
+  cfg: ModelConfig
+  capture: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxTxD, cos_BxTxE, sin_BxTxE, mask_BxTxS, kv_cache=None, cache_index=None):
+    cfg = self.cfg
+    B, T, _ = x_BxTxD.shape
+    H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dense = lambda n, axes, bias, name: Dense(n, axes, bias, cfg, self.capture, name=name)
+    q = dense(H * E, ("embed", "q_heads"), True, "q_proj")(x_BxTxD).reshape(B, T, H, E)
+    k = dense(K * E, ("embed", "kv_heads"), True, "k_proj")(x_BxTxD).reshape(B, T, K, E)
+    v = dense(K * E, ("embed", "kv_heads"), True, "v_proj")(x_BxTxD).reshape(B, T, K, E)
+    q = apply_rope(q, cos_BxTxE, sin_BxTxE)
+    k = apply_rope(k, cos_BxTxE, sin_BxTxE)
+    new_cache = None
+    if kv_cache is not None:
+      k_cache, v_cache = kv_cache
+      k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, cache_index, 0, 0))
+      v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, cache_index, 0, 0))
+      new_cache = (k, v)
+    S = k.shape[1]
+    q_BxTxKxGxE = q.reshape(B, T, K, H // K, E)
+    scores = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (1.0 / float(E) ** 0.5)
+    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(cfg.jnp_dtype),
+                     preferred_element_type=jnp.float32).astype(cfg.jnp_dtype)
+    out_BxTxD = dense(cfg.hidden_size, ("q_heads", "embed"), False, "o_proj")(out.reshape(B, T, H * E))
+    del S
+    return out_BxTxD, new_cache
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+  capture: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg = self.cfg
+    gate = Dense(cfg.intermediate_size, ("embed", "mlp"), False, cfg, self.capture, name="gate_proj")(x_BxTxD)
+    up = Dense(cfg.intermediate_size, ("embed", "mlp"), False, cfg, self.capture, name="up_proj")(x_BxTxD)
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cfg.jnp_dtype)
+    return Dense(cfg.hidden_size, ("mlp", "embed"), False, cfg, self.capture, name="down_proj")(h)
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+  capture: bool = False
+
+  @nn.compact
+  def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
+    h, new_cache = Attention(self.cfg, self.capture, name="self_attn")(
+        RMSNorm(self.cfg, self.capture, name="input_layernorm")(x), cos, sin, mask, kv_cache, cache_index)
+    x = x + h
+    x = x + MLP(self.cfg, self.capture, name="mlp")(
+        RMSNorm(self.cfg, self.capture, name="post_attention_layernorm")(x))
+    return x, new_cache
+
+
+class Transformer(nn.Module):
+  """Decoder-only LM. Params: embed_tokens, layers_{i}, norm, lm_head (absent when tied)."""
+  cfg: ModelConfig
+  capture: bool = False
+
+  @nn.compact
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
+    cfg = self.cfg
+    embedding = self.param("embed_tokens", nn.with_logical_partitioning(_init(), ("vocab", "embed")),
+                           (cfg.vocab_size, cfg.hidden_size), cfg.jnp_param_dtype)
+    x = jnp.take(embedding, tokens_BxT, axis=0).astype(cfg.jnp_dtype)
+    if self.capture:
+      x = self.perturb("embed_outputs", x)
+    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
+    new_cache = []
+    for i in range(cfg.num_layers):
+      x, layer_cache = Block(cfg, self.capture, name=f"layers_{i}")(
+          x, cos, sin, mask_BxTxS, None if cache is None else cache[i], cache_index)
+      new_cache.append(layer_cache)
+      x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    x = RMSNorm(cfg, self.capture, name="norm")(x)
+    if cfg.tie_word_embeddings:
+      if self.capture:
+        self.sow("intermediates", "tied_head_inputs", x)
+      logits = jnp.einsum("btd,vd->btv", x, embedding.astype(cfg.jnp_dtype),
+                          preferred_element_type=jnp.float32)
+      if self.capture:
+        logits = self.perturb("tied_head_outputs", logits)
+    else:
+      logits = Dense(cfg.vocab_size, ("embed", "vocab"), False, cfg, self.capture, name="lm_head")(x)
+    return logits.astype(jnp.float32), (None if cache is None else tuple(new_cache))
+
+
+def causal_mask(positions_BxT, key_mask_BxT=None):
+  """Query t sees key s when s <= t (by index) and the key is valid."""
+  T = positions_BxT.shape[1]
+  mask_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
+  mask_BxTxT = jnp.broadcast_to(mask_TxT[None], (positions_BxT.shape[0], T, T))
+  if key_mask_BxT is not None:
+    mask_BxTxT = mask_BxTxT & key_mask_BxT[:, None, :].astype(bool)
+  return mask_BxTxT
+
+
+def _default_positions(tokens_BxT):
+  return jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32)[None], tokens_BxT.shape)
+
+
+def init_params(cfg: ModelConfig, rng, *, boxed: bool = False):
+  """Random init. `boxed=True` keeps nn.Partitioned boxes (logical axis names) for sharded creation."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  positions = _default_positions(tokens)
+  variables = Transformer(cfg).init(rng, tokens, positions, causal_mask(positions))
+  params = variables["params"]
+  return params if boxed else nn.unbox(params)
+
+
+def forward(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None):
+  """Full forward to float32 logits."""
+  if positions_BxT is None:
+    positions_BxT = _default_positions(tokens_BxT)
+  logits, _ = Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT,
+                                     causal_mask(positions_BxT, key_mask_BxT))
+  return logits
+
+
+def logprobs_from_logits(logits_BxTxV, tokens_BxT, mask_BxT):
+  """logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) * mask[:, t]; logp[:, 0] = 0; entropies likewise."""
+  logz_BxTm1xV = jax.nn.log_softmax(logits_BxTxV[:, :-1].astype(jnp.float32), axis=-1)
+  logp_BxTm1 = jnp.take_along_axis(logz_BxTm1xV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+  ent_BxTm1 = -jnp.sum(jnp.exp(logz_BxTm1xV) * logz_BxTm1xV, axis=-1)
+  pad = jnp.zeros((tokens_BxT.shape[0], 1), jnp.float32)
+  m = mask_BxT.astype(jnp.float32)
+  return (jnp.concatenate([pad, logp_BxTm1], axis=1) * m,
+          jnp.concatenate([pad, ent_BxTm1], axis=1) * m)
+
+
+def token_logprobs_and_entropy(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
+                               key_mask_BxT=None):
+  logits = forward(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
+  return logprobs_from_logits(logits, tokens_BxT, mask_BxT)
+
+
+def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
+  return token_logprobs_and_entropy(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT)[0]
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
+  """Per-layer (k, v) buffers of shape [B, S, K, E] in the compute dtype."""
+  shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return tuple((jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype))
+               for _ in range(cfg.num_layers))
+
+
+def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_index, key_mask_BxS):
+  """Incremental step: writes k/v of T new tokens at [cache_index, cache_index+T); returns logits and cache."""
+  T = tokens_BxT.shape[1]
+  S = cache[0][0].shape[1]
+  slot_S = jnp.arange(S, dtype=jnp.int32)
+  query_slot_T = cache_index + jnp.arange(T, dtype=jnp.int32)
+  mask_TxS = slot_S[None, :] <= query_slot_T[:, None]
+  mask_BxTxS = mask_TxS[None] & key_mask_BxS[:, None, :].astype(bool)
+  logits, new_cache = Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, mask_BxTxS,
+                                             cache, cache_index)
+  return logits, new_cache
+
+
+def param_logical_axes(cfg: ModelConfig):
+  """Logical axis names of every parameter, as a pytree of PartitionSpec-like tuples."""
+  boxed = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), boxed=True))
+  return nn.get_partition_spec(boxed)
+
+
+def count_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
