@@ -1,0 +1,199 @@
+"""A tiny SGLang-protocol test server that misbehaves on demand (malformed-response tests only).
+
+Run: python tests/fake_sglang.py --port N --vocab-size V [--mode good] [--token-delay S]
+Its "model" is a deterministic function of the context, so a resumed request continues exactly as an
+uninterrupted one would. POST /fake/mode {"mode": m, "count": c} makes the next c /generate answers
+(c = -1: all) misbehave in mode m; GET /fake/stats counts the /generate requests it received.
+Also holds `launch_server`/`free_port`, the process helpers the rollout tests share.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_length", "oov_ids",
+         "token_mismatch", "http_500", "missing_version", "no_spans", "abort_half", "list_body")
+
+
+def next_token(context: list[int], vocab_size: int) -> tuple[int, float]:
+  """The fake model: next token and its logprob, a pure function of the context."""
+  tok = (sum(context) * 31 + 7 * len(context)) % vocab_size
+  return tok, -0.1 * (1 + tok % 7)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch_server(argv: list[str], url: str, *, timeout: float = 120.0, log_path=None) -> subprocess.Popen:
+  """Starts a server process and waits until GET /health answers 200; kills it on failure."""
+  log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+  proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"server {argv} exited with {proc.returncode} (log: {log_path})")
+    try:
+      with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+        if resp.status == 200:
+          return proc
+    except OSError:
+      time.sleep(0.1)
+  proc.kill()
+  raise RuntimeError(f"server {argv} not healthy after {timeout}s (log: {log_path})")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+  if proc.poll() is None:
+    proc.kill()
+  proc.wait(timeout=30)
+
+
+class FakeServer:
+  """State of one fake server: misbehaviour mode, weight version, pause flag."""
+
+  def __init__(self, vocab_size: int, token_delay: float, version: str, mode: str):
+    self.vocab_size, self.token_delay, self.version = vocab_size, token_delay, version
+    self.mode, self.mode_count = mode, -1
+    self.running = asyncio.Event()
+    self.running.set()
+    self.generate_requests = 0
+
+  def take_mode(self) -> str:
+    if self.mode_count == 0:
+      return "good"
+    if self.mode_count > 0:
+      self.mode_count -= 1
+    return self.mode
+
+  async def generate(self, request):
+    from aiohttp import web
+    body = await request.json()
+    self.generate_requests += 1
+    mode = self.take_mode()
+    if mode == "http_500":
+      return web.json_response({"error": {"message": "fake internal error"}}, status=500)
+    ids = list(body["input_ids"])
+    max_new = body.get("sampling_params", {}).get("max_new_tokens", 128)
+    out, lps, versions = [], [], []
+    for _ in range(max_new):
+      await self.running.wait()
+      if self.token_delay:
+        await asyncio.sleep(self.token_delay)
+      tok, lp = next_token(ids + out, self.vocab_size)
+      out.append(tok)
+      lps.append(lp)
+      versions.append(self.version)
+    finish = {"type": "length", "length": len(out)}
+    if mode == "abort_half":
+      out, lps, versions = out[:len(out) // 2], lps[:len(out) // 2], versions[:len(out) // 2]
+      finish = {"type": "abort", "message": "Aborted"}
+    entries = [[lp, t, None] for lp, t in zip(lps, out)]
+    meta = {"id": body.get("rid", "x"), "finish_reason": finish, "prompt_tokens": len(ids),
+            "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.version,
+            "weight_versions": _spans(versions), "output_token_logprobs": entries, "e2e_latency": 0.0}
+    result = {"text": "", "output_ids": out, "meta_info": meta}
+    if mode == "malformed_json":
+      return web.Response(text=json.dumps(result)[:-7], content_type="application/json")
+    if out and mode == "nan_logprob":
+      entries[0][0] = float("nan")
+    if out and mode == "positive_logprob":
+      entries[-1][0] = 0.5
+    if mode == "wrong_length":
+      meta["completion_tokens"] = len(out) + 1
+    if out and mode == "oov_ids":
+      out[0] = entries[0][1] = self.vocab_size + 3
+    if out and mode == "token_mismatch":
+      entries[-1][1] = (out[-1] + 1) % self.vocab_size
+    if mode == "missing_version":
+      del meta["weight_versions"], meta["weight_version"]
+    if mode == "no_spans":
+      del meta["weight_versions"]
+    if mode == "list_body":
+      result = [result]
+    return web.Response(text=json.dumps(result), content_type="application/json")
+
+  async def set_mode(self, request):
+    from aiohttp import web
+    body = await request.json()
+    if body.get("mode") not in MODES:
+      return web.json_response({"error": f"mode must be one of {MODES}"}, status=400)
+    self.mode, self.mode_count = body["mode"], body.get("count", -1)
+    return web.json_response({"success": True})
+
+  async def update_weights(self, request):
+    from aiohttp import web
+    body = await request.json()
+    if not os.path.isfile(os.path.join(body.get("model_path", ""), "config.json")):
+      return web.json_response({"success": False, "message": "no config.json"}, status=400)
+    self.version = body.get("weight_version", self.version)
+    return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+  def app(self):
+    from aiohttp import web
+
+    async def ok(_):
+      return web.json_response({})
+
+    async def pause(_):
+      self.running.clear()
+      return web.json_response({})
+
+    async def resume(_):
+      self.running.set()
+      return web.json_response({})
+
+    async def info(_):
+      return web.json_response({"model_path": "fake", "weight_version": self.version,
+                                "vocab_size": self.vocab_size})
+
+    async def stats(_):
+      return web.json_response({"generate_requests": self.generate_requests})
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", self.generate), web.get("/health", ok),
+                    web.get("/get_model_info", info), web.post("/fake/mode", self.set_mode),
+                    web.get("/fake/stats", stats), web.post("/pause_generation", pause),
+                    web.post("/continue_generation", resume), web.post("/abort_request", ok),
+                    web.post("/update_weights_from_disk", self.update_weights)])
+    return app
+
+
+def _spans(versions: list[str]) -> list[dict]:
+  spans = []
+  for i, v in enumerate(versions):
+    if spans and spans[-1]["version"] == v:
+      spans[-1]["end"] = i + 1
+    else:
+      spans.append({"version": v, "start": i, "end": i + 1})
+  return spans
+
+
+def main() -> None:
+  from aiohttp import web
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--host", default="127.0.0.1")
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--vocab-size", type=int, default=64)
+  parser.add_argument("--token-delay", type=float, default=0.0)
+  parser.add_argument("--weight-version", default="v0")
+  parser.add_argument("--mode", default="good", choices=MODES)
+  args = parser.parse_args()
+
+  async def make_app():
+    return FakeServer(args.vocab_size, args.token_delay, args.weight_version, args.mode).app()
+
+  web.run_app(make_app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,251 @@
+"""Tests for the rollout client: response validation, retries onto a good server, abort-resume, versions."""
+import asyncio
+import json
+import math
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tests import fake_sglang
+from vcpo_jax.rollout import client as client_lib
+
+VOCAB = 64
+
+
+def _good_body(prompt, n, version="v3"):
+  ctx, out, entries = list(prompt), [], []
+  for _ in range(n):
+    tok, lp = fake_sglang.next_token(ctx + out, VOCAB)
+    out.append(tok)
+    entries.append([lp, tok, None])
+  return {"text": "", "output_ids": out,
+          "meta_info": {"id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ctx),
+                        "completion_tokens": n, "cached_tokens": 0, "weight_version": version,
+                        "weight_versions": [{"version": version, "start": 0, "end": n}],
+                        "output_token_logprobs": entries, "e2e_latency": 0.01}}
+
+
+def _expected(prompt, n):
+  """The fake model's uninterrupted continuation, computed here independently of any server."""
+  out, lps = [], []
+  for _ in range(n):
+    tok, lp = fake_sglang.next_token(list(prompt) + out, VOCAB)
+    out.append(tok)
+    lps.append(lp)
+  return out, np.asarray(lps, np.float32)
+
+
+def test_version_mapping_round_trips_and_rejects_garbage():
+  for v in (0, 7, 123456):
+    assert client_lib.version_from_wire(client_lib.version_to_wire(v)) == v
+  assert client_lib.version_to_wire(7) == "v7"
+  for bad in ("7", "v", "v-1", "v1.5", "V7", None, 7, "v7 "):
+    with pytest.raises(ValueError, match="weight_version"):
+      client_lib.version_from_wire(bad)
+  for bad in (-1, 1.0, True, "v1"):
+    with pytest.raises(ValueError, match="weight_version"):
+      client_lib.version_to_wire(bad)
+
+
+def test_parse_accepts_a_good_response_and_reads_two_spans():
+  body = _good_body([1, 2, 3], 5)
+  body["meta_info"]["weight_versions"] = [{"version": "v3", "start": 0, "end": 2},
+                                          {"version": "v4", "start": 2, "end": 5}]
+  seg = client_lib.parse_generate_response(body, vocab_size=VOCAB, max_new_tokens=5)
+  assert seg.output_ids == body["output_ids"]
+  assert seg.logprobs == [e[0] for e in body["meta_info"]["output_token_logprobs"]]
+  assert seg.versions == [3, 3, 4, 4, 4] and seg.finish_type == "length"
+
+
+def _broken(kind):
+  body = _good_body([5, 6], 4)
+  meta = body["meta_info"]
+  entries = meta["output_token_logprobs"]
+  if kind == "nan":
+    entries[1][0] = float("nan")
+  elif kind == "inf":
+    entries[1][0] = -math.inf
+  elif kind == "positive":
+    entries[0][0] = 0.3
+  elif kind == "string_logprob":
+    entries[0][0] = "-0.1"
+  elif kind == "completion_tokens":
+    meta["completion_tokens"] = 5
+  elif kind == "short_logprobs":
+    entries.pop()
+  elif kind == "oov":
+    body["output_ids"][2] = entries[2][1] = VOCAB
+  elif kind == "negative_id":
+    body["output_ids"][2] = entries[2][1] = -1
+  elif kind == "mismatch":
+    entries[3][1] = (entries[3][1] + 1) % VOCAB
+  elif kind == "no_version":
+    del meta["weight_versions"], meta["weight_version"]
+  elif kind == "gap_spans":
+    meta["weight_versions"] = [{"version": "v3", "start": 0, "end": 1}, {"version": "v3", "start": 2, "end": 4}]
+  elif kind == "short_spans":
+    meta["weight_versions"] = [{"version": "v3", "start": 0, "end": 3}]
+  elif kind == "bad_version":
+    meta["weight_versions"][0]["version"] = "latest"
+  elif kind == "finish":
+    meta["finish_reason"] = None
+  elif kind == "list":
+    body = [body]
+  elif kind == "float_ids":
+    body["output_ids"] = [float(t) for t in body["output_ids"]]
+  elif kind == "too_many":
+    pass  # checked with max_new_tokens=3 below
+  return body
+
+
+@pytest.mark.parametrize("kind,field", [
+    ("nan", "logprob"), ("inf", "logprob"), ("positive", "logprob"), ("string_logprob", "logprob"),
+    ("completion_tokens", "length"), ("short_logprobs", "length"), ("oov", "out_of_vocab"),
+    ("negative_id", "out_of_vocab"), ("mismatch", "token_mismatch"), ("no_version", "version"),
+    ("gap_spans", "version"), ("short_spans", "version"), ("bad_version", "version"),
+    ("finish", "finish_reason"), ("list", "shape"), ("float_ids", "shape"), ("too_many", "length")])
+def test_parse_rejects_each_broken_field(kind, field):
+  max_new = 3 if kind == "too_many" else 4
+  with pytest.raises(client_lib.BadResponseError) as info:
+    client_lib.parse_generate_response(_broken(kind), vocab_size=VOCAB, max_new_tokens=max_new)
+  assert info.value.kind == field
+  assert isinstance(info.value, ValueError)
+
+
+def test_parse_falls_back_to_the_older_of_reported_and_dispatched_version():
+  body = _good_body([1], 3, version="v5")
+  del body["meta_info"]["weight_versions"]
+  parse = client_lib.parse_generate_response
+  assert parse(body, vocab_size=VOCAB, max_new_tokens=3).versions == [5, 5, 5]
+  assert parse(body, vocab_size=VOCAB, max_new_tokens=3, fallback_version=4).versions == [4, 4, 4]
+  del body["meta_info"]["weight_version"]
+  assert parse(body, vocab_size=VOCAB, max_new_tokens=3, fallback_version=6).versions == [6, 6, 6]
+
+
+def test_bad_requests_fail_before_anything_is_sent():
+  async def run():
+    # Nothing listens on this port: any send would be a connection error, not a ValueError.
+    async with client_lib.RolloutClient([f"http://127.0.0.1:{fake_sglang.free_port()}"], vocab_size=VOCAB,
+                                        max_prompt_len=8) as client:
+      cases = [([1, VOCAB], {"max_new_tokens": 2}, "vocab_size"), ([1, -2], {"max_new_tokens": 2}, "vocab_size"),
+               ([], {"max_new_tokens": 2}, "prompt_ids"), ([1.5], {"max_new_tokens": 2}, "prompt_ids"),
+               (list(range(9)), {"max_new_tokens": 2}, "max_prompt_len"),
+               ([1], {"max_new_tokens": 2, "n": 2}, "n"), ([1], {"temperature": 1.0}, "max_new_tokens"),
+               ([1], {"max_new_tokens": 2, "bogus": 1}, "bogus"),
+               ([1], {"max_new_tokens": 2, "top_p": 0.0}, "top_p")]
+      for prompt, params, field in cases:
+        with pytest.raises(ValueError, match=field):
+          await client.generate(prompt, params)
+      with pytest.raises(ValueError, match="n must"):
+        await client.generate([1], {"max_new_tokens": 2}, n=0)
+      assert client.stats.get("requests", 0) == 0
+  asyncio.run(run())
+  with pytest.raises(ValueError, match="vocab_size"):
+    client_lib.RolloutClient(["http://x"], vocab_size=0)
+  with pytest.raises(ValueError, match="urls"):
+    client_lib.RolloutClient(["http://x", "http://x/"], vocab_size=3)
+
+
+@pytest.fixture(scope="module")
+def fake_pair(tmp_path_factory):
+  """Two fake servers on loopback: the first one is told to misbehave, the second stays good."""
+  log_dir = tmp_path_factory.mktemp("fake_logs")
+  procs, urls = [], []
+  for i in range(2):
+    port = fake_sglang.free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
+            "--weight-version", "v2"]
+    procs.append(fake_sglang.launch_server(argv, url, log_path=log_dir / f"fake{i}.log"))
+    urls.append(url)
+  yield urls
+  for p in procs:
+    fake_sglang.stop_server(p)
+
+
+def _set_mode(url, mode, count=-1):
+  req = urllib.request.Request(url + "/fake/mode", data=json.dumps({"mode": mode, "count": count}).encode(),
+                               headers={"Content-Type": "application/json"})
+  urllib.request.urlopen(req, timeout=5).read()
+
+
+def _requests_seen(url):
+  return json.loads(urllib.request.urlopen(url + "/fake/stats", timeout=5).read())["generate_requests"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode,kind", [
+    ("malformed_json", "json"), ("nan_logprob", "logprob"), ("positive_logprob", "logprob"),
+    ("wrong_length", "length"), ("oov_ids", "out_of_vocab"), ("token_mismatch", "token_mismatch"),
+    ("missing_version", "version"), ("list_body", "shape"), ("http_500", None)])
+def test_bad_server_is_counted_and_every_sample_comes_from_the_good_one(fake_pair, mode, kind):
+  bad, good = fake_pair
+  _set_mode(bad, mode)
+
+  async def run():
+    async with client_lib.RolloutClient([bad, good], vocab_size=VOCAB, backoff_base=0.001,
+                                        max_failures_in_a_row=1000) as client:
+      prompts = [[1, 2, 3], [4, 5], [6]]
+      groups = await asyncio.gather(*(client.generate(p, {"max_new_tokens": 6}, n=2) for p in prompts))
+      return prompts, groups, client.stats
+
+  before = _requests_seen(bad)
+  try:
+    prompts, groups, stats = asyncio.run(run())
+  finally:
+    _set_mode(bad, "good")
+  hits_on_bad = _requests_seen(bad) - before
+  assert hits_on_bad >= 1  # routing did send it work, so the checks were exercised
+  failures = stats["server_errors"] if kind is None else stats["bad_responses"][kind]
+  assert failures == hits_on_bad and stats["retries"] == hits_on_bad
+  for prompt, samples in zip(prompts, groups):
+    assert len(samples) == 2
+    ids, lps = _expected(prompt, 6)
+    for s in samples:
+      assert s.server_url == good and s.output_ids == ids and s.finish_reason == "length"
+      np.testing.assert_allclose(s.output_logprobs, lps, rtol=0, atol=1e-7)
+      assert s.output_logprobs.dtype == np.float32 and list(s.token_versions) == [2] * 6
+  assert stats["samples_completed"] == 6
+
+
+@pytest.mark.integration
+def test_aborted_generation_resumes_to_the_uninterrupted_result(fake_pair):
+  bad, good = fake_pair
+  _set_mode(bad, "abort_half", count=2)
+  _set_mode(good, "abort_half", count=1)
+
+  async def run():
+    async with client_lib.RolloutClient([bad, good], vocab_size=VOCAB) as client:
+      samples = await client.generate([9, 8, 7], {"max_new_tokens": 16}, n=1)
+      return samples, client.stats
+
+  try:
+    samples, stats = asyncio.run(run())
+  finally:
+    _set_mode(bad, "good")
+    _set_mode(good, "good")
+  ids, lps = _expected([9, 8, 7], 16)
+  (s,) = samples
+  # Three aborts (16 -> 8 left, 8 -> 4 left, 4 -> 2 left), then a full answer.
+  assert s.num_resumes == 3 and stats["aborted_resumed"] == 3
+  assert s.output_ids == ids and s.prompt_ids == [9, 8, 7] and s.finish_reason == "length"
+  np.testing.assert_allclose(s.output_logprobs, lps, rtol=0, atol=1e-7)
+  assert len(s.token_versions) == 16
+
+
+@pytest.mark.integration
+def test_dead_server_is_routed_around_and_counted(fake_pair):
+  _, good = fake_pair
+  dead = f"http://127.0.0.1:{fake_sglang.free_port()}"
+
+  async def run():
+    async with client_lib.RolloutClient([dead, good], vocab_size=VOCAB, backoff_base=0.001) as client:
+      samples = await asyncio.gather(*(client.generate([i + 1], {"max_new_tokens": 3}) for i in range(4)))
+      await client.check_health()
+      return samples, client.stats, client.available_urls
+
+  samples, stats, available = asyncio.run(run())
+  assert all(s.server_url == good for (s,) in samples)
+  assert stats["connection_errors"] >= 1 and stats["marked_down"] == 1 and available == [good]
