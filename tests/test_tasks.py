@@ -1,0 +1,333 @@
+"""Tests for tasks: safe evaluator, adversarial rewards, generators, splits, reference and SFT completions."""
+import itertools
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from vcpo_jax import tasks
+from vcpo_jax.tasks import countdown, safe_eval
+from vcpo_jax.tokenizer import build_tokenizer
+
+TOK = build_tokenizer()
+
+
+# --- safe evaluator against an independent tree oracle --------------------------------------------------
+
+def _oracle(tree):
+  """Exact value of a test-side expression tree; ZeroDivisionError / OverflowError mirror the spec."""
+  if isinstance(tree, int):
+    return Fraction(tree)
+  if tree[0] == "neg":
+    return -_oracle(tree[1])
+  op, a, b = tree
+  x, y = _oracle(a), _oracle(b)
+  v = {"+": lambda: x + y, "-": lambda: x - y, "*": lambda: x * y, "/": lambda: x / y}[op]()
+  if abs(v) > safe_eval.MAX_ABS:
+    raise OverflowError
+  return v
+
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _text(tree, draw_bool):
+  """Renders with parentheses wherever precedence needs them (and randomly elsewhere), random spaces."""
+  sp = " " if draw_bool() else ""
+  if isinstance(tree, int):
+    return str(tree)
+  if tree[0] == "neg":
+    inner = tree[1]
+    body = _text(inner, draw_bool)
+    return f"-{body}" if isinstance(inner, int) else f"-({body})"
+  op, a, b = tree
+  parts = []
+  for child, is_right in ((a, False), (b, True)):
+    body = _text(child, draw_bool)
+    if not isinstance(child, int) and child[0] != "neg":
+      child_prec = _PREC[child[0]]
+      if child_prec < _PREC[op] or (is_right and child_prec == _PREC[op]) or draw_bool():
+        body = f"({body})"
+    parts.append(body)
+  return f"{parts[0]}{sp}{op}{sp}{parts[1]}"
+
+
+TREES = st.recursive(
+    st.integers(0, 30),
+    lambda kids: st.one_of(
+        st.tuples(st.sampled_from("+-*/"), kids, kids),
+        st.tuples(st.just("neg"), kids)),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(TREES, st.data())
+def test_evaluate_matches_tree_oracle(tree, data):
+  text = _text(tree, lambda: data.draw(st.booleans()))
+  try:
+    expected = _oracle(tree)
+  except (ZeroDivisionError, OverflowError):
+    with pytest.raises(safe_eval.EvalError):
+      safe_eval.evaluate(text)
+    return
+  assert safe_eval.evaluate(text) == expected
+
+
+@pytest.mark.parametrize("expr,value", [
+    ("1 - 2 - 3", -4), ("8 / 4 / 2", 1), ("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("--3", 3),
+    ("-2 * 3", -6), ("10 / 4", Fraction(5, 2)), (" 1\n+\n2 ", 3), ("2.5 * 2", 5)])
+def test_evaluate_precedence_and_associativity(expr, value):
+  assert safe_eval.evaluate(expr) == value
+
+
+@pytest.mark.parametrize("expr", [
+    "", "   ", "2 ** 3", "1 +", "(1 + 2", "1 + 2)", "2(3)", "+3", "1 2", "1..2", ".5", "5.", "()",
+    "1 / 0", "1 / (2 - 2)", "9" * 16, "999999 * 999999 * 9", "(" * 70 + "1" + ")" * 70,
+    "__import__('os')", "1;2", "lambda: 1", "a + b", "1e5", "0x10", "1_000"])
+def test_evaluate_rejects_bad_expressions(expr):
+  with pytest.raises(safe_eval.EvalError):
+    safe_eval.evaluate(expr)
+
+
+def test_evaluate_accepts_the_limits_exactly():
+  assert safe_eval.evaluate("9" * 12 + " + 1") == 10 ** 12
+  assert safe_eval.evaluate("(" * 64 + "1" + ")" * 64) == 1
+  assert safe_eval.evaluate("-" * 200 + "1") == 1  # long unary chains do not recurse
+
+
+# --- countdown reward: adversarial -----------------------------------------------------------------------
+
+CD = {"task": "countdown", "numbers": [2, 3, 5, 7], "target": 29}  # 7 * 5 - 3 * 2
+
+
+def _cd(text, example=CD):
+  return tasks.reward(example, text)
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("<answer>7*5 - 3*2</answer>", 1.0),
+    ("<answer>\n 7 * 5 -\n3 * 2 \n</answer>", 1.0),
+    ("think first... <answer>(5 * 7) - (2 * 3)</answer><|im_end|>", 1.0),
+    ("<answer>7*5 - 3*3</answer>", 0.0),            # reused 3, missing 2
+    ("<answer>7*5 - 6</answer>", 0.0),              # missing numbers
+    ("<answer>7*5 - 3*2 + 0</answer>", 0.0),        # extra number
+    ("<answer>7*5 - 3*2*1</answer>", 0.0),          # extra number that does not change the value
+    ("<answer>7*5 - 3 - 2</answer>", 0.0),          # right numbers, wrong value
+    ("<answer>7*5 - 3*2/0</answer>", 0.0),
+    ("<answer>7**5 - 3*2</answer>", 0.0),
+    ("<answer>" + "9" * 500 + "</answer>", 0.0),
+    ("<answer>" + "9" * 100 + "</answer>", 0.0),
+    ("<answer>__import__('os').system('true')</answer>", 0.0),
+    ("<answer>7*5 - 3*2; 1</answer>", 0.0),
+    ("<answer>(lambda: 29)()</answer>", 0.0),
+    ("<answer>7*5 - 3*2 if 1 else 0</answer>", 0.0),
+    ("<answer>x = 7*5 - 3*2</answer>", 0.0),
+    ("<answer>7*5 - 3*2 = 29</answer>", 0.0),       # '=' is not in the allowed set
+    ("<answer></answer>", 0.0),
+    ("<answer>   </answer>", 0.0),
+    ("7*5 - 3*2", 0.0),                             # no answer block at all
+    ("<answer>7*5 - 3*2", 0.0),                     # unclosed (truncated) block
+    ("\\boxed{7*5 - 3 - 2} then \\boxed{7*5 - 3*2}", 1.0),   # last boxed wins
+    ("\\boxed{7*5 - 3*2} then \\boxed{7*5 - 3 - 2}", 0.0),
+    ("<answer>7*5 - 3*2</answer> \\boxed{7*5 - 3 - 2}", 0.0),  # boxed beats answer blocks
+    ("\\boxed{7*5 - 3*2} <answer>7*5 - 3 - 2</answer>", 1.0),
+    ("<answer>7*5 - 3*2</answer> \\boxed{7*5 - 3*2", 1.0),    # unclosed boxed: fall back to answer
+    ("<answer>2+3</answer> <answer>7*5 - 3*2</answer>", 1.0),  # last answer block wins
+    ("<answer>7*5 - 3*2</answer> <answer>2+3</answer>", 0.0),
+    ("<answer>7*5 - 3*2 <answer>2 + 3</answer>", 0.0),        # innermost last block is the answer
+    ("<answer>7.0*5 - 3*2.00</answer>", 1.0),                  # decimal literals equal to the numbers
+    ("<answer>7*5 - 3*2.5</answer>", 0.0),
+    ("<answer>-(2*3) + 7*5</answer>", 1.0),                    # unary minus is allowed
+    ("<answer>+7*5 - 3*2</answer>", 0.0),                      # unary plus is not
+])
+def test_countdown_reward_adversarial(completion, expected):
+  assert _cd(completion) == expected
+
+
+def test_countdown_reward_length_limit():
+  body = "7*5 - 3*2"
+  ok = "<answer>" + body + " " * (countdown.MAX_ANSWER_CHARS - len(body)) + "</answer>"
+  too_long = "<answer>" + body + " " * (countdown.MAX_ANSWER_CHARS - len(body) + 1) + "</answer>"
+  assert _cd(ok) == 1.0
+  assert _cd(too_long) == 0.0
+
+
+def test_countdown_reward_float_tolerance_and_exactness():
+  assert _cd("<answer>10 / 3 * 3</answer>", {"task": "countdown", "numbers": [10, 3, 3], "target": 10}) == 1
+  # 10.000001 is within 1e-5 of 10; 10.00001 is not (strict inequality).
+  near = {"task": "countdown", "numbers": [10000001, 1000000], "target": 10}
+  assert _cd("<answer>10000001 / 1000000</answer>", near) == 1.0
+  edge = {"task": "countdown", "numbers": [1000001, 100000], "target": 10}
+  assert _cd("<answer>1000001 / 100000</answer>", edge) == 0.0
+
+
+def test_countdown_reward_duplicates_and_huge_chains():
+  dup = {"task": "countdown", "numbers": [5, 5, 3], "target": 22}
+  assert _cd("<answer>5 * 5 - 3</answer>", dup) == 1.0
+  assert _cd("<answer>5 * 5 - 3 + 0 * 5</answer>", dup) == 0.0
+  huge = {"task": "countdown", "numbers": [99999] * 4, "target": 99999 ** 4}
+  assert _cd("<answer>99999 * 99999 * 99999 * 99999</answer>", huge) == 0.0  # intermediate > 1e12
+
+
+# --- arithmetic reward -------------------------------------------------------------------------------------
+
+AR = {"task": "arithmetic", "a": 12, "b": 17, "op": "-"}
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("<answer>-5</answer>", 1.0), ("<answer> -5\n</answer>", 1.0), ("\\boxed{-5}", 1.0),
+    ("<answer>-005</answer>", 1.0), ("<answer>5</answer>", 0.0), ("<answer>-5.0</answer>", 0.0),
+    ("<answer>+-5</answer>", 0.0), ("<answer>12 - 17</answer>", 0.0), ("<answer>-5</answer><answer>4</answer>", 0.0),
+    ("<answer>-4</answer> \\boxed{-5}", 1.0), ("-5", 0.0), ("<answer></answer>", 0.0),
+    ("<answer>" + "9" * 500 + "</answer>", 0.0)])
+def test_arithmetic_reward(completion, expected):
+  assert tasks.reward(AR, completion) == expected
+
+
+# --- generators, knobs, splits -------------------------------------------------------------------------------
+
+KNOB_SETS = [("countdown", {}), ("countdown", {"min_numbers": 3, "max_numbers": 3, "max_number": 20}),
+             ("countdown", {"min_numbers": 4, "max_numbers": 4, "ops": "+-"}),
+             ("arithmetic", {}), ("arithmetic", {"min_digits": 4, "max_digits": 6, "ops": "*"})]
+
+
+@pytest.mark.parametrize("name,knobs", KNOB_SETS)
+def test_sampling_is_deterministic_by_seed_and_json_serialisable(name, knobs):
+  task = tasks.get_task(name, **knobs)
+  a, b, c = task.sample(7, 30), task.sample(7, 30), task.sample(8, 30)
+  assert a == b
+  assert [e["key"] for e in a] != [e["key"] for e in c]
+  assert json.loads(json.dumps(a)) == a
+  rng = np.random.default_rng(7)
+  assert task.sample(rng, 15) + task.sample(rng, 15) == a  # a Generator continues its stream
+
+
+@pytest.mark.parametrize("name,knobs", KNOB_SETS)
+def test_every_problem_has_a_reference_solution_with_reward_one(name, knobs):
+  task = tasks.get_task(name, **knobs)
+  examples = task.sample(0, 60) + task.eval_set(20)
+  for i, ex in enumerate(examples):
+    completion = task.reference_solution(ex, i)
+    assert task.reward(ex, completion) == 1.0, (ex, completion)
+    assert TOK.decode(TOK.encode(ex["prompt"] + completion)) == ex["prompt"] + completion
+
+
+def test_countdown_knobs_are_respected():
+  task = tasks.get_task("countdown", min_numbers=3, max_numbers=4, min_number=5, max_number=40,
+                        max_target=300)
+  for ex in task.sample(1, 200):
+    assert 3 <= len(ex["numbers"]) <= 4
+    assert all(5 <= n <= 40 for n in ex["numbers"])
+    assert 1 <= ex["target"] <= 300
+    assert ex["prompt"].startswith("<|im_start|>user\n") and ex["prompt"].endswith("<|im_start|>assistant\n")
+    assert f"equals {ex['target']}." in ex["prompt"]
+  for ex in tasks.get_task("countdown", ops="+").sample(2, 50):
+    assert ex["target"] == sum(ex["numbers"])
+    assert "with + and" in ex["prompt"]
+  for ex in tasks.get_task("countdown", ops="*", max_number=9).sample(3, 50):
+    assert ex["target"] == math.prod(ex["numbers"])
+
+
+def test_arithmetic_knobs_are_respected():
+  task = tasks.get_task("arithmetic", min_digits=2, max_digits=3, ops="+*")
+  for ex in task.sample(1, 200):
+    assert 10 <= ex["a"] <= 999 and 10 <= ex["b"] <= 999
+    assert ex["op"] in "+*"
+    assert f"Compute {ex['a']} {ex['op']} {ex['b']}." in ex["prompt"]
+
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+def test_eval_split_is_disjoint_from_train(name):
+  task = tasks.get_task(name)
+  train = task.sample(0, 2000)
+  evals = task.eval_set(200)
+  assert len({e["key"] for e in evals}) == 200
+  assert {e["key"] for e in train}.isdisjoint(e["key"] for e in evals)
+  assert all(task.split_of(e) == "train" for e in train)
+  assert all(task.split_of(e) == "eval" for e in evals)
+  assert task.eval_set(200) == evals
+  # The split is a property of the problem, not of the knobs or of the order of the numbers.
+  other = tasks.get_task(name, **({"max_number": 50} if name == "countdown" else {"max_digits": 2}))
+  assert all(other.split_of(e) == "eval" for e in evals)
+
+
+def test_eval_set_too_large_for_the_knobs_raises():
+  tiny = tasks.get_task("arithmetic", min_digits=1, max_digits=1, ops="+")  # 100 problems in all
+  with pytest.raises(ValueError, match="n=50"):
+    tiny.eval_set(50)
+
+
+def _brute_force_solvable(numbers, target):
+  """Independent of countdown.solve: every leaf order, every op choice, every tree shape."""
+  def shapes(leaves):
+    if len(leaves) == 1:
+      yield Fraction(leaves[0])
+      return
+    for k in range(1, len(leaves)):
+      for x in shapes(leaves[:k]):
+        for y in shapes(leaves[k:]):
+          yield x + y
+          yield x - y
+          yield x * y
+          if y != 0:
+            yield x / y
+  return any(v == target for perm in itertools.permutations(numbers) for v in shapes(perm))
+
+
+def test_solver_agrees_with_brute_force():
+  rng = np.random.default_rng(0)
+  for _ in range(60):
+    numbers = [int(n) for n in rng.integers(1, 12, size=int(rng.integers(3, 5)))]
+    target = int(rng.integers(1, 60))
+    expr = countdown.solve(numbers, target)
+    assert (expr is not None) == _brute_force_solvable(numbers, target), (numbers, target)
+    if expr is not None:
+      assert countdown.countdown_reward(f"<answer>{countdown.render(expr)}</answer>", numbers, target) == 1.0
+  assert countdown.solve([1, 1, 1], 100) is None
+
+
+# --- SFT completions ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+def test_sft_completion_error_rate(name):
+  task = tasks.get_task(name)
+  examples = task.sample(5, 300)
+  right = [tasks.sft_completion(e, i, error_rate=0.0) for i, e in enumerate(examples)]
+  wrong = [tasks.sft_completion(e, i, error_rate=1.0) for i, e in enumerate(examples)]
+  mixed = [tasks.sft_completion(e, i, error_rate=0.3) for i, e in enumerate(examples)]
+  assert all(task.reward(e, c) == 1.0 for e, c in zip(examples, right))
+  assert all(task.reward(e, c) == 0.0 for e, c in zip(examples, wrong))
+  # Wrong answers are still well-formed: an answer block the tokenizer encodes.
+  assert all(tasks.extract_answer(c) is not None and TOK.encode(c) for c in wrong)
+  n_wrong = sum(task.reward(e, c) == 0.0 for e, c in zip(examples, mixed))
+  assert abs(n_wrong - 90) < 5 * math.sqrt(300 * 0.3 * 0.7)
+  assert mixed == [tasks.sft_completion(e, i, error_rate=0.3) for i, e in enumerate(examples)]
+
+
+# --- registry and argument errors --------------------------------------------------------------------------
+
+def test_registry_errors_name_the_field():
+  with pytest.raises(ValueError, match="unknown task name 'gsm8k'.*arithmetic.*countdown"):
+    tasks.get_task("gsm8k")
+  with pytest.raises(ValueError, match="unknown knob 'max_digits'"):
+    tasks.get_task("countdown", max_digits=3)
+  with pytest.raises(ValueError, match="min_numbers"):
+    tasks.get_task("countdown", min_numbers=1)
+  with pytest.raises(ValueError, match="ops"):
+    tasks.get_task("countdown", ops="+^")
+  with pytest.raises(ValueError, match="max_digits"):
+    tasks.get_task("arithmetic", max_digits=0)
+  with pytest.raises(ValueError, match="eval_fraction"):
+    tasks.get_task("arithmetic", eval_fraction=0.0)
+  task = tasks.get_task("countdown")
+  with pytest.raises(ValueError, match="split"):
+    task.sample(0, 1, split="test")
+  with pytest.raises(ValueError, match="n must"):
+    task.sample(0, -1)
+  with pytest.raises(ValueError, match="error_rate"):
+    task.sft_completion(task.sample(0, 1)[0], 0, error_rate=1.5)
+  with pytest.raises(ValueError, match="no solution"):
+    task.reference_solution({"task": "countdown", "numbers": [1, 1, 1], "target": 100})

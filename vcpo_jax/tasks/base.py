@@ -1,0 +1,132 @@
+"""Task base class: seeded sampling, hash-based train/eval split, answer extraction."""
+from __future__ import annotations
+
+import abc
+import hashlib
+from typing import Any, Sequence
+
+import numpy as np
+
+SPLITS = ("train", "eval")
+_HASH_BUCKETS = 1 << 20
+_MAX_TRIES_PER_EXAMPLE = 10_000
+
+Example = dict[str, Any]
+RngLike = int | Sequence[int] | np.random.Generator
+
+
+def as_rng(rng_or_seed: RngLike) -> np.random.Generator:
+  """A numpy Generator from a Generator, an int seed or a sequence of ints (e.g. (seed, index))."""
+  if isinstance(rng_or_seed, np.random.Generator):
+    return rng_or_seed
+  if isinstance(rng_or_seed, (bool, float)) or rng_or_seed is None:
+    raise ValueError(f"rng_or_seed must be a Generator, an int or a sequence of ints, got {rng_or_seed!r}")
+  return np.random.default_rng(rng_or_seed)
+
+
+def split_of_key(key: str, eval_fraction: float) -> str:
+  """'eval' for a fixed pseudo-random fraction of canonical problem keys, else 'train'."""
+  digest = hashlib.sha256(key.encode()).digest()
+  bucket = int.from_bytes(digest[:8], "little") % _HASH_BUCKETS
+  return "eval" if bucket < eval_fraction * _HASH_BUCKETS else "train"
+
+
+def extract_answer(text: str) -> str | None:
+  """Content of the last complete `\\boxed{...}`, else of the last `<answer>...</answer>`, else None."""
+  boxed = _last_boxed(text)
+  if boxed is not None:
+    return boxed
+  end = text.rfind("</answer>")
+  if end < 0:
+    return None
+  start = text.rfind("<answer>", 0, end)
+  if start < 0:
+    return None
+  return text[start + len("<answer>"):end]
+
+
+def _last_boxed(text: str) -> str | None:
+  marker = "\\boxed{"
+  start = text.rfind(marker)
+  while start >= 0:
+    depth, i = 1, start + len(marker)
+    while i < len(text) and depth:
+      depth += {"{": 1, "}": -1}.get(text[i], 0)
+      i += 1
+    if depth == 0:
+      return text[start + len(marker):i - 1]
+    start = text.rfind(marker, 0, start)  # unclosed (e.g. truncated): try the one before
+  return None
+
+
+class Task(abc.ABC):
+  """A verifiable task. Examples are JSON-serialisable dicts with at least 'task', 'key' and 'prompt'."""
+
+  name: str = ""
+
+  def __init__(self, eval_fraction: float = 0.05):
+    if not 0.0 < eval_fraction < 1.0:
+      raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+    self.eval_fraction = float(eval_fraction)
+
+  @abc.abstractmethod
+  def _draw(self, rng: np.random.Generator) -> Example:
+    """One random problem (any split), with its canonical 'key' and 'prompt'."""
+
+  @abc.abstractmethod
+  def reward(self, example: Example, completion: str) -> float:
+    """1.0 if the completion's final answer is correct, else 0.0."""
+
+  @abc.abstractmethod
+  def reference_solution(self, example: Example, rng: RngLike | None = None) -> str:
+    """A completion text with reward 1 (no stop token)."""
+
+  @abc.abstractmethod
+  def wrong_completion(self, example: Example, rng: np.random.Generator) -> str:
+    """A plausible completion with reward 0."""
+
+  def split_of(self, example: Example) -> str:
+    return split_of_key(example["key"], self.eval_fraction)
+
+  def sample(self, rng_or_seed: RngLike, n: int, split: str = "train") -> list[Example]:
+    """n problems of `split`, drawn by rejection on the hash split so train and eval never share one."""
+    if split not in SPLITS:
+      raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not isinstance(n, (int, np.integer)) or n < 0:
+      raise ValueError(f"n must be a non-negative int, got {n!r}")
+    rng = as_rng(rng_or_seed)
+    out = []
+    for _ in range(n):
+      for _ in range(_MAX_TRIES_PER_EXAMPLE):
+        ex = self._draw(rng)
+        if split_of_key(ex["key"], self.eval_fraction) == split:
+          out.append(ex)
+          break
+      else:
+        raise ValueError(f"could not draw a {split!r} example of task {self.name!r} in "
+                         f"{_MAX_TRIES_PER_EXAMPLE} tries: knobs leave too few problems in that split")
+    return out
+
+  def eval_set(self, n: int, seed: int = 0) -> list[Example]:
+    """n distinct eval-split problems, a pure function of (knobs, n, seed)."""
+    rng = as_rng([seed, 0xE7A1])
+    seen, out = set(), []
+    for _ in range(20 * n + 100):  # duplicates are rare unless the knobs leave few eval problems
+      if len(out) == n:
+        break
+      ex = self.sample(rng, 1, split="eval")[0]
+      if ex["key"] not in seen:
+        seen.add(ex["key"])
+        out.append(ex)
+    if len(out) < n:
+      raise ValueError(f"n={n} exceeds the distinct eval problems found for task {self.name!r} ({len(out)})")
+    return out
+
+  def sft_completion(self, example: Example, rng: RngLike, error_rate: float) -> str:
+    """Reference solution, or with probability error_rate a plausible wrong one (reward 0)."""
+    if not 0.0 <= error_rate <= 1.0:
+      raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
+    rng = as_rng(rng)
+    if rng.random() < error_rate:
+      return self.wrong_completion(example, rng)
+    return self.reference_solution(example, rng)
