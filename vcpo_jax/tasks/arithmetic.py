@@ -31,7 +31,7 @@ class Arithmetic(base.Task):
   name = "arithmetic"
 
   def __init__(self, min_digits: int = 1, max_digits: int = 3, ops: str = ALL_OPS,
-               eval_fraction: float = 0.05):
+               eval_fraction: float = 0.1):
     super().__init__(eval_fraction)
     if not 1 <= min_digits <= max_digits <= 18:
       raise ValueError(f"need 1 <= min_digits <= max_digits <= 18, got min_digits={min_digits!r}, "

@@ -64,7 +64,7 @@ class Task(abc.ABC):
 
   name: str = ""
 
-  def __init__(self, eval_fraction: float = 0.05):
+  def __init__(self, eval_fraction: float = 0.1):
     if not 0.0 < eval_fraction < 1.0:
       raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
     self.eval_fraction = float(eval_fraction)
@@ -110,16 +110,18 @@ class Task(abc.ABC):
   def eval_set(self, n: int, seed: int = 0) -> list[Example]:
     """n distinct eval-split problems, a pure function of (knobs, n, seed)."""
     rng = as_rng([seed, 0xE7A1])
-    seen, out = set(), []
-    for _ in range(20 * n + 100):  # duplicates are rare unless the knobs leave few eval problems
-      if len(out) == n:
-        break
+    seen, out, since_new = set(), [], 0
+    # Small problem spaces run out of new eval problems: give up after a long run of duplicates.
+    while len(out) < n and since_new < 200 + 5 * n:
       ex = self.sample(rng, 1, split="eval")[0]
+      since_new += 1
       if ex["key"] not in seen:
         seen.add(ex["key"])
         out.append(ex)
+        since_new = 0
     if len(out) < n:
-      raise ValueError(f"n={n} exceeds the distinct eval problems found for task {self.name!r} ({len(out)})")
+      raise ValueError(f"n={n} exceeds the distinct eval problems found for task {self.name!r} "
+                       f"({len(out)}); raise eval_fraction={self.eval_fraction} or widen the knobs")
     return out
 
   def sft_completion(self, example: Example, rng: RngLike, error_rate: float) -> str:

@@ -79,14 +79,16 @@ def solve(numbers: list[int], target: int, ops: str = ALL_OPS,
 
 
 class Countdown(base.Task):
-  """Knobs: how many numbers (min/max_numbers), their range, the target's range and the allowed ops."""
+  """Knobs: how many numbers (num_numbers, or a min/max_numbers range), their range, max target, ops."""
 
   name = "countdown"
 
   def __init__(self, min_numbers: int = 3, max_numbers: int = 4, min_number: int = 1,
                max_number: int = 99, max_target: int = 999, ops: str = ALL_OPS,
-               eval_fraction: float = 0.05):
+               num_numbers: int | None = None, eval_fraction: float = 0.1):
     super().__init__(eval_fraction)
+    if num_numbers is not None:
+      min_numbers = max_numbers = num_numbers
     if not 2 <= min_numbers <= max_numbers <= 6:
       raise ValueError(f"need 2 <= min_numbers <= max_numbers <= 6, got min_numbers={min_numbers!r}, "
                        f"max_numbers={max_numbers!r}")
