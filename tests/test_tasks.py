@@ -76,6 +76,30 @@ def test_evaluate_matches_tree_oracle(tree, data):
   assert safe_eval.evaluate(text) == expected
 
 
+BINARY_TREES = st.recursive(st.integers(0, 30), lambda kids: st.tuples(st.sampled_from("+-*/"), kids, kids),
+                            max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(BINARY_TREES)
+def test_countdown_render_keeps_the_value_with_minimal_parentheses(tree):
+  try:
+    expected = _oracle(tree)
+  except (ZeroDivisionError, OverflowError):
+    return
+  text = countdown.render(tree)
+  assert safe_eval.evaluate(text) == expected
+  assert countdown.value(tree) == expected
+
+
+@pytest.mark.parametrize("tree,text", [
+    (("+", 1, ("-", 2, 3)), "1 + 2 - 3"), (("-", 1, ("+", 2, 3)), "1 - (2 + 3)"),
+    (("-", ("-", 9, 2), 3), "9 - 2 - 3"), (("*", ("+", 1, 2), 3), "(1 + 2) * 3"),
+    (("/", 8, ("*", 2, 2)), "8 / (2 * 2)"), (("*", 8, ("/", 4, 2)), "8 * 4 / 2")])
+def test_countdown_render_examples(tree, text):
+  assert countdown.render(tree) == text
+
+
 @pytest.mark.parametrize("expr,value", [
     ("1 - 2 - 3", -4), ("8 / 4 / 2", 1), ("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("--3", 3),
     ("-2 * 3", -6), ("10 / 4", Fraction(5, 2)), (" 1\n+\n2 ", 3), ("2.5 * 2", 5)])

@@ -5,7 +5,7 @@ import json
 import os
 import re
 import string
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -153,6 +153,3 @@ def load(path: str | os.PathLike) -> Tokenizer:
     raise ValueError(f"tokenizer path has no tokenizer.json: {path!r}")
   return Tokenizer(tokenizers.Tokenizer.from_file(file))
 
-
-def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
-  return [tok.encode(t) for t in texts]

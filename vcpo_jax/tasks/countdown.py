@@ -30,12 +30,12 @@ def render(e: Expr, parent_prec: int = 0, right_of: str = "") -> str:
   return f"({text})" if needs else text
 
 
-def value(e: Expr) -> Fraction:
+def value(e: Expr) -> Fraction | None:
+  """Exact value of a tree; None if it divides by zero."""
   if isinstance(e, int):
     return Fraction(e)
-  op, a, b = e
-  x, y = value(a), value(b)
-  return {"+": x + y, "-": x - y, "*": x * y, "/": x / y if y else None}[op]
+  x, y = value(e[1]), value(e[2])
+  return None if x is None or y is None else _combine(x, y, e[0])
 
 
 def _combine(x: Fraction, y: Fraction, op: str) -> Fraction | None:
