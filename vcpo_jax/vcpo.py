@@ -1,0 +1,318 @@
+"""VCPO core: sequence importance weights, effective sample size and the off-policy optimal baseline (OPOB)."""
+import dataclasses
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+AxisName = Optional[Union[str, Sequence[str]]]
+
+LOG_W_CLIP = 20.0      # exp(+-20) is the widest range a truncated weight may take (paper's clamp)
+_LOG_BIG = 1e30        # stands in for +inf log-weights so max-normalisation stays finite
+STD_ZERO_TOL = 1e-8    # a group's reward std at or below this counts as zero (reference threshold)
+GRPO_EPS = 1e-6        # verl's epsilon in (R - mean) / (std + eps)
+
+SCOPES = ('group', 'minibatch')
+IS_WEIGHTS = ('none', 'truncated', 'raw', 'reference')
+AGGREGATIONS = ('mean', 'median', 'winsorized_mean')
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Importance weights and ESS
+# ----------------------------------------------------------------------------------------------------------
+
+def seq_log_weights(logp_BxT: jax.Array, sampler_logp_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+  """log w_i = sum_t m_t (pi_t - mu_t) in float32; masked positions never contribute (even if NaN/inf)."""
+  diff_BxT = logp_BxT.astype(jnp.float32) - sampler_logp_BxT.astype(jnp.float32)
+  return jnp.sum(jnp.where(mask_BxT > 0, diff_BxT, 0.0), axis=-1)
+
+
+def truncated_weights(logw_B: jax.Array, tau: Optional[float] = 8.0) -> jax.Array:
+  """wt_i = min(exp(clip(log w_i, -20, 20)), tau); tau None or inf keeps only the clamp."""
+  wt_B = jnp.exp(jnp.clip(logw_B.astype(jnp.float32), -LOG_W_CLIP, LOG_W_CLIP))
+  if tau is None or tau == float('inf'):
+    return wt_B
+  if not tau > 0:
+    raise ValueError(f'tau must be positive or None, got tau={tau!r}')
+  return jnp.minimum(wt_B, jnp.float32(tau))
+
+
+def _valid_or_ones(valid_B: Optional[jax.Array], like_B: jax.Array) -> jax.Array:
+  if valid_B is None:
+    return jnp.ones(like_B.shape, dtype=bool)
+  return valid_B.astype(bool)
+
+
+def _ess_sums(logw_B: jax.Array, valid_B: Optional[jax.Array], axis_name: AxisName):
+  """(log S1, log S2, n) with S_k = sum_i exp(k (log w_i - max log w)); the max cancels in the ESS."""
+  valid_B = _valid_or_ones(valid_B, logw_B)
+  logw_B = jnp.minimum(logw_B.astype(jnp.float32), _LOG_BIG)
+  logw_B = jnp.where(valid_B, logw_B, -jnp.inf)
+  m = jnp.max(logw_B)
+  n = jnp.sum(valid_B.astype(jnp.float32))
+  if axis_name is not None:
+    m = jax.lax.pmax(m, axis_name)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # no valid sample (or only -inf): all exp terms below are 0
+  d_B = logw_B - m
+  s1 = jnp.sum(jnp.exp(d_B))
+  s2 = jnp.sum(jnp.exp(2.0 * d_B))
+  if axis_name is not None:
+    s1, s2, n = jax.lax.psum((s1, s2, n), axis_name)
+  return jnp.log(s1), jnp.log(s2), n
+
+
+def log_ess(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: AxisName = None) -> jax.Array:
+  """log ESS = 2 LSE(log w) - LSE(2 log w) over the global batch.
+
+  Under jit with GSPMD shardings the reductions are already global; inside shard_map/pmap pass the data
+  `axis_name` so the per-shard sums are combined with pmax/psum. No valid sample gives -inf.
+  """
+  log_s1, log_s2, _ = _ess_sums(logw_B, valid_B, axis_name)
+  return jnp.where(jnp.isneginf(log_s1), -jnp.inf, 2.0 * log_s1 - log_s2)
+
+
+def ess(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: AxisName = None) -> jax.Array:
+  """Effective sample size (sum w)^2 / sum w^2, in [1, B_valid] (0 with no valid sample)."""
+  return jnp.exp(log_ess(logw_B, valid_B, axis_name))
+
+
+def ess_ratio(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: AxisName = None) -> jax.Array:
+  """rho = ESS / B_valid in (0, 1]; 0 when there is no valid sample, NaN when a log-weight is NaN."""
+  log_s1, log_s2, n = _ess_sums(logw_B, valid_B, axis_name)
+  ratio = jnp.exp(2.0 * log_s1 - log_s2) / jnp.maximum(n, 1.0)
+  return jnp.where(n > 0, jnp.minimum(ratio, 1.0), 0.0)  # min: rounding may overshoot 1 by an ulp
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Segment (group) statistics. Segment ids are dense in [0, B) (see dense_group_ids), num_segments=B static.
+# ----------------------------------------------------------------------------------------------------------
+
+def dense_group_ids(group_B: jax.Array) -> jax.Array:
+  """Maps arbitrary integer group ids to dense ids in [0, B) (jit-able, order of first sorted appearance)."""
+  b = group_B.shape[0]
+  _, inverse_B = jnp.unique(group_B, return_inverse=True, size=b)
+  return inverse_B.reshape(b).astype(jnp.int32)
+
+
+def _seg_sum(x_B, seg_B):
+  return jax.ops.segment_sum(x_B, seg_B, num_segments=seg_B.shape[0])
+
+
+def _seg_max(x_B, seg_B):
+  return jax.ops.segment_max(x_B, seg_B, num_segments=seg_B.shape[0])
+
+
+def _seg_min(x_B, seg_B):
+  return jax.ops.segment_min(x_B, seg_B, num_segments=seg_B.shape[0])
+
+
+def _seg_pivot(values_B, seg_B, valid_B):
+  """Per-sample pivot (segment max of valid values): centring on it keeps equal values exactly equal."""
+  p_G = _seg_max(jnp.where(valid_B, values_B, -jnp.inf), seg_B)
+  p_B = p_G[seg_B]
+  return jnp.where(jnp.isfinite(p_B), p_B, 0.0)
+
+
+def group_mean_std(values_B: jax.Array, seg_B: jax.Array, valid_B: Optional[jax.Array] = None,
+                   unbiased: bool = False):
+  """Per-sample (mean, std, count) of its segment's valid values; std population unless `unbiased`."""
+  values_B = values_B.astype(jnp.float32)
+  valid_B = _valid_or_ones(valid_B, values_B)
+  vf_B = valid_B.astype(jnp.float32)
+  p_B = _seg_pivot(values_B, seg_B, valid_B)
+  dev_B = jnp.where(valid_B, values_B - p_B, 0.0)
+  n_B = _seg_sum(vf_B, seg_B)[seg_B]
+  mean_B = p_B + _seg_sum(dev_B, seg_B)[seg_B] / jnp.maximum(n_B, 1.0)
+  sq_B = jnp.where(valid_B, jnp.square(values_B - mean_B), 0.0)
+  dof_B = n_B - 1.0 if unbiased else n_B
+  var_B = _seg_sum(sq_B, seg_B)[seg_B] / jnp.maximum(dof_B, 1.0)
+  std_B = jnp.where(dof_B > 0, jnp.sqrt(var_B), 0.0)
+  return mean_B, std_B, n_B
+
+
+@functools.partial(jax.jit, static_argnames=('norm_by_std', 'unbiased_std', 'eps'))
+def grpo_advantages(rewards_B: jax.Array, group_B: jax.Array, valid_B: Optional[jax.Array] = None, *,
+                    norm_by_std: bool = True, unbiased_std: bool = True, eps: float = GRPO_EPS) -> jax.Array:
+  """GRPO as in verl: (R - mean_g) / (std_g + eps), std unbiased; singleton groups use mean 0, std 1."""
+  rewards_B = rewards_B.astype(jnp.float32)
+  valid_B = _valid_or_ones(valid_B, rewards_B)
+  seg_B = dense_group_ids(group_B)
+  mean_B, std_B, n_B = group_mean_std(rewards_B, seg_B, valid_B, unbiased=unbiased_std)
+  single_B = n_B <= 1
+  mean_B = jnp.where(single_B, 0.0, mean_B)
+  adv_B = rewards_B - mean_B
+  if norm_by_std:
+    adv_B = adv_B / (jnp.where(single_B, 1.0, std_B) + eps)
+  return jnp.where(valid_B, adv_B, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# OPOB: weights, weighted aggregations, advantages
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OPOBOptions:
+  """OPOB switches; defaults follow the authors' scripts (group, mean, raw w, no length norm, std norm)."""
+  scope: str = 'group'                  # 'group': one b per prompt group (values R); 'minibatch': one b (values GRPO A)
+  is_weight: str = 'raw'                # W = ||s||^2 x {1, wt^2, w^2, wt^2 w^2 ('reference')}
+  normalize_by_length: bool = False     # W /= L^2
+  aggregation: str = 'mean'             # 'mean' | 'median' | 'winsorized_mean'
+  norm_by_std: bool = True              # divide by the group's population reward std (0 std -> advantage 0)
+  winsor_quantiles: tuple = (0.05, 0.95)
+
+  def __post_init__(self):
+    _check_choice('scope', self.scope, SCOPES)
+    _check_choice('is_weight', self.is_weight, IS_WEIGHTS)
+    _check_choice('aggregation', self.aggregation, AGGREGATIONS)
+    lo, hi = self.winsor_quantiles
+    if not 0.0 <= lo <= hi <= 1.0:
+      raise ValueError(f'winsor_quantiles must satisfy 0 <= lo <= hi <= 1, got winsor_quantiles={self.winsor_quantiles!r}')
+
+
+def _check_choice(field: str, value, choices):
+  if value not in choices:
+    raise ValueError(f'{field} must be one of {choices}, got {field}={value!r}')
+
+
+def opob_log_weights(sq_norms_B: jax.Array, logw_B: Optional[jax.Array], wt_B: Optional[jax.Array],
+                     lengths_B: Optional[jax.Array], *, is_weight: str = 'raw',
+                     normalize_by_length: bool = False) -> jax.Array:
+  """log W_i with W_i = ||s_i||^2 * IS factor (/ L_i^2); raw w stays in log space so w^2 never overflows.
+
+  sq_norms must be >= 0 (0 gives W = 0, i.e. log W = -inf). Empty responses use L = 1 (their norm is 0).
+  """
+  _check_choice('is_weight', is_weight, IS_WEIGHTS)
+  logW_B = jnp.log(sq_norms_B.astype(jnp.float32))
+  if is_weight in ('raw', 'reference'):
+    if logw_B is None:
+      raise ValueError(f'logw_B is required for is_weight={is_weight!r}')
+    logW_B = logW_B + 2.0 * jnp.minimum(logw_B.astype(jnp.float32), _LOG_BIG)
+  if is_weight in ('truncated', 'reference'):
+    if wt_B is None:
+      raise ValueError(f'wt_B is required for is_weight={is_weight!r}')
+    logW_B = logW_B + 2.0 * jnp.log(wt_B.astype(jnp.float32))
+  if normalize_by_length:
+    if lengths_B is None:
+      raise ValueError('lengths_B is required for normalize_by_length=True')
+    logW_B = logW_B - 2.0 * jnp.log(jnp.maximum(lengths_B.astype(jnp.float32), 1.0))
+  return logW_B
+
+
+def normalized_weights(logW_B: jax.Array, seg_B: jax.Array, valid_B: Optional[jax.Array] = None) -> jax.Array:
+  """W_i / max_{j in seg} W_j computed from log W (exact zeros stay zero; all-zero segments stay zero)."""
+  valid_B = _valid_or_ones(valid_B, logW_B)
+  logW_B = jnp.where(valid_B, logW_B.astype(jnp.float32), -jnp.inf)
+  m_B = _seg_max(logW_B, seg_B)[seg_B]
+  m_B = jnp.where(jnp.isfinite(m_B), m_B, 0.0)
+  return jnp.where(jnp.isneginf(logW_B), 0.0, jnp.exp(logW_B - m_B))
+
+
+def weighted_mean(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array) -> jax.Array:
+  """Per-sample weighted mean of its segment, sum W v / sum W (0 where the segment's weights are all 0).
+
+  The reference adds 1e-8 to sum W; after max-normalisation sum W >= 1, so that epsilon is dropped (it
+  only mattered, as a shrink towards 0, when every raw W of a segment was below ~1e-6).
+  """
+  values_B = values_B.astype(jnp.float32)
+  p_B = _seg_pivot(values_B, seg_B, w_B > 0)
+  total_B = _seg_sum(w_B, seg_B)[seg_B]
+  num_B = _seg_sum(w_B * (values_B - p_B), seg_B)[seg_B]
+  return jnp.where(total_B > 0, p_B + num_B / jnp.where(total_B > 0, total_B, 1.0), 0.0)
+
+
+def _segmented_cumsum(x_S: jax.Array, start_S: jax.Array) -> jax.Array:
+  """Inclusive cumulative sum restarting wherever start_S is True (avoids cross-segment cancellation)."""
+  def combine(a, b):
+    a_start, a_sum = a
+    b_start, b_sum = b
+    return a_start | b_start, jnp.where(b_start, b_sum, a_sum + b_sum)
+  return jax.lax.associative_scan(combine, (start_S, x_S))[1]
+
+
+@functools.partial(jax.jit, static_argnames=('q',))
+def weighted_quantile(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array, q: float) -> jax.Array:
+  """Per-sample weighted q-quantile of its segment: the smallest v whose cumulative weight >= q * total.
+
+  This is the inverted-CDF definition (numpy method='inverted_cdf'); the weighted median is q = 0.5.
+  Segments whose weights are all zero give 0 (as the reference does).
+  """
+  b = values_B.shape[0]
+  values_B = values_B.astype(jnp.float32)
+  order_S = jnp.lexsort((values_B, seg_B))        # by segment, then by value
+  v_S, w_S, seg_S = values_B[order_S], w_B[order_S], seg_B[order_S]
+  start_S = jnp.concatenate([jnp.ones((1,), bool), seg_S[1:] != seg_S[:-1]])
+  cum_S = _segmented_cumsum(w_S, start_S)
+  total_S = _seg_max(cum_S, seg_S)[seg_S]         # last cum of the segment: consistent with cum_S
+  pos_S = jnp.arange(b, dtype=jnp.int32)
+  hit_S = cum_S >= q * total_S
+  first_G = _seg_min(jnp.where(hit_S, pos_S, b), seg_S)
+  quant_G = v_S[jnp.clip(first_G, 0, b - 1)]
+  total_G = _seg_max(cum_S, seg_S)
+  quant_G = jnp.where(total_G > 0, quant_G, 0.0)
+  return quant_G[seg_B]
+
+
+def weighted_median(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array) -> jax.Array:
+  """Per-sample weighted (lower) median of its segment."""
+  return weighted_quantile(values_B, w_B, seg_B, 0.5)
+
+
+def winsorized_mean(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array,
+                    quantiles: tuple = (0.05, 0.95)) -> jax.Array:
+  """Weighted mean after clamping values to their segment's weighted lo/hi quantiles."""
+  lo_B = weighted_quantile(values_B, w_B, seg_B, quantiles[0])
+  hi_B = weighted_quantile(values_B, w_B, seg_B, quantiles[1])
+  return weighted_mean(jnp.clip(values_B.astype(jnp.float32), lo_B, hi_B), w_B, seg_B)
+
+
+def opob_baseline(values_B: jax.Array, seg_B: jax.Array, logW_B: jax.Array, valid_B: Optional[jax.Array] = None,
+                  *, aggregation: str = 'mean', winsor_quantiles: tuple = (0.05, 0.95)) -> jax.Array:
+  """Per-sample baseline b of its segment, aggregating `values_B` with weights exp(logW_B)."""
+  _check_choice('aggregation', aggregation, AGGREGATIONS)
+  w_B = normalized_weights(logW_B, seg_B, valid_B)
+  if aggregation == 'mean':
+    return weighted_mean(values_B, w_B, seg_B)
+  if aggregation == 'median':
+    return weighted_median(values_B, w_B, seg_B)
+  return winsorized_mean(values_B, w_B, seg_B, winsor_quantiles)
+
+
+@functools.partial(jax.jit, static_argnames=('scope', 'is_weight', 'normalize_by_length', 'aggregation',
+                                             'norm_by_std', 'winsor_quantiles'))
+def opob_advantages(rewards_B: jax.Array, group_B: jax.Array, sq_norms_B: jax.Array,
+                    logw_B: Optional[jax.Array], wt_B: Optional[jax.Array], lengths_B: Optional[jax.Array], *,
+                    scope: str = 'group', is_weight: str = 'raw', normalize_by_length: bool = False,
+                    aggregation: str = 'mean', norm_by_std: bool = True,
+                    winsor_quantiles: tuple = (0.05, 0.95),
+                    valid_B: Optional[jax.Array] = None):
+  """OPOB advantages and baselines, (adv_B, baseline_B).
+
+  scope 'group': b_g from rewards, A_i = (R_i - b_g) / sigma_g (population std of the group's rewards,
+  A = 0 where sigma_g <= 1e-8) or R_i - b_g without norm_by_std.
+  scope 'minibatch': values are GRPO advantages (norm_by_std selects their std division), one b for the
+  minibatch, A_i = v_i - b (as in the reference, no further std division).
+  Invalid rows (valid_B False) get A = 0, b = 0 and carry no weight. All options are static under jit.
+  """
+  opts = OPOBOptions(scope=scope, is_weight=is_weight, normalize_by_length=normalize_by_length,
+                     aggregation=aggregation, norm_by_std=norm_by_std,
+                     winsor_quantiles=tuple(winsor_quantiles))
+  rewards_B = rewards_B.astype(jnp.float32)
+  valid_B = _valid_or_ones(valid_B, rewards_B)
+  logW_B = opob_log_weights(sq_norms_B, logw_B, wt_B, lengths_B, is_weight=opts.is_weight,
+                            normalize_by_length=opts.normalize_by_length)
+  seg_B = dense_group_ids(group_B)
+  if opts.scope == 'group':
+    values_B = rewards_B
+    base_seg_B = seg_B
+  else:
+    values_B = grpo_advantages(rewards_B, group_B, valid_B, norm_by_std=opts.norm_by_std)
+    base_seg_B = jnp.zeros_like(seg_B)
+  baseline_B = opob_baseline(values_B, base_seg_B, logW_B, valid_B, aggregation=opts.aggregation,
+                             winsor_quantiles=opts.winsor_quantiles)
+  adv_B = values_B - baseline_B
+  if opts.scope == 'group' and opts.norm_by_std:
+    _, std_B, _ = group_mean_std(rewards_B, seg_B, valid_B)
+    ok_B = std_B > STD_ZERO_TOL
+    adv_B = jnp.where(ok_B, adv_B / jnp.where(ok_B, std_B, 1.0), 0.0)
+  return jnp.where(valid_B, adv_B, 0.0), jnp.where(valid_B, baseline_B, 0.0)
