@@ -1,0 +1,245 @@
+"""Benchmark plumbing: timing with warm-up and repeats, robust statistics, figure records, environment, tables."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+# Why interleaving: the machine is shared and noisy, so a ratio is measured as per-round ratios of
+# calls timed back to back (A, B, A, B, ...), which cancels slow drifts in load better than timing
+# all of A and then all of B.
+
+VERSION_PACKAGES = ("jax", "jaxlib", "flax", "optax", "torch", "transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """Median and range of repeated measurements (seconds, or a ratio)."""
+  median: float
+  min: float
+  max: float
+  n: int
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def summarize(samples: Sequence[float]) -> Stats:
+  """Median, min and max of a non-empty list of finite numbers."""
+  values = [float(x) for x in samples]
+  if not values:
+    raise ValueError("samples must be non-empty")
+  bad = [x for x in values if not math.isfinite(x)]
+  if bad:
+    raise ValueError(f"samples must be finite, got {bad[:3]}")
+  return Stats(median=statistics.median(values), min=min(values), max=max(values), n=len(values))
+
+
+def block(tree):
+  """Waits for every array in a pytree (jax arrays have block_until_ready; others pass through)."""
+  try:
+    import jax
+    return jax.block_until_ready(tree)
+  except ImportError:  # pragma: no cover - jax is always installed here
+    return tree
+
+
+def time_once(fn: Callable[[], Any], sync: Callable[[Any], Any] = block) -> float:
+  """Wall seconds of one call, including waiting for its asynchronous results."""
+  start = time.perf_counter()
+  sync(fn())
+  return time.perf_counter() - start
+
+
+def time_calls(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5,
+               sync: Callable[[Any], Any] = block) -> dict[str, list[float]]:
+  """Per-call wall times of several thunks, interleaved round by round after `warmup` untimed rounds."""
+  if warmup < 0:
+    raise ValueError(f"warmup must be >= 0, got {warmup}")
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  for _ in range(warmup):
+    for fn in fns.values():
+      sync(fn())
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      times[name].append(time_once(fn, sync))
+  return times
+
+
+def ratio_samples(num: Sequence[float], den: Sequence[float]) -> list[float]:
+  """Per-round ratios num[i] / den[i] of interleaved measurements."""
+  if len(num) != len(den) or not num:
+    raise ValueError(f"num and den must be non-empty and of equal length, got {len(num)} and {len(den)}")
+  if any(d <= 0 for d in den):
+    raise ValueError("den must be positive")
+  return [a / b for a, b in zip(num, den)]
+
+
+def goal_met(value: float | None, goal: str | None) -> bool | None:
+  """Checks a value against a goal written as '<= x', '< x', '>= x' or '> x'; None if not checkable."""
+  if value is None or not goal or not math.isfinite(value):
+    return None
+  op, _, rhs = goal.strip().partition(" ")
+  try:
+    bound = float(rhs)
+  except ValueError as e:
+    raise ValueError(f"goal must look like '<= 1.3', got goal={goal!r}") from e
+  checks = {"<=": value <= bound, "<": value < bound, ">=": value >= bound, ">": value > bound}
+  if op not in checks:
+    raise ValueError(f"goal must start with one of {sorted(checks)}, got goal={goal!r}")
+  return checks[op]
+
+
+def figure(key: str, title: str, *, value: float | None = None, unit: str = "", goal: str | None = None,
+           stats: Stats | None = None, details: Mapping[str, Any] | None = None, note: str = "",
+           error: str | None = None) -> dict:
+  """One row of the results table. `value` is the headline (the median unless stats is None)."""
+  if stats is not None and value is None:
+    value = stats.median
+  return {
+      "key": key, "title": title, "value": value, "unit": unit, "goal": goal,
+      "goal_met": None if error else goal_met(value, goal),
+      "stats": stats.to_dict() if stats is not None else None,
+      "details": dict(details or {}), "note": note, "error": error,
+  }
+
+
+def failed_figure(key: str, title: str, error: str, goal: str | None = None, note: str = "") -> dict:
+  return figure(key, title, goal=goal, error=error, note=note)
+
+
+def timing_details(times: Mapping[str, Sequence[float]]) -> dict:
+  """Per-thunk {median, min, max, n} in seconds, for the details column of a figure."""
+  return {name: summarize(t).to_dict() for name, t in times.items()}
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.lower().startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def package_versions(names: Sequence[str] = VERSION_PACKAGES) -> dict[str, str | None]:
+  out = {}
+  for name in names:
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def environment() -> dict:
+  """Date, machine and software versions; the jax backend and devices are read from a live jax."""
+  import jax
+  devices = jax.devices()
+  return {
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+      "cpu_model": cpu_model(),
+      "cpu_cores": os.cpu_count(),
+      "python": sys.version.split()[0],
+      "platform": platform.platform(),
+      "backend": jax.default_backend(),
+      "devices": f"{len(devices)} x {devices[0].device_kind}",
+      "versions": package_versions(),
+  }
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+  if x is None:
+    return "-"
+  if unit == "%":
+    return f"{100 * x:.2f}%"
+  ax = abs(x)
+  if ax != 0 and (ax >= 1e5 or ax < 1e-3):
+    s = f"{x:.3g}"
+  elif ax >= 100:
+    s = f"{x:.0f}"
+  else:
+    s = f"{x:.3g}" if ax < 1 else f"{x:.2f}"
+  return f"{s}{unit}" if unit in ("x",) else (f"{s} {unit}" if unit else s)
+
+
+def _cell(text: str) -> str:
+  return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+  """The results table (headline figures) followed by per-figure details, as markdown."""
+  env = results.get("environment", {})
+  lines = ["# vcpo_jax benchmark results", ""]
+  if env:
+    versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
+    lines += [f"- date: {env.get('date_utc')}",
+              f"- machine: {env.get('cpu_model')}, {env.get('cpu_cores')} cores; {env.get('platform')}",
+              f"- backend: {env.get('backend')} ({env.get('devices')})",
+              f"- versions: python {env.get('python')}, {versions}"]
+  for key in ("mode", "wall_seconds", "note"):
+    if key in results:
+      lines.append(f"- {key.replace('_', ' ')}: {results[key]}")
+  lines += ["", "| figure | median | min - max | n | goal | met | notes |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+  for fig in results.get("figures", []):
+    unit = fig.get("unit", "")
+    st = fig.get("stats")
+    rng = f"{_fmt(st['min'], unit)} - {_fmt(st['max'], unit)}" if st else "-"
+    met = {True: "yes", False: "NO", None: "-"}[fig.get("goal_met")]
+    if fig.get("error"):
+      value, met, note = "not measured", "-", f"error: {fig['error']}"
+    else:
+      value, note = _fmt(fig.get("value"), unit), fig.get("note", "")
+    lines.append("| " + " | ".join(_cell(c) for c in (
+        fig["title"], value, rng, st["n"] if st else "-", fig.get("goal") or "-", met, note)) + " |")
+  details = [f for f in results.get("figures", []) if f.get("details")]
+  if details:
+    lines += ["", "## Details", ""]
+    for fig in details:
+      lines.append(f"- **{fig['key']}**: `{json.dumps(fig['details'], sort_keys=True, default=str)}`")
+  return "\n".join(lines) + "\n"
+
+
+def run_figure(key: str, title: str, fn: Callable[[], list[dict]], goal: str | None = None) -> list[dict]:
+  """Calls a figure producer; any exception becomes a failed figure with its message (the run goes on)."""
+  try:
+    return list(fn())
+  except Exception as e:  # noqa: BLE001 - a benchmark failure must not stop the suite
+    traceback.print_exc()
+    return [failed_figure(key, title, f"{type(e).__name__}: {e}", goal=goal)]
+
+
+def module_main(produce: Callable[[bool], list[dict]], description: str, argv=None) -> list[dict]:
+  """Entry of a bench_*.py module: `--quick` and `--json out.json` (figures written there)."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
+  parser.add_argument("--json", default=None, help="write the figures as a JSON list to this path")
+  args = parser.parse_args(argv)
+  figures = produce(args.quick)
+  text = json.dumps(figures, indent=2, default=float)
+  if args.json:
+    with open(args.json, "w") as f:
+      f.write(text)
+  else:
+    print(text)
+  return figures
+
+
+if __name__ == "__main__":
+  # run.py asks a child process for this, so the parent never initialises (and preallocates) an accelerator.
+  print(json.dumps(environment()))

@@ -1,0 +1,152 @@
+"""`make bench`: runs every figure in its own process, one after another, and writes results.json + results.md.
+
+Each figure module runs as `python -m benchmarks.<module> --json <file> [--quick]` under a time limit, so
+a crash, a hang or leftover memory in one figure cannot spoil the others; a figure that fails is recorded
+with its error and the suite goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+from benchmarks import common
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "benchmarks")
+QUICK_OUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "results", "quick")  # git-ignored
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  name: str                      # --only name
+  module: str                    # python -m target
+  title: str                     # table title if the job fails before producing figures
+  timeout_s: float
+  quick_timeout_s: float
+  quick_flag: bool = True        # whether the module understands --quick
+
+
+# Full-run limits add up to < 20 minutes even if every job hits its limit.
+JOBS = (
+    Job("step", "benchmarks.bench_step", "VCPO / GRPO / two-pass / micro-batch-1 oracle step", 300, 150),
+    Job("flops", "benchmarks.bench_flops", "learner FLOP/s / XLA matmul peak", 180, 90),
+    Job("arith", "benchmarks.bench_arith", "ESS + OPOB arithmetic share of the VCPO step", 120, 90),
+    Job("decode", "benchmarks.bench_decode", "decode tokens/s: ours / HF generate", 200, 120),
+    Job("async", "benchmarks.bench_async", "async / sync RL steps per hour", 360, 240),
+)
+
+
+def tail(text: str, n: int = 600) -> str:
+  text = text.strip()
+  return text if len(text) <= n else "..." + text[-n:]
+
+
+def normalize_figures(job: Job, payload: Any) -> list[dict]:
+  """Accepts a list of figure dicts (our format); anything else is kept whole as one figure's details."""
+  if isinstance(payload, list) and payload and all(isinstance(f, dict) and "key" in f and "title" in f
+                                                    for f in payload):
+    return payload
+  if isinstance(payload, dict) and isinstance(payload.get("figures"), list):
+    return normalize_figures(job, payload["figures"])
+  return [common.figure(job.name, job.title, details={"raw": payload},
+                        note="module output not in the figure format; raw output kept in details")]
+
+
+def run_job(job: Job, *, quick: bool, python: str = sys.executable,
+            runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[dict]:
+  """Runs one figure module in a subprocess; failures (exit code, timeout, bad JSON) become error figures."""
+  with tempfile.TemporaryDirectory(prefix=f"bench_{job.name}_") as tmp:
+    out = os.path.join(tmp, "out.json")
+    cmd = [python, "-m", job.module, "--json", out] + (["--quick"] if quick and job.quick_flag else [])
+    limit = job.quick_timeout_s if quick else job.timeout_s
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    start = time.perf_counter()
+    try:
+      proc = runner(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+      return [common.failed_figure(job.name, job.title, f"timed out after {limit:.0f} s")]
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0 or not os.path.exists(out):
+      return [common.failed_figure(job.name, job.title,
+                                   f"exit code {proc.returncode}: {tail(proc.stderr or proc.stdout)}")]
+    try:
+      with open(out) as f:
+        figures = normalize_figures(job, json.load(f))
+    except (OSError, ValueError) as e:
+      return [common.failed_figure(job.name, job.title, f"unreadable output: {e}")]
+  for fig in figures:
+    fig.setdefault("details", {})["job_seconds"] = round(seconds, 1)
+  return figures
+
+
+def probe_environment(python: str = sys.executable) -> dict:
+  """Environment read in a child process (see common.py's __main__); errors are recorded, not raised."""
+  try:
+    proc = subprocess.run([python, "-m", "benchmarks.common"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+  except Exception as e:  # noqa: BLE001
+    return {"error": f"environment probe failed: {e}", "versions": common.package_versions(),
+            "cpu_model": common.cpu_model(), "cpu_cores": os.cpu_count()}
+
+
+def select_jobs(only: str | None, jobs: Sequence[Job] | None = None) -> list[Job]:
+  jobs = JOBS if jobs is None else jobs
+  if not only:
+    return list(jobs)
+  names = [n.strip() for n in only.split(",") if n.strip()]
+  known = {j.name: j for j in jobs}
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"--only has unknown figure(s) {unknown}; known: {sorted(known)}")
+  return [known[n] for n in names]
+
+
+def write_results(results: dict, out_dir: str) -> tuple[str, str]:
+  os.makedirs(out_dir, exist_ok=True)
+  json_path, md_path = os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md")
+  with open(json_path, "w") as f:
+    json.dump(results, f, indent=2, default=float)
+    f.write("\n")
+  with open(md_path, "w") as f:
+    f.write(common.render_markdown(results))
+  return json_path, md_path
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
+  parser.add_argument("--only", default=None, help=f"comma list of {[j.name for j in JOBS]}")
+  parser.add_argument("--out-dir", default=None,
+                      help=f"default {DEFAULT_OUT_DIR} (full) or {QUICK_OUT_DIR} (--quick)")
+  args = parser.parse_args(argv)
+  jobs = select_jobs(args.only)
+  out_dir = args.out_dir or (QUICK_OUT_DIR if args.quick else DEFAULT_OUT_DIR)
+  start = time.perf_counter()
+  results = {"environment": probe_environment(), "mode": "quick" if args.quick else "full", "figures": []}
+  for job in jobs:
+    print(f"[bench] {job.name}: python -m {job.module}", flush=True)
+    t0 = time.perf_counter()
+    figures = run_job(job, quick=args.quick)
+    results["figures"].extend(figures)
+    for fig in figures:
+      status = f"ERROR {fig['error']}" if fig.get("error") else f"{fig.get('value')} {fig.get('unit', '')}"
+      print(f"[bench]   {fig['key']}: {status}", flush=True)
+    print(f"[bench]   ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results["wall_seconds"] = round(time.perf_counter() - start, 1)
+    write_results(results, out_dir)  # after every job, so a killed run still leaves what it measured
+  json_path, md_path = write_results(results, out_dir)
+  print(common.render_markdown(results))
+  print(f"[bench] wrote {json_path} and {md_path}")
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,162 @@
+"""Benchmark harness: statistics, goal checks, table rendering and failure isolation of figure subprocesses."""
+import json
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from benchmarks import common
+from benchmarks import run
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6])
+def test_summarize_matches_numpy(n):
+  samples = np.random.default_rng(n).exponential(1.0, n).tolist()
+  st = common.summarize(samples)
+  assert st.median == pytest.approx(float(np.median(samples)))
+  assert (st.min, st.max, st.n) == (min(samples), max(samples), n)
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
+def test_summarize_rejects_bad_samples(bad):
+  with pytest.raises(ValueError, match="samples"):
+    common.summarize(bad)
+
+
+def test_ratio_samples_pairs_rounds():
+  assert common.ratio_samples([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
+  with pytest.raises(ValueError, match="num and den"):
+    common.ratio_samples([1.0], [1.0, 2.0])
+  with pytest.raises(ValueError, match="den"):
+    common.ratio_samples([1.0], [0.0])
+
+
+@pytest.mark.parametrize("value,goal,met", [
+    (1.2, "<= 1.3", True), (1.3, "<= 1.3", True), (1.31, "<= 1.3", False), (0.01, "< 0.01", False),
+    (4.0, ">= 4", True), (3.99, ">= 4", False), (2.0, "> 1.5", True), (None, ">= 4", None), (1.0, None, None),
+    (float("nan"), ">= 1", None)])
+def test_goal_met(value, goal, met):
+  assert common.goal_met(value, goal) is met
+
+
+@pytest.mark.parametrize("goal", ["about 3", "=> 3", "<= x"])
+def test_goal_met_rejects_malformed_goal(goal):
+  with pytest.raises(ValueError, match="goal"):
+    common.goal_met(1.0, goal)
+
+
+def test_time_calls_interleaves_rounds_after_warmup():
+  log = []
+  fns = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
+  times = common.time_calls(fns, warmup=2, repeats=3, sync=lambda x: x)
+  assert log == ["a", "b"] * 5
+  assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+  assert all(t >= 0 for v in times.values() for t in v)
+  with pytest.raises(ValueError, match="repeats"):
+    common.time_calls(fns, repeats=0)
+
+
+def test_time_once_waits_for_jax_results():
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((256, 256))
+  seconds = common.time_once(lambda: jax.jit(lambda a: a @ a)(x))
+  assert seconds > 0
+
+
+def _results(figures):
+  return {"environment": {"date_utc": "2026-01-01 00:00:00 UTC", "cpu_model": "Test CPU", "cpu_cores": 2,
+                          "platform": "linux", "backend": "cpu", "devices": "1 x cpu", "python": "3.x",
+                          "versions": {"jax": "0.0"}},
+          "mode": "full", "figures": figures}
+
+
+def test_render_markdown_rows_values_and_errors():
+  ok = common.figure("a", "step ratio | vcpo/grpo", unit="x", goal="<= 1.3",
+                     stats=common.summarize([1.1, 1.25, 1.4]), details={"B": 64})
+  bad = common.failed_figure("b", "async steps/hour", "train loop missing", goal=">= 1.5")
+  share = common.figure("c", "arith share", unit="%", goal="< 0.01", stats=common.summarize([0.002, 0.004]))
+  md = common.render_markdown(_results([ok, bad, share]))
+  rows = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
+  assert len(rows) == 4  # header + one per figure
+  assert "step ratio \\| vcpo/grpo" in rows[1] and "1.25x" in rows[1] and "1.10x - 1.40x" in rows[1]
+  assert "| yes |" in rows[1]
+  assert "not measured" in rows[2] and "train loop missing" in rows[2]
+  assert "0.30%" in rows[3] and "| yes |" in rows[3]
+  assert "Test CPU" in md and "backend: cpu" in md and '"B": 64' in md
+
+
+def test_figure_goal_reflects_median():
+  fig = common.figure("x", "t", unit="x", goal=">= 4", stats=common.summarize([3.0, 3.5, 5.0]))
+  assert fig["value"] == 3.5 and fig["goal_met"] is False
+
+
+def test_run_figure_turns_exceptions_into_error_figures():
+  def boom():
+    raise RuntimeError("no learner yet")
+  [fig] = common.run_figure("k", "title", boom, goal=">= 1")
+  assert fig["error"] == "RuntimeError: no learner yet" and fig["goal_met"] is None
+
+
+def test_normalize_figures_keeps_unknown_payload():
+  job = run.Job("step", "m", "title", 1, 1)
+  [fig] = run.normalize_figures(job, {"vcpo_over_grpo": 1.2})
+  assert fig["details"]["raw"] == {"vcpo_over_grpo": 1.2} and fig["key"] == "step"
+  figs = [common.figure("a", "A", value=1.0)]
+  assert run.normalize_figures(job, {"figures": figs}) == figs
+
+
+def test_select_jobs_rejects_unknown_names():
+  assert [j.name for j in run.select_jobs("decode,flops")] == ["decode", "flops"]
+  with pytest.raises(ValueError, match="--only"):
+    run.select_jobs("decode,nope")
+
+
+FAKE_MODULE = textwrap.dedent("""
+    import argparse, json, sys, time
+    p = argparse.ArgumentParser(); p.add_argument("--json"); p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    mode = {mode!r}
+    if mode == "crash":
+      sys.exit("figure exploded")
+    if mode == "hang":
+      time.sleep(30)
+    json.dump([{{"key": "fake", "title": "fake figure", "value": 2.0, "unit": "x", "goal": ">= 1.5",
+                "goal_met": True, "stats": None, "details": {{"quick": a.quick}}, "note": "", "error": None}}],
+              open(a.json, "w"))
+""")
+
+
+@pytest.fixture
+def fake_modules(tmp_path, monkeypatch):
+  for mode in ("ok", "crash", "hang"):
+    (tmp_path / f"fake_bench_{mode}.py").write_text(FAKE_MODULE.format(mode=mode))
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  return tmp_path
+
+
+def test_run_job_isolates_failures(fake_modules):
+  [ok] = run.run_job(run.Job("ok", "fake_bench_ok", "ok", 30, 30), quick=True)
+  assert ok["value"] == 2.0 and ok["details"]["quick"] is True and "job_seconds" in ok["details"]
+  [crash] = run.run_job(run.Job("crash", "fake_bench_crash", "crash title", 30, 30), quick=False)
+  assert crash["title"] == "crash title" and "exit code 1" in crash["error"]
+  assert "figure exploded" in crash["error"]
+  [hang] = run.run_job(run.Job("hang", "fake_bench_hang", "hang", 1, 1), quick=False)
+  assert hang["error"] == "timed out after 1 s"
+  [missing] = run.run_job(run.Job("m", "fake_bench_missing", "m", 30, 30), quick=False)
+  assert "No module named" in missing["error"]
+
+
+def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tmp_path, monkeypatch):
+  monkeypatch.setattr(run, "JOBS", (run.Job("ok", "fake_bench_ok", "ok", 30, 30),
+                                    run.Job("crash", "fake_bench_crash", "crash", 30, 30)))
+  out = tmp_path / "out"
+  run.main(["--quick", "--out-dir", str(out)])
+  results = json.loads((out / "results.json").read_text())
+  assert [f["key"] for f in results["figures"]] == ["fake", "crash"]
+  assert results["figures"][1]["error"] and results["mode"] == "quick"
+  assert results["environment"].get("backend") == "cpu", results["environment"]
+  md = (out / "results.md").read_text()
+  assert "fake figure" in md and "not measured" in md
