@@ -1,0 +1,149 @@
+"""The optax chain (clip -> Adam -> decoupled decay -> lr -> ESS scaling) and the `scale_by_ess` transform."""
+from typing import Any, NamedTuple, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+RULES = ('sqrt', 'linear')
+SCHEDULES = ('constant', 'warmup_constant', 'cosine')
+
+
+class ScaleByESSState(NamedTuple):
+  base_ess_ratio: jax.Array  # float32; NaN until the first valid ratio arrives when base is 'auto'
+  last_scale: jax.Array      # float32 factor applied by the last update (1 before any update)
+  count: jax.Array           # int32 number of updates seen
+
+
+def _check_positive(field: str, value) -> float:
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f'{field} must be a positive number, got {field}={value!r}') from None
+  if not value > 0 or value == float('inf'):
+    raise ValueError(f'{field} must be a positive finite number, got {field}={value!r}')
+  return value
+
+
+def ess_step_scale(ess_ratio, base_ess_ratio, *, rule: str = 'sqrt', trigger: Optional[float] = None,
+                   ess=None, min_ess_brake: Optional[Tuple[float, float]] = None) -> jax.Array:
+  """Multiplier on the update: rule(min(1, rho / base)), with optional trigger and brake.
+
+  rho / base >= trigger gives the full step. The brake multiplies by `factor` when ESS <= floor or ESS is NaN.
+  A non-finite ratio or base (e.g. NaN ESS, or 'auto' still unset) gives 0: the step is skipped, never full.
+  """
+  ratio = jnp.asarray(ess_ratio, jnp.float32)
+  base = jnp.asarray(base_ess_ratio, jnp.float32)
+  ok = jnp.isfinite(ratio) & jnp.isfinite(base) & (base > 0)
+  rel = jnp.clip(jnp.where(ok, ratio / jnp.where(ok, base, 1.0), 0.0), 0.0, 1.0)
+  scale = jnp.sqrt(rel) if rule == 'sqrt' else rel
+  if trigger is not None:
+    scale = jnp.where(rel < trigger, scale, 1.0)
+  if min_ess_brake is not None:
+    floor, factor = min_ess_brake
+    ess = jnp.asarray(ess, jnp.float32)
+    braked = jnp.isnan(ess) | (ess <= floor)
+    scale = jnp.where(braked, scale * factor, scale)
+  return jnp.where(ok, scale, 0.0).astype(jnp.float32)
+
+
+def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', trigger: Optional[float] = None,
+                 min_ess_brake: Optional[Tuple[float, float]] = None) -> optax.GradientTransformationExtraArgs:
+  """Scales updates by sqrt(s) ('sqrt') or s ('linear'), s = min(1, ess_ratio / base_ess_ratio).
+
+  update(updates, state, params=None, *, ess_ratio, ess=None, **extra). Place it after
+  scale_by_learning_rate so the whole step (decoupled weight decay included) is scaled, as in VCPO.
+  base_ess_ratio='auto' takes the first finite positive ess_ratio as the base. trigger: full step unless
+  ratio/base < trigger. min_ess_brake=(floor, factor): multiply by factor when ESS <= floor (NaN counts).
+  A non-finite ess_ratio yields scale 0, i.e. a skipped step (Adam's moments still see the gradient).
+  """
+  auto = base_ess_ratio == 'auto'
+  if not auto:
+    base_value = _check_positive('base_ess_ratio', base_ess_ratio)
+  if rule not in RULES:
+    raise ValueError(f'rule must be one of {RULES}, got rule={rule!r}')
+  if trigger is not None:
+    trigger = _check_positive('trigger', trigger)
+  if min_ess_brake is not None:
+    if len(tuple(min_ess_brake)) != 2 or not 0.0 <= float(min_ess_brake[1]) <= 1.0:
+      raise ValueError(f'min_ess_brake must be (floor, factor) with factor in [0, 1], got '
+                       f'min_ess_brake={min_ess_brake!r}')
+    min_ess_brake = (float(min_ess_brake[0]), float(min_ess_brake[1]))
+
+  def init_fn(params):
+    del params
+    base = jnp.float32(jnp.nan) if auto else jnp.float32(base_value)
+    return ScaleByESSState(base_ess_ratio=jnp.asarray(base, jnp.float32), last_scale=jnp.ones((), jnp.float32),
+                           count=jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None, *, ess_ratio=None, ess=None, **extra):
+    del params, extra
+    if ess_ratio is None:
+      raise ValueError('scale_by_ess.update needs the keyword argument ess_ratio (got ess_ratio=None)')
+    if min_ess_brake is not None and ess is None:
+      raise ValueError('scale_by_ess with min_ess_brake needs the keyword argument ess (got ess=None)')
+    ratio = jnp.asarray(ess_ratio, jnp.float32)
+    base = state.base_ess_ratio
+    if auto:
+      usable = jnp.isnan(base) & jnp.isfinite(ratio) & (ratio > 0)
+      base = jnp.where(usable, ratio, base)
+    scale = ess_step_scale(ratio, base, rule=rule, trigger=trigger, ess=ess, min_ess_brake=min_ess_brake)
+    updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+    return updates, ScaleByESSState(base_ess_ratio=base, last_scale=scale,
+                                    count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def learning_rate_schedule(kind: str = 'constant', *, peak_value: float, warmup_steps: int = 0,
+                           decay_steps: Optional[int] = None, end_value: float = 0.0) -> optax.Schedule:
+  """'constant', 'warmup_constant' (linear 0 -> peak over warmup_steps) or 'cosine' (warmup then cosine)."""
+  if kind not in SCHEDULES:
+    raise ValueError(f'kind must be one of {SCHEDULES}, got kind={kind!r}')
+  if warmup_steps < 0:
+    raise ValueError(f'warmup_steps must be >= 0, got warmup_steps={warmup_steps!r}')
+  if kind == 'constant':
+    return optax.constant_schedule(peak_value)
+  if kind == 'warmup_constant':
+    if warmup_steps == 0:
+      return optax.constant_schedule(peak_value)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps),
+                                 optax.constant_schedule(peak_value)], [warmup_steps])
+  if decay_steps is None or decay_steps <= warmup_steps:
+    raise ValueError(f'cosine needs decay_steps > warmup_steps, got decay_steps={decay_steps!r}')
+  return optax.warmup_cosine_decay_schedule(0.0, peak_value, warmup_steps, decay_steps, end_value)
+
+
+def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
+                    eps: float = 1e-8, weight_decay: float = 0.1, max_grad_norm: Optional[float] = 1.0,
+                    weight_decay_mask: Any = None, ess_scaling: bool = True,
+                    base_ess_ratio: Union[float, str] = 1.0, ess_rule: str = 'sqrt',
+                    ess_trigger: Optional[float] = None,
+                    min_ess_brake: Optional[Tuple[float, float]] = None) -> optax.GradientTransformationExtraArgs:
+  """clip_by_global_norm -> scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> scale_by_ess.
+
+  Call update(grads, state, params, ess_ratio=rho, ess=ess). With ess_scaling=False the ESS arguments are
+  accepted and ignored. max_grad_norm None or 0 disables clipping.
+  """
+  if not (callable(learning_rate) or float(learning_rate) >= 0):
+    raise ValueError(f'learning_rate must be >= 0 or a schedule, got learning_rate={learning_rate!r}')
+  if weight_decay < 0:
+    raise ValueError(f'weight_decay must be >= 0, got weight_decay={weight_decay!r}')
+  parts = []
+  if max_grad_norm:
+    parts.append(optax.clip_by_global_norm(_check_positive('max_grad_norm', max_grad_norm)))
+  parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+  if weight_decay:
+    parts.append(optax.add_decayed_weights(weight_decay, mask=weight_decay_mask))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
+  if ess_scaling:
+    parts.append(scale_by_ess(base_ess_ratio, ess_rule, ess_trigger, min_ess_brake))
+  return optax.chain(*parts)
+
+
+def last_ess_scale(opt_state) -> Optional[jax.Array]:
+  """The last ESS scale recorded in a chain's state (None if the chain has no scale_by_ess)."""
+  for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByESSState)):
+    if isinstance(s, ScaleByESSState):
+      return s.last_scale
+  return None
