@@ -179,6 +179,15 @@ def test_countdown_reward_length_limit():
   assert _cd(too_long) == 0.0
 
 
+def test_answer_extraction_edge_cases():
+  assert tasks.extract_answer("\\boxed{\\boxed{1 + 2}}") == "1 + 2"
+  assert tasks.extract_answer("\\boxed{{1} + 2} x") == "{1} + 2"
+  assert tasks.extract_answer("\\boxed{" * 5000 + "<answer>7*5 - 3*2</answer>") == "7*5 - 3*2"
+  assert tasks.extract_answer("<answer>1</answer> \\boxed{" + "1" * 2000 + "}") == "1"  # over-long boxed
+  assert tasks.extract_answer("no answer here") is None
+  assert _cd("\\boxed{" * 5000 + "<answer>7*5 - 3*2</answer>") == 1.0
+
+
 def test_countdown_reward_float_tolerance_and_exactness():
   assert _cd("<answer>10 / 3 * 3</answer>", {"task": "countdown", "numbers": [10, 3, 3], "target": 10}) == 1
   # 10.000001 is within 1e-5 of 10; 10.00001 is not (strict inequality).
@@ -342,8 +351,8 @@ def test_registry_errors_name_the_field():
     tasks.get_task("countdown", max_digits=3)
   with pytest.raises(ValueError, match="min_numbers"):
     tasks.get_task("countdown", min_numbers=1)
-  with pytest.raises(ValueError, match="max_numbers=7"):
-    tasks.get_task("countdown", num_numbers=7)
+  with pytest.raises(ValueError, match="max_numbers=6"):
+    tasks.get_task("countdown", num_numbers=6)
   with pytest.raises(ValueError, match="ops"):
     tasks.get_task("countdown", ops="+^")
   with pytest.raises(ValueError, match="max_digits"):

@@ -10,6 +10,8 @@ import numpy as np
 SPLITS = ("train", "eval")
 _HASH_BUCKETS = 1 << 20
 _MAX_TRIES_PER_EXAMPLE = 10_000
+# A boxed answer longer than this is treated as unclosed: bounds the scan on adversarial "\\boxed{" spam.
+MAX_BOXED_CHARS = 1024
 
 Example = dict[str, Any]
 RngLike = int | Sequence[int] | np.random.Generator
@@ -50,7 +52,8 @@ def _last_boxed(text: str) -> str | None:
   start = text.rfind(marker)
   while start >= 0:
     depth, i = 1, start + len(marker)
-    while i < len(text) and depth:
+    stop = min(len(text), i + MAX_BOXED_CHARS + 1)
+    while i < stop and depth:
       depth += {"{": 1, "}": -1}.get(text[i], 0)
       i += 1
     if depth == 0:

@@ -89,8 +89,8 @@ class Countdown(base.Task):
     super().__init__(eval_fraction)
     if num_numbers is not None:
       min_numbers = max_numbers = num_numbers
-    if not 2 <= min_numbers <= max_numbers <= 6:
-      raise ValueError(f"need 2 <= min_numbers <= max_numbers <= 6, got min_numbers={min_numbers!r}, "
+    if not 2 <= min_numbers <= max_numbers <= 5:  # the exhaustive solver is slow beyond 5 numbers
+      raise ValueError(f"need 2 <= min_numbers <= max_numbers <= 5, got min_numbers={min_numbers!r}, "
                        f"max_numbers={max_numbers!r}")
     if not 0 <= min_number <= max_number <= 10 ** 6:
       raise ValueError(f"need 0 <= min_number <= max_number <= 1e6, got min_number={min_number!r}, "
