@@ -116,9 +116,12 @@ def test_eval_split_is_the_fixed_distinct_eval_set():
 def test_bad_arguments_name_the_field():
   for kwargs, field in [({"split": "test"}, "split"), ({"batch_size": 0}, "batch_size"),
                         ({"shard_index": 2, "shard_count": 2}, "shard_index"),
-                        ({"shard_count": 0}, "shard_count"), ({"num_examples": -5}, "num_examples")]:
+                        ({"shard_count": 0}, "shard_count"), ({"num_examples": -5}, "num_examples"),
+                        ({"problem_seed": -1}, "problem_seed")]:
     with pytest.raises(ValueError, match=field):
       data.make_prompt_iterator(ARITH, seed=0, **kwargs)
+  with pytest.raises(ValueError, match="seed"):
+    data.make_prompt_iterator(ARITH, seed=2 ** 32)
   with pytest.raises(ValueError, match="error_rate"):
     data.make_sft_iterator(ARITH, TOK, seed=0, batch_size=2, seq_len=64, error_rate=-0.1)
   with pytest.raises(ValueError, match="seq_len=8"):

@@ -13,7 +13,7 @@ from vcpo_jax.tasks import base as tasks_base
 from vcpo_jax.tokenizer import Tokenizer
 
 DEFAULT_NUM_EXAMPLES = 1 << 24
-# Distinct seed streams so prompts, eval problems, SFT problems and SFT completions never share draws.
+# Distinct seed streams so prompt problems, SFT problems and SFT completions never share draws.
 _STREAM_TRAIN, _STREAM_SFT, _STREAM_SFT_COMPLETION = 1, 2, 3
 
 
@@ -25,6 +25,11 @@ def _shard_args(shard_index: int | None, shard_count: int | None) -> tuple[int, 
   if not 0 <= index < count:
     raise ValueError(f"shard_index must be in [0, {count}), got {index}")
   return index, count
+
+
+def _check_seed(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2 ** 32:
+    raise ValueError(f"{name} must be an int in [0, 2**32), got {value!r}")
 
 
 def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
@@ -55,7 +60,7 @@ def _to_iter(ds: grain.MapDataset, batch_size: int | None, batch_fn, prefetch: i
 
 
 class _PromptAt:
-  """index -> example; a pure function of (task knobs, problem_seed, split, index)."""
+  """index -> train example; a pure function of (task knobs, problem_seed, index)."""
 
   def __init__(self, task: tasks_base.Task, problem_seed: int, tokenizer: Tokenizer | None):
     self.task, self.problem_seed, self.tokenizer = task, problem_seed, tokenizer
@@ -93,6 +98,8 @@ def make_prompt_iterator(task: tasks_base.Task, *, seed: int, split: str = "trai
   _check_positive("num_epochs", num_epochs, allow_none=True)
   shard_index, shard_count = _shard_args(shard_index, shard_count)
   problem_seed = seed if problem_seed is None else problem_seed
+  _check_seed("seed", seed)
+  _check_seed("problem_seed", problem_seed)
   if split == "train":
     ds = grain.MapDataset.range(num_examples or DEFAULT_NUM_EXAMPLES).map(
         _PromptAt(task, problem_seed, tokenizer))
@@ -159,6 +166,8 @@ def make_sft_iterator(task: tasks_base.Task, tokenizer: Tokenizer, *, seed: int,
     raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
   shard_index, shard_count = _shard_args(shard_index, shard_count)
   problem_seed = seed if problem_seed is None else problem_seed
+  _check_seed("seed", seed)
+  _check_seed("problem_seed", problem_seed)
   ds = grain.MapDataset.range(num_examples or DEFAULT_NUM_EXAMPLES).map(
       _SftAt(task, tokenizer, problem_seed, seed, seq_len, error_rate))
   ds = _ordered(ds, seed=seed, shuffle=True, shard_index=shard_index, shard_count=shard_count,
