@@ -1,0 +1,1 @@
+"""Rollout side: SGLang-protocol client, scheduler, weight publisher and the embedded JAX server."""
