@@ -118,13 +118,15 @@ def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) 
       arr = np.asarray(_get(params, path))
       tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
     safetensors.numpy.save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata={"format": "pt"})
-    eos = bos = None
+    eos = bos = stop = None
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
       eos, bos = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "bos_id", None)
+      stop = list(getattr(tokenizer, "stop_ids", ())) or eos
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_config(cfg, bos_token_id=bos, eos_token_id=eos), f, indent=2)
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-      json.dump({"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}, f, indent=2)
+      # Every stop id, so generate() in transformers and SGLang's default stop set end where we do.
+      json.dump({"bos_token_id": bos, "eos_token_id": stop, "do_sample": False}, f, indent=2)
     _write_tokenizer(tokenizer, tmp)
     os.chmod(tmp, 0o755)
     if os.path.exists(out_dir):
