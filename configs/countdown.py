@@ -1,0 +1,87 @@
+"""Main CPU job: SFT warm start, then asynchronous VCPO on Countdown with embedded rollout servers."""
+import ml_collections
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  """`arg` picks a variant: '' (the main job), 'sync' (k = 0), 'emulate' (in-process lag emulation)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # A tiny Qwen2-style model; exported checkpoints load in transformers and SGLang.
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=128,          # >= the task tokenizer's vocabulary (padded to a multiple of 64)
+      hidden_size=128,
+      intermediate_size=384,
+      num_layers=3,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=32,             # hidden_size / num_heads, as Qwen2 requires
+      rope_theta=10000.0,
+      rms_norm_eps=1e-6,
+      tie_word_embeddings=False,
+      max_seq_len=160,
+      param_dtype="float32",
+      dtype="float32",
+  ))
+  # Device mesh (data x fsdp x tensor); -1 takes the remaining devices.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+  c.task = ml_collections.ConfigDict(dict(
+      name="countdown",
+      # Knobs passed to the task constructor (see vcpo_jax/tasks); empty means the task's defaults.
+      kwargs=ml_collections.ConfigDict(dict(num_numbers=3, max_number=9)),
+      eval_size=128,           # held-out prompts per evaluation
+  ))
+
+  # Supervised warm start on deliberately imperfect generated solutions (cached in workdir/base).
+  c.sft = ml_collections.ConfigDict(dict(
+      steps=300,
+      batch_size=32,
+      learning_rate=2e-3,
+      error_rate=0.7,          # fraction of warm-start targets that are plausible but wrong
+  ))
+
+  c.rl = ml_collections.ConfigDict(dict(
+      steps=60,
+      prompts_per_step=16,     # B_prompts; the batch has prompts_per_step * group_size sequences
+      group_size=8,            # n samples per prompt
+      max_new_tokens=32,
+      temperature=1.0,
+      mode="async",            # async (servers) | emulate (in-process lag emulation, no servers)
+      max_lag=2,               # k: no sample is consumed with lag > k; 0 is synchronous
+  ))
+
+  c.algo = ml_collections.ConfigDict(dict(
+      advantage="opob",        # grpo | rloo | dr_grpo | reinforce | opob
+      policy_loss="vcpo",      # see vcpo_jax/losses.py for the registry
+      aggregation="seq-mean-token-mean",
+      tis_threshold=8.0,       # tau for truncated sequence IS weights
+      opob=ml_collections.ConfigDict(dict(
+          scope="group", is_weight="raw", normalize_by_length=False, aggregation="mean", norm_by_std=True)),
+      ess=ml_collections.ConfigDict(dict(
+          enabled=True, base_ess_ratio=1.0, rule="sqrt", trigger=0.0, min_ess_floor=0.0, min_ess_factor=0.5)),
+      kl_beta=0.0,
+  ))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=3e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0))
+
+  c.rollout = ml_collections.ConfigDict(dict(
+      num_servers=1,           # embedded servers started by the job (ignored when server_urls is set)
+      server_urls="",          # comma-separated SGLang URLs; empty = start embedded servers
+      base_port=0,             # 0 = pick free ports
+      request_timeout=120.0,
+      max_retries=4,
+      keep_versions=3,         # exported weight directories kept on disk
+  ))
+
+  c.eval_every = 20
+  c.checkpoint_every = 10
+  c.log_every = 1
+  if arg == "sync":
+    c.rl.max_lag = 0
+  elif arg == "emulate":
+    c.rl.mode = "emulate"
+  elif arg:
+    raise ValueError(f"unknown config variant {arg!r}; known: '', 'sync', 'emulate'")
+  return c

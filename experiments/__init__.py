@@ -1,0 +1,1 @@
+"""Experiment launcher, sweeps and ablation reports."""

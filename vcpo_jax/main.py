@@ -1,0 +1,21 @@
+"""Entry point: `python -m vcpo_jax.main --config=configs/countdown.py --workdir=W [--config.x=y ...]`."""
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from vcpo_jax import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, TensorBoard events and the base model.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
