@@ -155,7 +155,10 @@ def test_health_info_and_routes(server):
   assert server.call("GET", "/health")[0] == 200
   assert server.call("GET", "/health_generate")[0] == 200
   info = server.info()
-  assert info["weight_version"] == "v0" and info["vocab_size"] == 128 and info["eos_token_ids"] == [2]
+  assert info["weight_version"] == "v0" and info["vocab_size"] == 128
+  with open(os.path.join(server.dirs["m0"], "generation_config.json")) as f:
+    eos = json.load(f)["eos_token_id"]
+  assert set(info["eos_token_ids"]) == set([eos] if isinstance(eos, int) else eos) != set()
   assert server.call("GET", "/flush_cache")[0] == 200 and server.call("POST", "/flush_cache")[0] == 200
   assert server.call("GET", "/no_such_route") == (404, {"detail": "Not Found"})
 
@@ -416,3 +419,23 @@ def test_rollout_client_against_embedded_server(server):
     assert s.finish_reason == "length" and set(s.token_versions.tolist()) == {0}
     np.testing.assert_allclose(s.output_logprobs, _ref_logprobs(params, PROMPT, s.output_ids),
                                atol=1e-5, rtol=0)
+
+
+def test_prompt_scoring_text_in_logprobs_and_version_label(server):
+  tok = tokenizer.build_tokenizer()
+  out = server.generate({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 2,
+                         "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 0}})
+  meta = out["meta_info"]
+  assert out["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+  full = np.asarray(model.token_logprobs(server.params["m0"], CFG, _padded(PROMPT), jnp.ones((1, PAD_T))))
+  assert [e[1] for e in meta["input_token_logprobs"]] == PROMPT[2:]
+  assert [e[2] for e in meta["input_token_logprobs"]] == [tok.decode([t]) for t in PROMPT[2:]]
+  np.testing.assert_allclose([e[0] for e in meta["input_token_logprobs"]], full[0, 2:len(PROMPT)],
+                             atol=1e-5, rtol=0)
+  try:
+    status, out = server.call("POST", "/update_weight_version", {"new_version": "v9"})
+    assert status == 200 and out["success"] and server.info()["weight_version"] == "v9"
+    out = server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    assert out["meta_info"]["weight_versions"] == [{"version": "v9", "start": 0, "end": 2}]
+  finally:
+    server.call("POST", "/update_weight_version", {"new_version": "v0"})

@@ -1,6 +1,17 @@
 """Embedded SGLang-protocol server (aiohttp) with the JAX sampler behind it, for CPU runs and tests.
 
   python -m vcpo_jax.rollout.server --model-path DIR --port 30000 [--weights-root ROOT] [--max-batch 64]
+
+Speaks the subset in shared/design/sglang-protocol.md. Where it knowingly differs from SGLang:
+- output_token_logprobs are log-probs of the raw model (temperature 1, no top-k/top-p/min-p), which is
+  what the learner recomputes (see sampling.py).
+- output_ids and logprobs always include a matched stop token; `no_stop_trim` only affects `text`.
+- n > 1: sample j draws from random stream j of the request's seed (so a seeded request still yields n
+  different samples; sample 0 equals the same request with n = 1).
+- No prefix cache (cached_tokens is 0, flush_cache is a no-op); top_logprobs_num and non-neutral
+  penalties are refused with 400; `stream` is served for one prompt with n = 1.
+- model_path of update_weights_from_disk must lie under --weights-root (default: the parent of
+  --model-path), and the new model must have the same config as the served one.
 """
 from __future__ import annotations
 
@@ -26,24 +37,8 @@ from vcpo_jax.rollout.engine import Engine, Row
 log = logging.getLogger("vcpo_jax.rollout.server")
 P = protocol
 
-# Top-level SGLang keys we do not implement but accept when they ask for nothing (null/false/empty).
-_INERT_KEYS = ("return_hidden_states", "lora_path", "custom_logit_processor", "image_data", "priority",
-               "log_metrics", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-               "token_ids_logprob", "modalities", "session_params")
 _UPDATE_KEYS = ("model_path", "weight_version", "abort_all_requests", "flush_cache", "load_format",
                 "torch_empty_cache", "keep_pause", "is_async")
-
-
-@dataclasses.dataclass
-class GenerateRequest:
-  prompts: list[list[int]]
-  params: list[protocol.SamplingParams]
-  rids: list[str]
-  single: bool  # one prompt given as a str / flat id list: answer an object, not a list (if n == 1)
-  return_logprob: bool
-  logprob_start_len: int
-  return_text_in_logprobs: bool
-  stream: bool
 
 
 @dataclasses.dataclass
@@ -59,89 +54,7 @@ class ServerState:
   rng: random.Random
 
 
-def _as_list(value, n: int, field: str) -> list:
-  if isinstance(value, list):
-    if len(value) != n:
-      raise P.RequestError(f"{field} has {len(value)} entries for {n} prompts.")
-    return value
-  return [value] * n
-
-
-def _prompts(body: dict, st: ServerState) -> tuple[list[list[int]], bool]:
-  """Token-id prompts from `input_ids` (wins) or `text`; and whether a single prompt was given."""
-  if body.get("input_ids") is not None:
-    ids = body["input_ids"]
-    if not isinstance(ids, list) or not ids:
-      raise P.RequestError("input_ids must be a non-empty list of token ids or of lists of token ids.")
-    single = not isinstance(ids[0], list)
-    prompts = [ids] if single else ids
-    for i, p in enumerate(prompts):
-      field = "input_ids" if single else f"input_ids[{i}]"
-      if not isinstance(p, list) or not p:
-        raise P.RequestError(f"{field} must be a non-empty list of token ids.")
-      P.check_token_ids(p, st.vocab_size, field)
-    return prompts, single
-  if body.get("text") is not None:
-    text = body["text"]
-    single = isinstance(text, str)
-    texts = [text] if single else text
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-      raise P.RequestError("text must be a string or a non-empty list of strings.")
-    if st.tokenizer is None:
-      raise P.RequestError("text prompts need a tokenizer; the model directory has no tokenizer.json.")
-    prompts = [st.tokenizer.encode(t).ids for t in texts]
-    for i, p in enumerate(prompts):
-      if not p:
-        raise P.RequestError(f"text[{i}] encodes to no tokens.")
-    return prompts, single
-  raise P.RequestError("Either text or input_ids should be provided.")
-
-
-def parse_generate(body: Any, st: ServerState) -> GenerateRequest:
-  """Validates a /generate body; every error names the offending field."""
-  if not isinstance(body, dict):
-    raise P.RequestError("request body must be a JSON object.")
-  for key, value in body.items():
-    if key in _INERT_KEYS:
-      if value:
-        raise P.RequestError(f"{key} is not supported by this server, got {value!r}.")
-    elif key not in P.GENERATE_KEYS:
-      raise P.unknown_field_error(key, P.GENERATE_KEYS)
-  prompts, single = _prompts(body, st)
-  params = [P.parse_sampling_params(d, vocab_size=st.vocab_size)
-            for d in _as_list(body.get("sampling_params"), len(prompts), "sampling_params")]
-  rids = _as_list(body.get("rid"), len(prompts), "rid")
-  rids = [uuid.uuid4().hex if r is None else r for r in rids]
-  if not all(isinstance(r, str) for r in rids):
-    raise P.RequestError(f"rid must be a string or a list of strings, got {body.get('rid')!r}.")
-  flags = {}
-  for key in ("return_logprob", "return_text_in_logprobs", "stream"):
-    flags[key] = body.get(key) or False
-    if not isinstance(flags[key], bool):
-      raise P.RequestError(f"{key} must be a boolean, got {body.get(key)!r}.")
-  start = body.get("logprob_start_len", -1)
-  start = -1 if start is None else start
-  if isinstance(start, bool) or not isinstance(start, int) or start < -1:
-    raise P.RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}.")
-  if body.get("top_logprobs_num"):
-    raise P.RequestError(f"top_logprobs_num is not supported by this server, got {body['top_logprobs_num']!r}.")
-  for i, (p, sp) in enumerate(zip(prompts, params)):
-    field = "input_ids" if single else f"prompt {i}"
-    if len(p) > st.max_prompt_len:
-      raise P.RequestError(f"{field} has {len(p)} tokens, more than max_prompt_len={st.max_prompt_len}.")
-    if len(p) + sp.max_new_tokens > st.max_total_len:
-      raise P.RequestError(
-          f"max_new_tokens={sp.max_new_tokens} plus {len(p)} prompt tokens exceeds the maximum context "
-          f"length max_total_len={st.max_total_len}.")
-    if start >= len(p):
-      raise P.RequestError(f"logprob_start_len={start} must be smaller than the prompt length {len(p)}.")
-  if flags["stream"] and (len(prompts) > 1 or params[0].n > 1):
-    raise P.RequestError("stream is supported for one prompt with n=1 only.")
-  return GenerateRequest(prompts, params, rids, single, flags["return_logprob"], start,
-                         flags["return_text_in_logprobs"], flags["stream"])
-
-
-def make_rows(req: GenerateRequest, st: ServerState) -> list[Row]:
+def make_rows(req: P.GenerateRequest, st: ServerState) -> list[Row]:
   """Prompt-major rows [p0s0, p0s1, p1s0, ...]; sample j of a prompt draws from stream j of its seed."""
   rows = []
   for prompt, sp, rid in zip(req.prompts, req.params, req.rids):
@@ -179,7 +92,7 @@ def stop_string_check(tok: tokenizers.Tokenizer | None):
   return check
 
 
-def row_response(row: Row, sp: protocol.SamplingParams, req: GenerateRequest, st: ServerState,
+def row_response(row: Row, sp: protocol.SamplingParams, req: P.GenerateRequest, st: ServerState,
                  sample: int) -> dict:
   ids = list(row.output_ids)
   text_ids = ids
@@ -230,7 +143,9 @@ async def _json_body(request: web.Request) -> Any:
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
   st: ServerState = request.app["state"]
-  req = parse_generate(await _json_body(request), st)
+  encode = None if st.tokenizer is None else (lambda text: st.tokenizer.encode(text).ids)
+  req = P.parse_generate_request(await _json_body(request), vocab_size=st.vocab_size, encode=encode,
+                                 max_prompt_len=st.max_prompt_len, max_total_len=st.max_total_len)
   rows = make_rows(req, st)
   row_params = [sp for sp in req.params for _ in range(sp.n)]
   samples = [j for sp in req.params for j in range(sp.n)]
@@ -247,7 +162,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
   return web.json_response(out[0] if req.single and len(out) == 1 else out)
 
 
-async def _stream(request, row: Row, sp, req: GenerateRequest, st: ServerState) -> web.StreamResponse:
+async def _stream(request, row: Row, sp, req: P.GenerateRequest, st: ServerState) -> web.StreamResponse:
   resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
   await resp.prepare(request)
   sent = -1
@@ -326,7 +241,7 @@ async def handle_update_weights(request: web.Request) -> web.Response:
     return _update_error(str(e))
   try:
     num_paused = await st.engine.update_weights(lambda: hf.import_hf(real), version, abort_all=abort_all)
-  except (ValueError, OSError, KeyError) as e:
+  except Exception as e:  # any loader failure (bad json, safetensors, shapes) is the request's fault
     return _update_error(f"failed to load weights from model_path={path!r}: {e}")
   log.info("weights updated from %s, weight_version=%s", real, st.engine.weight_version)
   return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}.",
