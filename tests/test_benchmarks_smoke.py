@@ -160,3 +160,30 @@ def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tm
   assert results["environment"].get("backend") == "cpu", results["environment"]
   md = (out / "results.md").read_text()
   assert "fake figure" in md and "not measured" in md
+
+
+def test_async_reads_tensorboard_step_times(tmp_path):
+  from tensorboardX import SummaryWriter
+  from benchmarks import bench_async
+  writer = SummaryWriter(str(tmp_path / "tb"))
+  for step in range(1, 5):
+    writer.add_scalar("loss", 0.5 * step, step)
+    writer.add_scalar("ess_ratio", 1.0 / step, step)
+  writer.close()
+  events = bench_async.scalar_events(str(tmp_path))
+  assert sorted((t, s, v) for t, s, _, v in events) == sorted(
+      [("loss", s, 0.5 * s) for s in range(1, 5)] + [("ess_ratio", s, pytest.approx(1.0 / s)) for s in range(1, 5)])
+  times = bench_async.step_wall_times(events)
+  assert sorted(times) == [1, 2, 3, 4]
+  assert all(times[a] <= times[b] for a, b in zip(range(1, 4), range(2, 5)))
+
+
+def test_async_rate_arithmetic():
+  from benchmarks import bench_async
+  times = {0: 0.0, 1: 100.0, 2: 110.0, 4: 130.0}  # step 3 not logged
+  assert bench_async.step_intervals(times, skip=1) == [10.0, 10.0]
+  assert bench_async.steps_per_hour(times, skip=1) == pytest.approx(3600.0 * 3 / 30.0)
+  with pytest.raises(ValueError, match="skip"):
+    bench_async.steps_per_hour(times, skip=3)
+  cmd = bench_async.train_command("/w", 2, 7, ["sft.steps=0"])
+  assert "--config.rl.max_lag=2" in cmd and "--config.rl.steps=7" in cmd and "--config.sft.steps=0" in cmd

@@ -1,0 +1,230 @@
+"""Figure 3: learner achieved FLOP/s over the XLA float32 matmul peak of the same run; also step peak memory."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks import common
+
+TITLE = "learner FLOP/s / XLA matmul peak"
+GOAL = ">= 0.5"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsSetup:
+  sizes: tuple[int, ...]      # square matmul sizes tried for the peak (grow until a call is slow enough)
+  min_call_seconds: float     # stop growing once one matmul call takes this long (it saturates by then)
+  warmup: int
+  repeats: int
+
+
+FULL = FlopsSetup(sizes=(256, 512, 1024, 2048, 4096, 8192, 16384), min_call_seconds=0.5, warmup=1, repeats=5)
+QUICK = FlopsSetup(sizes=(128, 256, 512), min_call_seconds=0.05, warmup=1, repeats=2)
+
+
+def matmul_flops(n: int) -> float:
+  return 2.0 * n ** 3
+
+
+def compiled_flops(compiled) -> float | None:
+  """'flops' from a compiled executable's cost_analysis() (a dict, or a one-element list in older jax)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 - some backends do not implement it
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not cost or "flops" not in cost:
+    return None
+  flops = float(cost["flops"])
+  return flops if flops > 0 else None
+
+
+def matmul_peak(setup: FlopsSetup) -> tuple[float, dict]:
+  """Best achieved FLOP/s of a jitted float32 square matmul over growing sizes (median time per size)."""
+  import jax
+  import jax.numpy as jnp
+  matmul = jax.jit(lambda a, b: a @ b)
+  per_size = {}
+  for n in setup.sizes:
+    ka, kb = jax.random.split(jax.random.key(n))
+    a = jax.random.normal(ka, (n, n), jnp.float32)
+    b = jax.random.normal(kb, (n, n), jnp.float32)
+    times = common.time_calls({"mm": lambda: matmul(a, b)}, warmup=setup.warmup, repeats=setup.repeats)["mm"]
+    st = common.summarize(times)
+    per_size[n] = {"seconds": st.to_dict(), "flop_per_s": matmul_flops(n) / st.median}
+    del a, b
+    if st.median >= setup.min_call_seconds:
+      break
+  best = max(per_size, key=lambda n: per_size[n]["flop_per_s"])
+  return per_size[best]["flop_per_s"], {"best_size": best, "per_size": per_size,
+                                        "precision": "jax default matmul precision, float32 inputs"}
+
+
+@dataclasses.dataclass
+class LearnerBench:
+  """A ready-to-time learner step on a fixed batch; `step()` threads the donated state through calls."""
+  step: Callable[[], Any]
+  compiled: Any                # the same rl_step compiled once more for cost/memory analysis
+  analytic_flops: float
+  batch_size: int
+  seq_len: int
+  group_size: int
+  describe: dict
+
+
+def main_job_config():
+  from configs import countdown
+  return countdown.get_config()
+
+
+def learner_config(variant: str, config):
+  """'vcpo': the main job's algorithm (OPOB group baseline, ESS, seq-TIS); 'grpo': plain GRPO, same loss."""
+  from vcpo_jax import learner
+  a = config.algo
+  if variant == "vcpo":
+    return learner.LearnerConfig(advantage=a.advantage, policy_loss=a.policy_loss, aggregation=a.aggregation,
+                                 tis_threshold=a.tis_threshold, opob=dict(a.opob), kl_beta=a.kl_beta)
+  if variant == "grpo":
+    return learner.LearnerConfig(advantage="grpo", policy_loss=a.policy_loss, aggregation=a.aggregation,
+                                 tis_threshold=a.tis_threshold, kl_beta=a.kl_beta)
+  raise ValueError(f"variant must be 'vcpo' or 'grpo', got variant={variant!r}")
+
+
+def synthetic_batch(batch: int, seq_len: int, group_size: int, vocab: int, seed: int = 0):
+  """Right-padded rows [prompt | response | pad] with stale-ish sampler log-probs and 0/1 rewards."""
+  import jax.numpy as jnp
+  from vcpo_jax import learner
+  rng = np.random.default_rng(seed)
+  prompt = seq_len // 4
+  end = rng.integers(prompt + seq_len // 4, seq_len + 1, size=batch)
+  t = np.arange(seq_len)[None, :]
+  mask = ((t >= prompt) & (t < end[:, None])).astype(np.float32)
+  tokens = np.where(t < end[:, None], rng.integers(1, vocab, size=(batch, seq_len)), 0).astype(np.int32)
+  sampler_logp = (-np.log(vocab) + 0.1 * rng.standard_normal((batch, seq_len))).astype(np.float32) * mask
+  return learner.RLBatch(
+      tokens_BxT=jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), sampler_logp_BxT=jnp.asarray(sampler_logp),
+      rewards_B=jnp.asarray(rng.integers(0, 2, size=batch).astype(np.float32)),
+      group_B=jnp.asarray((np.arange(batch) // group_size).astype(np.int32)),
+      lag_B=jnp.asarray(rng.integers(0, 3, size=batch).astype(np.int32)))
+
+
+def analytic_step_flops(model_cfg, params, batch: int, seq_len: int) -> float:
+  """Model FLOPs of one forward+backward: 6 * (matmul params) * tokens + causal-free attention 12*L*T^2*H*E*B.
+
+  The embedding table is a lookup (no FLOPs) unless tied to the head; per-sequence norms are not counted,
+  so this is the useful work (MFU convention).
+  """
+  matmul_params = sum(int(x.size) for path, x in _flat(params).items()
+                      if x.ndim == 2 and ("embed" not in path or model_cfg.tie_word_embeddings))
+  attention = 12.0 * model_cfg.num_layers * seq_len ** 2 * model_cfg.num_heads * model_cfg.head_dim * batch
+  return 6.0 * matmul_params * batch * seq_len + attention
+
+
+def _flat(params) -> dict:
+  from flax import traverse_util
+  return {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
+
+
+def build_learner_bench(*, quick: bool, variant: str = "vcpo", compile_only: bool = False) -> LearnerBench:
+  """The main job's model and learner (make_rl_step, unsharded) on a B x T synthetic batch."""
+  import jax
+  from vcpo_jax import learner, model as model_lib, optimizer as optimizer_lib
+  config = main_job_config()
+  model_cfg = model_lib.ModelConfig.from_dict(config.model)
+  B, T = (16, 32) if quick else (64, 128)
+  G = min(config.rl.group_size, B)
+  if T > model_cfg.max_seq_len:
+    raise ValueError(f"bench seq_len={T} exceeds model.max_seq_len={model_cfg.max_seq_len}")
+  o = config.optim
+  optimizer = optimizer_lib.build_optimizer(learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+                                            weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
+                                            ess_scaling=variant == "vcpo")
+  lc = learner_config(variant, config)
+  batch = synthetic_batch(B, T, G, model_cfg.vocab_size)
+  state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
+  compiled = jax.jit(lambda s, b: learner.rl_step(s, b, model_cfg=model_cfg, learner_cfg=lc,
+                                                  optimizer=optimizer)).lower(state, batch).compile()
+  analytic = analytic_step_flops(model_cfg, state.params, B, T)
+  step_fn = None if compile_only else learner.make_rl_step(model_cfg, lc, optimizer)
+  holder = {"state": state}
+
+  def step():
+    holder["state"], metrics = step_fn(holder["state"], batch)
+    return holder["state"], metrics
+
+  describe = {"shape": f"B={B}, T={T}", "variant": variant, "learner_config": dataclasses.asdict(lc),
+              "num_params": model_lib.count_params(state.params), "model": model_cfg.to_dict()}
+  return LearnerBench(step=step, compiled=compiled, analytic_flops=analytic, batch_size=B, seq_len=T,
+                      group_size=G, describe=describe)
+
+
+def memory_bytes(compiled) -> dict | None:
+  """Compiled memory_analysis(): temp, argument, output, alias sizes and peak = temp + arg + out - alias."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - not every backend reports it
+    return None
+  if m is None:
+    return None
+  fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+  out = {f: int(getattr(m, f, 0) or 0) for f in fields}
+  out["peak_bytes"] = (out["temp_size_in_bytes"] + out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                       - out["alias_size_in_bytes"])
+  return out
+
+
+def memory_figure(quick: bool, vcpo_compiled) -> dict:
+  """Peak memory of the VCPO step over the plain GRPO step (compile-time analysis, same batch)."""
+  plain = build_learner_bench(quick=quick, variant="grpo", compile_only=True)
+  ours, base = memory_bytes(vcpo_compiled), memory_bytes(plain.compiled)
+  if not ours or not base:
+    raise RuntimeError("compiled.memory_analysis() is not available on this backend")
+  return common.figure(
+      "step_memory", "peak memory: VCPO step / plain GRPO step", unit="x", value=ours["peak_bytes"] / base["peak_bytes"],
+      details={"vcpo": ours, "grpo": base, "shape": plain.describe["shape"]},
+      note=f"{plain.describe['shape']}; compiled memory_analysis() temp+args+out-alias: "
+           f"{ours['peak_bytes'] / 2**20:.1f} vs {base['peak_bytes'] / 2**20:.1f} MiB")
+
+
+def produce(quick: bool) -> list[dict]:
+  figures = common.run_figure("learner_flops", TITLE, lambda: _measure(quick), goal=GOAL)
+  return figures
+
+
+def _measure(quick: bool) -> list[dict]:
+  setup = QUICK if quick else FULL
+  peak, peak_details = matmul_peak(setup)
+  bench = build_learner_bench(quick=quick, variant="vcpo")
+  times = common.time_calls({"step": bench.step}, warmup=setup.warmup, repeats=setup.repeats)["step"]
+  st = common.summarize(times)
+  xla_flops = compiled_flops(bench.compiled)
+  analytic = bench.analytic_flops
+  flops, source = (xla_flops, "XLA cost_analysis() of the compiled step") if xla_flops else (
+      analytic, "analytic 6*N*tokens + attention")
+  share = [flops / t / peak for t in times]
+  details = {
+      "peak_flop_per_s": peak, "peak": peak_details,
+      "step_flops": flops, "flops_source": source, "xla_cost_analysis_flops": xla_flops,
+      "analytic_flops": analytic, "achieved_flop_per_s": flops / st.median,
+      "step_seconds": st.to_dict(), **bench.describe,
+  }
+  note = (f"{bench.describe['shape']}; {flops / st.median / 1e9:.2f} GFLOP/s of peak {peak / 1e9:.1f} GFLOP/s "
+          f"(FLOPs: {source})")
+  model_share = [analytic / t / peak for t in times]
+  figures = [
+      common.figure("learner_flops", TITLE, unit="%", goal=GOAL, stats=common.summarize(share),
+                    details=details, note=note),
+      common.figure("learner_model_flops", "learner model FLOP/s (6N*tokens + attention) / XLA matmul peak",
+                    unit="%", stats=common.summarize(model_share),
+                    note=f"{bench.describe['shape']}; useful FLOPs only (no per-sequence norm work)"),
+  ]
+  figures += common.run_figure("step_memory", "peak memory: VCPO step / plain GRPO step",
+                               lambda: [memory_figure(quick, bench.compiled)])
+  return figures
+
+
+if __name__ == "__main__":
+  common.module_main(produce, __doc__)
