@@ -1,7 +1,7 @@
 """VCPO core: sequence importance weights, effective sample size and the off-policy optimal baseline (OPOB)."""
 import dataclasses
 import functools
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,7 @@ def _ess_sums(logw_B: jax.Array, valid_B: Optional[jax.Array], axis_name: AxisNa
   return jnp.log(s1), jnp.log(s2), n
 
 
+@functools.partial(jax.jit, static_argnames=('axis_name',))
 def log_ess(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: AxisName = None) -> jax.Array:
   """log ESS = 2 LSE(log w) - LSE(2 log w) over the global batch.
 
@@ -72,16 +73,35 @@ def log_ess(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: A
   return jnp.where(jnp.isneginf(log_s1), -jnp.inf, 2.0 * log_s1 - log_s2)
 
 
+@functools.partial(jax.jit, static_argnames=('axis_name',))
 def ess(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: AxisName = None) -> jax.Array:
   """Effective sample size (sum w)^2 / sum w^2, in [1, B_valid] (0 with no valid sample)."""
   return jnp.exp(log_ess(logw_B, valid_B, axis_name))
 
 
+@functools.partial(jax.jit, static_argnames=('axis_name',))
 def ess_ratio(logw_B: jax.Array, valid_B: Optional[jax.Array] = None, axis_name: AxisName = None) -> jax.Array:
   """rho = ESS / B_valid in (0, 1]; 0 when there is no valid sample, NaN when a log-weight is NaN."""
   log_s1, log_s2, n = _ess_sums(logw_B, valid_B, axis_name)
   ratio = jnp.exp(2.0 * log_s1 - log_s2) / jnp.maximum(n, 1.0)
   return jnp.where(n > 0, jnp.minimum(ratio, 1.0), 0.0)  # min: rounding may overshoot 1 by an ulp
+
+
+class ImportanceStats(NamedTuple):
+  logw_B: jax.Array     # sequence log-weights
+  wt_B: jax.Array       # truncated weights used in the gradient
+  ess: jax.Array        # global effective sample size of the untruncated weights
+  ess_ratio: jax.Array  # ESS / B_valid, the input of optimizer.scale_by_ess
+
+
+def importance_stats(logp_BxT: jax.Array, sampler_logp_BxT: jax.Array, mask_BxT: jax.Array, *,
+                     tau: Optional[float] = 8.0, valid_B: Optional[jax.Array] = None,
+                     axis_name: AxisName = None) -> ImportanceStats:
+  """Everything the learner needs from the log-probs: log w, truncated w, ESS and ESS ratio."""
+  logw_B = seq_log_weights(jax.lax.stop_gradient(logp_BxT), sampler_logp_BxT, mask_BxT)
+  return ImportanceStats(logw_B=logw_B, wt_B=truncated_weights(logw_B, tau),
+                         ess=ess(logw_B, valid_B, axis_name=axis_name),
+                         ess_ratio=ess_ratio(logw_B, valid_B, axis_name=axis_name))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -131,10 +151,14 @@ def group_mean_std(values_B: jax.Array, seg_B: jax.Array, valid_B: Optional[jax.
   return mean_B, std_B, n_B
 
 
-@functools.partial(jax.jit, static_argnames=('norm_by_std', 'unbiased_std', 'eps'))
 def grpo_advantages(rewards_B: jax.Array, group_B: jax.Array, valid_B: Optional[jax.Array] = None, *,
                     norm_by_std: bool = True, unbiased_std: bool = True, eps: float = GRPO_EPS) -> jax.Array:
   """GRPO as in verl: (R - mean_g) / (std_g + eps), std unbiased; singleton groups use mean 0, std 1."""
+  return _grpo_advantages(rewards_B, group_B, valid_B, bool(norm_by_std), bool(unbiased_std), float(eps))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _grpo_advantages(rewards_B, group_B, valid_B, norm_by_std, unbiased_std, eps):
   rewards_B = rewards_B.astype(jnp.float32)
   valid_B = _valid_or_ones(valid_B, rewards_B)
   seg_B = dense_group_ids(group_B)
@@ -278,13 +302,11 @@ def opob_baseline(values_B: jax.Array, seg_B: jax.Array, logW_B: jax.Array, vali
   return winsorized_mean(values_B, w_B, seg_B, winsor_quantiles)
 
 
-@functools.partial(jax.jit, static_argnames=('scope', 'is_weight', 'normalize_by_length', 'aggregation',
-                                             'norm_by_std', 'winsor_quantiles'))
 def opob_advantages(rewards_B: jax.Array, group_B: jax.Array, sq_norms_B: jax.Array,
                     logw_B: Optional[jax.Array], wt_B: Optional[jax.Array], lengths_B: Optional[jax.Array], *,
                     scope: str = 'group', is_weight: str = 'raw', normalize_by_length: bool = False,
                     aggregation: str = 'mean', norm_by_std: bool = True,
-                    winsor_quantiles: tuple = (0.05, 0.95),
+                    winsor_quantiles: Sequence[float] = (0.05, 0.95),
                     valid_B: Optional[jax.Array] = None):
   """OPOB advantages and baselines, (adv_B, baseline_B).
 
@@ -292,11 +314,16 @@ def opob_advantages(rewards_B: jax.Array, group_B: jax.Array, sq_norms_B: jax.Ar
   A = 0 where sigma_g <= 1e-8) or R_i - b_g without norm_by_std.
   scope 'minibatch': values are GRPO advantages (norm_by_std selects their std division), one b for the
   minibatch, A_i = v_i - b (as in the reference, no further std division).
-  Invalid rows (valid_B False) get A = 0, b = 0 and carry no weight. All options are static under jit.
+  Invalid rows (valid_B False) get A = 0, b = 0 and carry no weight. Options are static (one compile each).
   """
   opts = OPOBOptions(scope=scope, is_weight=is_weight, normalize_by_length=normalize_by_length,
                      aggregation=aggregation, norm_by_std=norm_by_std,
-                     winsor_quantiles=tuple(winsor_quantiles))
+                     winsor_quantiles=tuple(float(q) for q in winsor_quantiles))
+  return _opob_advantages(rewards_B, group_B, sq_norms_B, logw_B, wt_B, lengths_B, valid_B, opts)
+
+
+@functools.partial(jax.jit, static_argnames=('opts',))
+def _opob_advantages(rewards_B, group_B, sq_norms_B, logw_B, wt_B, lengths_B, valid_B, opts: OPOBOptions):
   rewards_B = rewards_B.astype(jnp.float32)
   valid_B = _valid_or_ones(valid_B, rewards_B)
   logW_B = opob_log_weights(sq_norms_B, logw_B, wt_B, lengths_B, is_weight=opts.is_weight,
