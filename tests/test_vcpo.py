@@ -357,3 +357,19 @@ def test_opob_mean_minimises_per_sample_second_moment(seed, is_weight, normalize
   spacing = grid[1] - grid[0]
   assert abs(base[0] - grid[np.argmin(f_grid)]) <= spacing * 1.01 + 1e-5 * abs(grid).max()
   assert objective(base[:1].astype(np.float64))[0] <= f_grid.min() * (1 + 1e-5) + 1e-12
+
+
+@skip_if_not_enough_devices(8)
+def test_opob_under_data_sharding_equals_unsharded():
+  """GSPMD: OPOB's sort/segment ops on a batch sharded over 'data' give the single-device result."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ('data',))
+  rng = np.random.default_rng(12)
+  group, rewards, sq_norms, logw, lengths = random_batch(rng, [4, 4, 6, 2], reward_kind='normal')
+  args = [jnp.asarray(x, jnp.float32) for x in (rewards, group, sq_norms, logw)]
+  args[1] = jnp.asarray(group, jnp.int32)
+  args += [vcpo.truncated_weights(args[3]), jnp.asarray(lengths, jnp.float32)]
+  fn = jax.jit(lambda *a: vcpo.opob_advantages(*a, aggregation='winsorized_mean'))
+  ref = fn(*args)
+  sharded = fn(*[jax.device_put(a, NamedSharding(mesh, P('data'))) for a in args])
+  for r, s in zip(ref, sharded):
+    np.testing.assert_allclose(np.asarray(s), np.asarray(r), rtol=1e-6, atol=1e-7)
