@@ -232,6 +232,9 @@ def _validate_rows(rows: Sequence[RowSpec], cfg: model_lib.ModelConfig):
     bad = [t for t in row.prompt if not 0 <= t < cfg.vocab_size]
     if bad:
       raise ValueError(f"rows[{r}].prompt has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
+    bad = [t for t in row.stop_token_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"rows[{r}].stop_token_ids has ids outside [0, {cfg.vocab_size}): {bad[:5]}")
     if row.max_new_tokens < 0:
       raise ValueError(f"rows[{r}].max_new_tokens must be >= 0, got {row.max_new_tokens}")
 

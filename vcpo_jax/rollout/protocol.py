@@ -275,10 +275,14 @@ def parse_generate_request(body: Any, *, vocab_size: int, max_prompt_len: int, m
     raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}.")
   if body.get("top_logprobs_num"):
     raise RequestError(f"top_logprobs_num is not supported by this server, got {body['top_logprobs_num']!r}.")
+  raw_params = _as_list(body.get("sampling_params"), len(prompts), "sampling_params")
   for i, (p, sp) in enumerate(zip(prompts, params)):
     field = "input_ids" if single else f"prompt {i}"
     if len(p) > max_prompt_len:
       raise RequestError(f"{field} has {len(p)} tokens, more than max_prompt_len={max_prompt_len}.")
+    if (raw_params[i] or {}).get("max_new_tokens") is None:  # the default shrinks to fit; explicit does not
+      sp = params[i] = dataclasses.replace(sp, max_new_tokens=max(0, min(sp.max_new_tokens,
+                                                                        max_total_len - len(p))))
     if len(p) + sp.max_new_tokens > max_total_len:
       raise RequestError(
           f"max_new_tokens={sp.max_new_tokens} plus {len(p)} prompt tokens exceeds the maximum context "

@@ -1,0 +1,80 @@
+"""Request validation of the SGLang protocol subset: what is accepted, and errors that name the field."""
+import pytest
+
+from vcpo_jax.rollout import protocol as P
+
+LIMITS = dict(vocab_size=100, max_prompt_len=8, max_total_len=20)
+
+
+def parse(body, **kw):
+  return P.parse_generate_request(body, **{**LIMITS, **kw})
+
+
+def test_defaults_are_sglangs():
+  sp = P.parse_sampling_params(None)
+  assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.n) == (128, 1.0, 1.0, -1, 0.0, 1)
+  assert P.parse_sampling_params({"temperature": None}).temperature == 1.0  # null means default
+
+
+def test_single_batch_and_text_prompts():
+  one = parse({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+  assert one.single and one.prompts == [[1, 2, 3]] and one.params[0].max_new_tokens == 4
+  assert one.logprob_start_len == -1 and not one.return_logprob and len(one.rids[0]) == 32
+  many = parse({"input_ids": [[1], [2, 3]], "text": "ignored: input_ids wins", "rid": ["a", "b"],
+                "sampling_params": [{"n": 2}, {"temperature": 0}]})
+  assert not many.single and many.prompts == [[1], [2, 3]] and many.rids == ["a", "b"]
+  assert [p.n for p in many.params] == [2, 1] and many.params[1].temperature == 0.0
+  text = parse({"text": ["ab", "c"]}, encode=lambda t: [ord(ch) - 90 for ch in t])
+  assert text.prompts == [[7, 8], [9]] and not text.single
+
+
+def test_default_max_new_tokens_shrinks_to_fit_but_explicit_does_not():
+  assert parse({"input_ids": [1] * 5}).params[0].max_new_tokens == 15
+  with pytest.raises(P.RequestError, match="max_new_tokens=16"):
+    parse({"input_ids": [1] * 5, "sampling_params": {"max_new_tokens": 16}})
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"input_ids": [1], "sampling_params": {"nope": 1}}, "unknown field `nope`"),
+    ({"input_ids": [1], "nope": 1}, "unknown field `nope`"),
+    ({"input_ids": [1], "lora_path": "x"}, "lora_path"),
+    ({"input_ids": [1, 100]}, "input_ids[1]=100"),
+    ({"input_ids": [[1], []]}, "input_ids[1]"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1] * 9}, "max_prompt_len=8"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params has 1 entries"),
+    ({"input_ids": [1], "rid": 5}, "rid"),
+    ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [1, 2], "logprob_start_len": 2}, "logprob_start_len=2"),
+    ({"input_ids": [1], "top_logprobs_num": 3}, "top_logprobs_num"),
+    ({"input_ids": [1], "stream": True, "sampling_params": {"n": 2}}, "stream"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"input_ids": [1], "sampling_params": {"min_p": 1.5}}, "min_p"),
+    ({"input_ids": [1], "sampling_params": {"n": 0}}, "n must be at least 1"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [100]}}, "stop_token_ids[0]=100"),
+    ({"input_ids": [1], "sampling_params": {"stop": [""]}}, "stop"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}}, "min_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"input_ids": [1], "sampling_params": {"temperature": float("nan")}}, "temperature"),
+    ({"text": "abc"}, "tokenizer"),
+    ({}, "Either text or input_ids"),
+])
+def test_bad_requests_name_the_field(body, needle):
+  with pytest.raises(P.RequestError) as e:
+    parse(body)
+  assert needle in str(e.value)
+  assert needle in P.error_message(e.value.body)  # whichever of the two shapes it uses
+
+
+def test_error_message_reads_every_shape():
+  assert P.error_message({"error": {"message": "a"}}) == "a"
+  assert P.error_message({"error": "b"}) == "b"
+  assert P.error_message({"object": "error", "message": "c", "type": "Bad Request", "code": 400}) == "c"
+  assert P.error_message({"detail": "Not Found"}) == "Not Found"
+
+
+def test_weight_version_spans():
+  assert P.weight_version_spans([]) == []
+  assert P.weight_version_spans(["v1", "v1", "v2"]) == [{"version": "v1", "start": 0, "end": 2},
+                                                         {"version": "v2", "start": 2, "end": 3}]
