@@ -56,7 +56,8 @@ class Engine:
   """Collects rows, runs them as one jitted batch, and honours pause/abort/weight swaps between chunks."""
 
   def __init__(self, params, cfg, weight_version: str, *, max_batch: int = 64, chunk_steps: int = 8,
-               batch_window_s: float = 0.005, min_batch: int = 1, min_prompt_len: int = 16,
+               batch_window_s: float = 0.005, max_gather_s: float = 0.05, min_batch: int = 8,
+               min_prompt_len: int = 16,
                min_new_tokens: int = 16,
                stop_string_check: StopStringCheck | None = None):
     if max_batch < 1:
@@ -64,7 +65,8 @@ class Engine:
     if chunk_steps < 1:
       raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
     self.params, self.cfg, self.weight_version = jax.device_put(params), cfg, weight_version
-    self.max_batch, self.chunk_steps, self.batch_window_s = max_batch, chunk_steps, batch_window_s
+    self.max_batch, self.chunk_steps = max_batch, chunk_steps
+    self.batch_window_s, self.max_gather_s = batch_window_s, max_gather_s
     # Smallest bucket sizes: larger minimums mean fewer distinct shapes, so fewer jit compiles.
     self._bucket_kwargs = dict(min_batch=min_batch, min_prompt_len=min_prompt_len,
                                min_new_tokens=min_new_tokens)
@@ -167,7 +169,7 @@ class Engine:
         self._wake.clear()
         await self._wake.wait()
         continue
-      await asyncio.sleep(self.batch_window_s)  # let concurrent requests join this batch
+      await self._gather()
       if self.pause_mode is not None or self._draining:
         continue
       rows = []
@@ -186,6 +188,19 @@ class Engine:
           self._running = []
           self._idle.set()
           self._quiet.set()
+
+  async def _gather(self):
+    """Lets a burst of requests join one batch: waits a window, and more windows while rows keep coming.
+
+    Why: every distinct batch bucket costs a jit compile, and a burst split as 127 + 1 costs two batches.
+    """
+    deadline = time.monotonic() + self.max_gather_s
+    await asyncio.sleep(self.batch_window_s)
+    while len(self._pending) < self.max_batch and time.monotonic() < deadline:
+      seen = len(self._pending)
+      await asyncio.sleep(self.batch_window_s)
+      if len(self._pending) == seen:
+        return
 
   async def _run_batch(self, rows: list[Row]):
     self._idle.clear()

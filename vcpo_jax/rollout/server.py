@@ -27,6 +27,7 @@ import time
 import uuid
 from typing import Any
 
+import jax
 import tokenizers
 from aiohttp import web
 
@@ -358,7 +359,8 @@ def load_state(args: argparse.Namespace) -> ServerState:
   if max_total > cfg.max_seq_len:
     raise ValueError(f"--max-total-len {max_total} exceeds the model's max_seq_len {cfg.max_seq_len}")
   engine = Engine(params, cfg, args.weight_version, max_batch=args.max_batch, chunk_steps=args.chunk_steps,
-                  batch_window_s=args.batch_window_ms / 1000.0, min_batch=args.min_batch_bucket,
+                  batch_window_s=args.batch_window_ms / 1000.0, max_gather_s=args.max_gather_ms / 1000.0,
+                  min_batch=args.min_batch_bucket,
                   min_prompt_len=args.min_prompt_bucket, min_new_tokens=args.min_new_bucket,
                   stop_string_check=stop_string_check(tokenizer))
   weights_root = os.path.realpath(args.weights_root or os.path.dirname(model_dir))
@@ -381,12 +383,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--weight-version", default="v0")
   p.add_argument("--chunk-steps", type=int, default=8,
                  help="decode steps between control points (pause/abort/weight swap take effect there)")
-  p.add_argument("--batch-window-ms", type=float, default=5.0, help="wait this long to gather a batch")
-  p.add_argument("--min-batch-bucket", type=int, default=1,
+  p.add_argument("--batch-window-ms", type=float, default=5.0,
+                 help="gather a batch for this long, and again while requests keep arriving")
+  p.add_argument("--max-gather-ms", type=float, default=50.0, help="never gather a batch for longer")
+  p.add_argument("--min-batch-bucket", type=int, default=8,
                  help="smallest batch shape; batch, prompt and new-token sizes are padded to powers of two "
                       "at least these minimums, so jit compiles a few shapes only")
   p.add_argument("--min-prompt-bucket", type=int, default=16)
   p.add_argument("--min-new-bucket", type=int, default=16)
+  p.add_argument("--compilation-cache-dir", default=None,
+                 help="JAX persistent compilation cache: restarted servers skip the jit compiles")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
   return p.parse_args(argv)
 
@@ -395,6 +401,8 @@ def main(argv=None):
   args = parse_args(argv)
   logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  if args.compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
   try:
     state = load_state(args)
   except (ValueError, OSError, KeyError) as e:
