@@ -71,6 +71,9 @@ class LearnerConfig:
   grad_norm_mode: str = "auto"             # grad_norms mode: 'auto' | 'ghost' | 'explicit'
 
   def __post_init__(self):
+    # Option mappings are frozen to sorted (key, value) tuples so the config is hashable (a cache key).
+    for name in ("advantage_options", "opob", "policy_loss_options"):
+      object.__setattr__(self, name, _frozen_items(getattr(self, name), name))
     losses.get_advantage_fn(self.advantage)
     losses.get_policy_loss(self.policy_loss)
     if self.aggregation not in losses.AGGREGATIONS:
@@ -84,6 +87,9 @@ class LearnerConfig:
     if self.grad_norm_mode not in grad_norms.MODES:
       raise ValueError(f"grad_norm_mode must be one of {grad_norms.MODES}, got {self.grad_norm_mode!r}")
     vcpo.OPOBOptions(**dict(self.opob))
+
+  def opob_options(self) -> vcpo.OPOBOptions:
+    return vcpo.OPOBOptions(**dict(self.opob))
 
   @property
   def needs_grad_norms(self) -> bool:
@@ -102,6 +108,14 @@ class LearnerConfig:
     if self.policy_loss in _TAU_LOSSES:
       opts.setdefault("tau", self.tis_threshold)
     return opts
+
+
+def _frozen_items(options, field: str) -> tuple:
+  if isinstance(options, tuple):
+    options = dict(options)
+  if not isinstance(options, Mapping):
+    raise ValueError(f"LearnerConfig.{field} must be a mapping of options, got {field}={options!r}")
+  return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in dict(options).items()))
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -149,7 +163,7 @@ def _sample_stats(logp_BxT, batch: RLBatch, mask_BxT, valid_B, sq_norms_B, lc: L
   stats = {"logw_B": logw_B, "wt_B": wt_B, "adv_B": adv_B, "lengths_B": lengths_B,
            "ess": vcpo.ess(logw_B, valid_B), "ess_ratio": vcpo.ess_ratio(logw_B, valid_B)}
   if lc.advantage == "opob":
-    o = vcpo.OPOBOptions(**dict(lc.opob))
+    o = lc.opob_options()
     _, baseline_B = vcpo.opob_advantages(
         inputs.rewards_B, batch.group_B, sq_norms_B, logw_B, wt_B, lengths_B, scope=o.scope,
         is_weight=o.is_weight, normalize_by_length=o.normalize_by_length, aggregation=o.aggregation,
@@ -209,11 +223,11 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def _apply_update(state: TrainState, grads, loss, optimizer, ess_ratio, ess):
-  """Optimizer step unless the loss or a gradient is non-finite; then state is kept and counted."""
+def _apply_update(state: TrainState, grads, loss, optimizer, ess_ratio, ess, inputs_ok=True):
+  """Optimizer step unless the inputs, the loss or a gradient are non-finite; then state is kept and counted."""
   updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params, ess_ratio=ess_ratio, ess=ess)
   new_params = optax.apply_updates(state.params, updates)
-  ok = jnp.isfinite(loss) & _all_finite(grads)
+  ok = jnp.isfinite(loss) & _all_finite(grads) & inputs_ok
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
   new_state = state.replace(step=state.step + 1, params=keep(new_params, state.params),
                             opt_state=keep(new_opt_state, state.opt_state),
@@ -229,7 +243,7 @@ def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B
   tau = lc.tis_threshold
   truncated_B = (logw_B > jnp.log(tau)) if tau is not None else jnp.zeros_like(valid_B)
   metrics = {
-      "loss": loss, "grad_norm": optax.global_norm(grads), "ess": stats["ess"],
+      "loss": loss, "grad_norm": optax.tree.norm(grads), "ess": stats["ess"],
       "ess_ratio": stats["ess_ratio"], "lr_scale": lr_scale,
       "is/logw_max": jnp.max(jnp.where(valid_B, logw_B, -jnp.inf)),
       "is/logw_p99": _masked_percentile(logw_B, valid_B, 99.0),
@@ -262,7 +276,12 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: M.ModelConfig, lear
   valid_B = _valid(batch)
   mask_BxT = batch.mask_BxT.astype(jnp.float32) * valid_B[:, None].astype(jnp.float32)
   loss, grads, stats, ent_BxT, sq_B, aux = _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc)
-  new_state, ok, lr_scale = _apply_update(state, grads, loss, optimizer, stats["ess_ratio"], stats["ess"])
+  # A NaN reward can be absorbed silently (e.g. a NaN group std reads as "std 0" -> advantage 0), so
+  # corrupt inputs are checked directly rather than only through the gradient.
+  inputs_ok = (jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
+               & jnp.all(jnp.isfinite(batch.sampler_logp_BxT) | (mask_BxT == 0)))
+  new_state, ok, lr_scale = _apply_update(state, grads, loss, optimizer, stats["ess_ratio"], stats["ess"],
+                                          inputs_ok)
   metrics = _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B, lc, lr_scale, ok,
                         new_state)
   return new_state, metrics
@@ -281,7 +300,7 @@ def sft_step(state: TrainState, tokens_BxT, mask_BxT, *, model_cfg: M.ModelConfi
   loss, grads = jax.value_and_grad(loss_fn)(state.params)
   ess = jnp.float32(tokens_BxT.shape[0])
   new_state, ok, _ = _apply_update(state, grads, loss, optimizer, jnp.float32(1.0), ess)
-  return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads),
+  return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
                      "skipped_updates": new_state.skipped_updates, "update_applied": ok.astype(jnp.float32)}
 
 

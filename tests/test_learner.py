@@ -1,0 +1,221 @@
+"""learner: RL step vs the float64 micro-batch-1 oracle, path agreement, NaN skipping, sharding, SFT step."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import skip_if_not_enough_devices
+from vcpo_jax import grad_norms as G
+from vcpo_jax import learner as Lr
+from vcpo_jax import model as M
+from vcpo_jax import optimizer as O
+from vcpo_jax import oracle, sharding
+
+CFG = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, max_seq_len=32)
+B, T, N = 8, 12, 4  # rows, length, group size
+LR = 1e3  # large: the one-step delta must dominate float32 rounding of the params themselves
+
+
+def _sgd_ess():
+  """Plain SGD then ESS scaling: params move by -lr sqrt(min(1, rho)) g, so the step exposes g itself."""
+  return optax.chain(optax.sgd(LR), O.scale_by_ess(base_ess_ratio=1.0, rule="sqrt"))
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(seed: int = 0) -> Lr.RLBatch:
+  """Two groups of four; prompts of 2-4 tokens, unequal responses, one off-policy row past tau=8."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
+  mask = np.zeros((B, T), np.float32)
+  for i in range(B):
+    start = 2 + i % 3
+    mask[i, start:min(T, start + 2 + (3 * i) % 7)] = 1
+    tokens[i, start + 2 + (3 * i) % 7:] = 0
+  sampler = (-3.7 + 0.4 * rng.standard_normal((B, T))).astype(np.float32) * mask
+  sampler[5] -= 2.0 * mask[5]  # log w_5 > log 8: truncated
+  rewards = np.array([1, 0, 1, 1, 0, 1, 0, 0], np.float32)
+  return Lr.RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=sampler, rewards_B=rewards,
+                    group_B=np.repeat(np.arange(B // N), N).astype(np.int32),
+                    lag_B=rng.integers(0, 4, B).astype(np.float32), valid_B=np.ones(B, np.float32))
+
+
+def _params():
+  return M.init_params(CFG, jax.random.PRNGKey(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _step(lc: Lr.LearnerConfig, opt_name: str = "sgd"):
+  opt = _sgd_ess() if opt_name == "sgd" else O.build_optimizer(learning_rate=1e-2)
+  return Lr.make_rl_step(CFG, lc, opt), opt
+
+
+def _run(lc: Lr.LearnerConfig, batch=None, opt_name: str = "sgd"):
+  step, opt = _step(lc, opt_name)
+  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  return step(state, _batch() if batch is None else batch)
+
+
+def _np_ess_ratio(logw_B):
+  w = np.exp(np.asarray(logw_B, np.float64) - np.max(logw_B))
+  return w.sum() ** 2 / (w ** 2).sum() / len(w)
+
+
+def _assert_tree_close(got, want, tol, what=""):
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    scale = max(np.max(np.abs(w)), 1e-12)
+    np.testing.assert_allclose(g / scale, w / scale, atol=tol, err_msg=f"{what} {path}")
+
+
+@pytest.mark.parametrize("is_weight,norm_by_std", [("raw", True), ("reference", False)])
+def test_rl_step_matches_float64_oracle(is_weight, norm_by_std):
+  """Golden value: one VCPO step (book-keeping path, float32) vs micro-batch-1 oracle in float64."""
+  # The defaults are the authors' settings (group scope, mean, raw w, std norm): reuse that compiled step.
+  lc = Lr.LearnerConfig() if (is_weight, norm_by_std) == ("raw", True) else Lr.LearnerConfig(
+      opob=dict(scope="group", is_weight=is_weight, norm_by_std=norm_by_std))
+  state, metrics = _run(lc)
+  batch, params = _batch(), _params()
+  with jax.enable_x64(True):
+    p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+    g64, stats = jax.jit(functools.partial(
+        oracle.oracle_grads, cfg=CFG, group_size=N, tau=8.0, is_weight=is_weight, norm_by_std=norm_by_std))(
+        p64, tokens_BxT=batch.tokens_BxT, mask_BxT=batch.mask_BxT, sampler_logp_BxT=batch.sampler_logp_BxT,
+        rewards_B=batch.rewards_B)
+    g64 = jax.tree.map(np.asarray, g64)
+    stats = jax.tree.map(np.asarray, stats)
+  assert stats["logw_B"][5] > np.log(8.0)  # the truncation branch is exercised
+  rho = _np_ess_ratio(stats["logw_B"])
+  np.testing.assert_allclose(metrics["ess_ratio"], rho, rtol=1e-5)
+  np.testing.assert_allclose(metrics["lr_scale"], np.sqrt(min(rho, 1.0)), rtol=1e-5)
+  np.testing.assert_allclose(metrics["baseline"], stats["baseline_B"].mean(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics["hist/seq_grad_norm_B"], np.sqrt(stats["sq_norms_B"]), rtol=1e-5)
+  want = jax.tree.map(lambda p, g: np.asarray(p, np.float64) - LR * np.sqrt(min(rho, 1.0)) * g, params, g64)
+  delta = jax.tree.map(lambda a, p: np.asarray(a, np.float64) - np.asarray(p, np.float64), state.params, params)
+  want_delta = jax.tree.map(lambda w, p: w - np.asarray(p, np.float64), want, params)
+  _assert_tree_close(delta, want_delta, 1e-5, "param delta")
+
+
+def test_oracle_float32_matches_bookkeeping_gradient():
+  """The oracle as a gradient oracle: same gradient as grad_norms' book-keeping with OPOB coefficients."""
+  batch, params = _batch(), _params()
+  g_or, stats = jax.jit(functools.partial(oracle.oracle_grads, cfg=CFG, group_size=N))(
+      params, tokens_BxT=batch.tokens_BxT, mask_BxT=batch.mask_BxT, sampler_logp_BxT=batch.sampler_logp_BxT,
+      rewards_B=batch.rewards_B)
+  c_B = -stats["adv_B"] * np.minimum(np.exp(stats["logw_B"]), 8.0) / (batch.mask_BxT.sum(1) * B)
+  g_bk = jax.jit(functools.partial(G.weighted_logp_grad, cfg=CFG))(
+      params, tokens_BxT=batch.tokens_BxT, mask_BxT=batch.mask_BxT, c_B=c_B)
+  _assert_tree_close(g_or, g_bk, 1e-5, "oracle vs weighted backward")
+
+
+def test_two_pass_path_equals_bookkeeping():
+  s1, m1 = _run(Lr.LearnerConfig())
+  s2, m2 = _run(Lr.LearnerConfig(grad_path="two_pass"))
+  _assert_tree_close(s1.params, s2.params, 1e-6, "params")
+  for key in ("loss", "ess", "baseline", "seq_grad_norm/p50", "grad_norm"):
+    np.testing.assert_allclose(m1[key], m2[key], rtol=1e-5, err_msg=key)
+
+
+def test_grpo_step_matches_numpy_advantages():
+  """advantage 'grpo' + seq-TIS loss: params move by -lr sqrt(rho) g, g from numpy float64 advantages."""
+  state, metrics = _run(Lr.LearnerConfig(advantage="grpo"))
+  batch, params = _batch(), _params()
+  r = batch.rewards_B.astype(np.float64).reshape(-1, N)
+  adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+  logp = np.asarray(M.token_logprobs(params, CFG, batch.tokens_BxT, batch.mask_BxT), np.float64)
+  logw = ((logp - batch.sampler_logp_BxT) * batch.mask_BxT).sum(1)
+  wt = np.minimum(np.exp(logw), 8.0)
+  c_B = -wt * adv / (batch.mask_BxT.sum(1) * B)
+  g = G.weighted_logp_grad(params, CFG, batch.tokens_BxT, batch.mask_BxT, jnp.asarray(c_B, jnp.float32))
+  scale = np.sqrt(min(_np_ess_ratio(logw), 1.0))
+  delta = jax.tree.map(lambda a, p: np.asarray(a) - np.asarray(p), state.params, params)
+  _assert_tree_close(delta, jax.tree.map(lambda x: -LR * scale * np.asarray(x), g), 1e-5, "grpo delta")
+  assert "baseline" not in metrics and "seq_grad_norm/p50" not in metrics
+
+
+def test_metrics_are_flat_finite_and_complete():
+  _, metrics = _run(Lr.LearnerConfig(), opt_name="adamw")
+  for key in ("ess", "ess_ratio", "lr_scale", "baseline", "loss", "grad_norm", "seq_grad_norm/p10",
+              "seq_grad_norm/p50", "seq_grad_norm/p90", "seq_grad_norm/max", "is/logw_max", "is/logw_p99",
+              "is/frac_truncated", "entropy", "lag/mean", "lag/max", "skipped_updates"):
+    assert np.ndim(metrics[key]) == 0 and np.isfinite(metrics[key]), key
+  for key in ("hist/logw_B", "hist/seq_grad_norm_B", "hist/lag_B"):
+    assert np.shape(metrics[key]) == (B,), key
+  batch = _batch()
+  np.testing.assert_allclose(metrics["lag/max"], batch.lag_B.max())
+  np.testing.assert_allclose(metrics["is/frac_truncated"], 1.0 / B)
+  np.testing.assert_allclose(metrics["is/logw_max"], np.max(metrics["hist/logw_B"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("field", ["sampler_logp_BxT", "rewards_B"])
+def test_nonfinite_input_skips_update(field):
+  batch = _batch()
+  bad = np.array(getattr(batch, field))
+  bad[(2, 4) if bad.ndim == 2 else 3] = np.nan  # a masked (response) position / one reward
+  step, opt = _step(Lr.LearnerConfig(), "adamw")
+  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  before = jax.tree.map(np.array, state)
+  new, metrics = step(state, batch.replace(**{field: bad}))
+  assert int(new.skipped_updates) == 1 and int(new.step) == 1 and float(metrics["update_applied"]) == 0.0
+  _assert_tree_close(new.params, before.params, 0.0, "params")
+  for got, want in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(before.opt_state)):
+    np.testing.assert_array_equal(got, want)
+  good, metrics = step(new, batch)  # the next finite batch updates normally
+  assert int(good.skipped_updates) == 1 and float(metrics["update_applied"]) == 1.0
+
+
+@skip_if_not_enough_devices(8)
+@pytest.mark.parametrize("mesh_shape", [dict(data=2, fsdp=2, tensor=2), dict(data=8)])
+def test_sharded_step_equals_unsharded(mesh_shape):
+  # SGD (not Adam): Adam's first step g / (|g| + eps) amplifies float32 reduction-order noise in the
+  # near-zero k-bias gradient, which says nothing about the sharding.
+  lc = Lr.LearnerConfig()
+  want, want_m = _run(lc)
+  opt = _step(lc)[1]
+  mesh = sharding.make_mesh(mesh_shape)
+  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
+  kernel = state.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+  assert len(kernel.sharding.device_set) == 8
+  got, got_m = Lr.make_rl_step(CFG, lc, opt, mesh=mesh)(state, _batch())
+  params = _params()
+  delta = lambda s: jax.tree.map(lambda a, p: np.asarray(a, np.float64) - np.asarray(p, np.float64), s, params)
+  _assert_tree_close(delta(got.params), delta(want.params), 1e-5, "param delta")
+  for key in ("ess_ratio", "baseline", "loss", "grad_norm"):
+    np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, err_msg=key)
+
+
+def test_sft_step_is_masked_nll_and_learns():
+  opt = O.build_optimizer(learning_rate=3e-2, ess_scaling=False)
+  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  batch = _batch()
+  lp = np.asarray(M.token_logprobs(state.params, CFG, batch.tokens_BxT, batch.mask_BxT), np.float64)
+  want = -lp.sum() / batch.mask_BxT.sum()
+  step = Lr.make_sft_step(CFG, opt)
+  losses = []
+  for _ in range(5):
+    state, metrics = step(state, batch.tokens_BxT, batch.mask_BxT)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses[0], want, rtol=1e-5)
+  assert losses[-1] < losses[0] - 0.5 and int(state.step) == 5
+
+
+def test_bad_config_and_batch_name_the_field():
+  with pytest.raises(ValueError, match="advantage"):
+    Lr.LearnerConfig(advantage="ppo_gae")
+  with pytest.raises(ValueError, match="aggregation"):
+    Lr.LearnerConfig(aggregation="sum")
+  with pytest.raises(ValueError, match="tis_threshold"):
+    Lr.LearnerConfig(tis_threshold=0.0)
+  with pytest.raises(ValueError, match="scope"):
+    Lr.LearnerConfig(opob=dict(scope="batch"))
+  with pytest.raises(ValueError, match="grad_path"):
+    Lr.LearnerConfig(grad_path="three_pass")
+  batch = _batch()
+  with pytest.raises(ValueError, match="rewards_B"):
+    Lr.check_batch(batch.replace(rewards_B=np.zeros(B + 1, np.float32)))
+  with pytest.raises(ValueError, match="group_size"):
+    oracle.oracle_grads(_params(), CFG, batch.tokens_BxT, batch.mask_BxT, batch.sampler_logp_BxT,
+                        batch.rewards_B, group_size=3)
