@@ -15,15 +15,16 @@ GOAL = ">= 3"
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSetup:
-  batch: int
-  prompt_len: int
-  new_tokens: int
+  batches: tuple[int, ...]    # the first is the headline: the embedded server's default max batch
+  prompt_len: int             # the main job's Countdown prompts are 57-59 tokens
+  new_tokens: int             # the main job's rl.max_new_tokens
   warmup: int
   repeats: int
+  no_cache_repeats: int       # the no-cache baseline is ~20x slower: fewer rounds, headline batch only
 
 
-FULL = DecodeSetup(batch=128, prompt_len=32, new_tokens=32, warmup=1, repeats=5)
-QUICK = DecodeSetup(batch=8, prompt_len=16, new_tokens=16, warmup=1, repeats=2)
+FULL = DecodeSetup(batches=(64, 16), prompt_len=58, new_tokens=32, warmup=1, repeats=5, no_cache_repeats=2)
+QUICK = DecodeSetup(batches=(8,), prompt_len=16, new_tokens=16, warmup=1, repeats=2, no_cache_repeats=1)
 
 
 def main_job_model_config():
@@ -72,6 +73,20 @@ def pick_torch_threads(hf_model, prompts, new_tokens: int) -> dict[int, float]:
   return trial
 
 
+def sampling_bucket(prompt_len: int) -> int:
+  from vcpo_jax import sampling
+  return sampling.bucket(prompt_len, 16)
+
+
+def forward_flops(cfg, params, batch: int, positions: int) -> float:
+  """~2 * matmul params per processed token (prefill + decode); attention and the embedding lookup left out."""
+  import jax
+  matmul = sum(int(x.size) for x in jax.tree.leaves(params) if x.ndim == 2) - cfg.vocab_size * cfg.hidden_size
+  if cfg.tie_word_embeddings:
+    matmul += cfg.vocab_size * cfg.hidden_size
+  return 2.0 * matmul * batch * positions
+
+
 def ours_greedy(params, cfg, prompts, new_tokens: int, use_cache: bool = True) -> np.ndarray:
   from vcpo_jax import sampling
   rows = sampling.generate(params, cfg, prompts, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True,
@@ -85,50 +100,68 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(setup: DecodeSetup) -> list[dict]:
   import jax
-  import torch
   from vcpo_jax import hf
   from vcpo_jax import model as model_lib
 
   cfg = main_job_model_config()
   params = model_lib.init_params(cfg, jax.random.key(0))
-  prompts = random_prompts(setup.batch, setup.prompt_len, cfg.vocab_size)
-  n = setup.new_tokens
   with tempfile.TemporaryDirectory() as tmp:
     hf_model = load_hf_model(hf.export_hf(params, cfg, os.path.join(tmp, "hf")))
+  figures = []
+  for i, batch in enumerate(setup.batches):
+    figures += common.run_figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}",
+                                 lambda: _measure_batch(setup, batch, i == 0, params, cfg, hf_model), goal=GOAL)
+  return figures
 
+
+def _measure_batch(setup: DecodeSetup, batch: int, headline: bool, params, cfg, hf_model) -> list[dict]:
+  import torch
+  from vcpo_jax import model as model_lib
+  prompts = random_prompts(batch, setup.prompt_len, cfg.vocab_size, seed=batch)
+  n = setup.new_tokens
   ours_ids = ours_greedy(params, cfg, prompts, n)
   hf_ids = hf_greedy(hf_model, prompts, n)
-  thread_trial = pick_torch_threads(hf_model, prompts, n)
   if ours_ids.shape != hf_ids.shape:
     raise RuntimeError(f"ours generated {ours_ids.shape}, HF generated {hf_ids.shape}")
-  thunks = {
-      "ours_kv_cache": lambda: ours_greedy(params, cfg, prompts, n),
-      "hf_generate": lambda: hf_greedy(hf_model, prompts, n),
-      "ours_no_cache": lambda: ours_greedy(params, cfg, prompts, n, use_cache=False),
-  }
+  thread_trial = pick_torch_threads(hf_model, prompts, n)
+  thunks = {"ours_kv_cache": lambda: ours_greedy(params, cfg, prompts, n),
+            "hf_generate": lambda: hf_greedy(hf_model, prompts, n)}
   times = common.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
-  tokens = setup.batch * n
+  tokens = batch * n
+  shape = f"B={batch}, prompt {setup.prompt_len}, new {n}"
+  tok_s = {k: tokens / common.summarize(v).median for k, v in times.items()}
+  # Why: with 58-token prompts and 32 new tokens, prefill is most of the work and both sides may be
+  # compute-bound; achieved matmul GFLOP/s shows how close each is to the machine's rate.
+  flops = {"ours_kv_cache": forward_flops(cfg, params, batch, sampling_bucket(setup.prompt_len) + n),
+           "hf_generate": forward_flops(cfg, params, batch, setup.prompt_len + n)}
+  gflop_s = {k: flops[k] / common.summarize(times[k]).median / 1e9 for k in flops}
   details = {
-      "batch": setup.batch, "prompt_len": setup.prompt_len, "new_tokens": n, "tokens_per_call": tokens,
+      "batch": batch, "prompt_len": setup.prompt_len, "new_tokens": n, "tokens_per_call": tokens,
       "model": cfg.to_dict(), "num_params": model_lib.count_params(params),
       "torch_threads": torch.get_num_threads(), "torch_thread_trial_seconds": thread_trial,
-      "tokens_per_s": {k: tokens / common.summarize(v).median for k, v in times.items()},
-      "seconds": common.timing_details(times),
-      # Random-init logits are nearly flat, so greedy paths may part on float ties; row 0 / token 0 agree.
+      "tokens_per_s": tok_s, "seconds": common.timing_details(times),
+      "approx_matmul_gflop_per_s": gflop_s, "approx_flops_per_call": flops,
+      # Random-init logits are nearly flat, so greedy paths may part on float near-ties.
       "greedy_token_agreement": float(np.mean(ours_ids == hf_ids)),
       "first_token_agreement": float(np.mean(ours_ids[:, 0] == hf_ids[:, 0])),
-      "timed": "whole generate call: prefill + decode + host read-back, greedy, fixed length",
+      "timed": "whole generate call: prefill + decode + host read-back, greedy, fixed length; "
+               "ours pads prompts to a power-of-two bucket, HF runs them unpadded",
   }
   vs_hf = common.summarize(common.ratio_samples(times["hf_generate"], times["ours_kv_cache"]))
-  vs_nc = common.summarize(common.ratio_samples(times["ours_no_cache"], times["ours_kv_cache"]))
-  shape = f"B={setup.batch}, prompt {setup.prompt_len}, new {n}"
-  return [
-      common.figure("decode_vs_hf", TITLE, unit="x", goal=GOAL, stats=vs_hf, details=details,
-                    note=f"{shape}; ours {details['tokens_per_s']['ours_kv_cache']:.0f} tok/s, "
-                         f"HF {details['tokens_per_s']['hf_generate']:.0f} tok/s"),
-      common.figure("decode_vs_no_cache", "decode tokens/s: ours KV cache / ours no cache", unit="x",
-                    stats=vs_nc, note=f"{shape}; no-cache {details['tokens_per_s']['ours_no_cache']:.0f} tok/s"),
-  ]
+  figures = [common.figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}", unit="x", goal=GOAL, stats=vs_hf,
+                           details=details,
+                           note=f"{shape}; ours {tok_s['ours_kv_cache']:.0f} tok/s, HF {tok_s['hf_generate']:.0f} "
+                                f"tok/s (torch {torch.get_num_threads()} thread(s))")]
+  if headline:
+    nc = common.time_calls({"ours_kv_cache": thunks["ours_kv_cache"],
+                            "ours_no_cache": lambda: ours_greedy(params, cfg, prompts, n, use_cache=False)},
+                           warmup=1, repeats=setup.no_cache_repeats)
+    vs_nc = common.summarize(common.ratio_samples(nc["ours_no_cache"], nc["ours_kv_cache"]))
+    figures.append(common.figure(
+        f"decode_vs_no_cache_b{batch}", f"decode tokens/s: ours KV cache / ours no cache, B={batch}", unit="x",
+        stats=vs_nc, details={"seconds": common.timing_details(nc)},
+        note=f"{shape}; no-cache {tokens / common.summarize(nc['ours_no_cache']).median:.0f} tok/s"))
+  return figures
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Figure 3: learner achieved FLOP/s over the XLA float32 matmul peak of the same run; also step peak memory."""
+"""Figure 3: learner achieved FLOP/s over the XLA float32 matmul peak measured in the same run."""
 from __future__ import annotations
 
 import dataclasses
@@ -128,7 +128,7 @@ def _flat(params) -> dict:
   return {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
 
 
-def build_learner_bench(*, quick: bool, variant: str = "vcpo", compile_only: bool = False) -> LearnerBench:
+def build_learner_bench(*, quick: bool, variant: str = "vcpo") -> LearnerBench:
   """The main job's model and learner (make_rl_step, unsharded) on a B x T synthetic batch."""
   import jax
   from vcpo_jax import learner, model as model_lib, optimizer as optimizer_lib
@@ -148,7 +148,7 @@ def build_learner_bench(*, quick: bool, variant: str = "vcpo", compile_only: boo
   compiled = jax.jit(lambda s, b: learner.rl_step(s, b, model_cfg=model_cfg, learner_cfg=lc,
                                                   optimizer=optimizer)).lower(state, batch).compile()
   analytic = analytic_step_flops(model_cfg, state.params, B, T)
-  step_fn = None if compile_only else learner.make_rl_step(model_cfg, lc, optimizer)
+  step_fn = learner.make_rl_step(model_cfg, lc, optimizer)
   holder = {"state": state}
 
   def step():
@@ -161,37 +161,8 @@ def build_learner_bench(*, quick: bool, variant: str = "vcpo", compile_only: boo
                       group_size=G, describe=describe)
 
 
-def memory_bytes(compiled) -> dict | None:
-  """Compiled memory_analysis(): temp, argument, output, alias sizes and peak = temp + arg + out - alias."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - not every backend reports it
-    return None
-  if m is None:
-    return None
-  fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
-  out = {f: int(getattr(m, f, 0) or 0) for f in fields}
-  out["peak_bytes"] = (out["temp_size_in_bytes"] + out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                       - out["alias_size_in_bytes"])
-  return out
-
-
-def memory_figure(quick: bool, vcpo_compiled) -> dict:
-  """Peak memory of the VCPO step over the plain GRPO step (compile-time analysis, same batch)."""
-  plain = build_learner_bench(quick=quick, variant="grpo", compile_only=True)
-  ours, base = memory_bytes(vcpo_compiled), memory_bytes(plain.compiled)
-  if not ours or not base:
-    raise RuntimeError("compiled.memory_analysis() is not available on this backend")
-  return common.figure(
-      "step_memory", "peak memory: VCPO step / plain GRPO step", unit="x", value=ours["peak_bytes"] / base["peak_bytes"],
-      details={"vcpo": ours, "grpo": base, "shape": plain.describe["shape"]},
-      note=f"{plain.describe['shape']}; compiled memory_analysis() temp+args+out-alias: "
-           f"{ours['peak_bytes'] / 2**20:.1f} vs {base['peak_bytes'] / 2**20:.1f} MiB")
-
-
 def produce(quick: bool) -> list[dict]:
-  figures = common.run_figure("learner_flops", TITLE, lambda: _measure(quick), goal=GOAL)
-  return figures
+  return common.run_figure("learner_flops", TITLE, lambda: _measure(quick), goal=GOAL)
 
 
 def _measure(quick: bool) -> list[dict]:
@@ -221,8 +192,6 @@ def _measure(quick: bool) -> list[dict]:
                     unit="%", stats=common.summarize(model_share),
                     note=f"{bench.describe['shape']}; useful FLOPs only (no per-sequence norm work)"),
   ]
-  figures += common.run_figure("step_memory", "peak memory: VCPO step / plain GRPO step",
-                               lambda: [memory_figure(quick, bench.compiled)])
   return figures
 
 

@@ -9,7 +9,9 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -123,6 +125,32 @@ def failed_figure(key: str, title: str, error: str, goal: str | None = None, not
 def timing_details(times: Mapping[str, Sequence[float]]) -> dict:
   """Per-thunk {median, min, max, n} in seconds, for the details column of a figure."""
   return {name: summarize(t).to_dict() for name, t in times.items()}
+
+
+def run_subprocess(cmd: Sequence[str], *, timeout: float, cwd: str | None = None,
+                   env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+  """subprocess.run in its own session: on timeout the whole group is ended (a training run's servers too)."""
+  proc = subprocess.Popen(list(cmd), cwd=cwd, env=None if env is None else dict(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    _end_group(proc)
+    raise
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 5.0):
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+      os.killpg(proc.pid, sig)  # the group this Popen created (start_new_session): only our own processes
+    except ProcessLookupError:
+      return
+    try:
+      proc.communicate(timeout=grace_s)
+      return
+    except subprocess.TimeoutExpired:
+      continue
 
 
 def cpu_model() -> str:

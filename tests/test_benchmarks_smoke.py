@@ -183,7 +183,10 @@ def test_async_rate_arithmetic():
   times = {0: 0.0, 1: 100.0, 2: 110.0, 4: 130.0}  # step 3 not logged
   assert bench_async.step_intervals(times, skip=1) == [10.0, 10.0]
   assert bench_async.steps_per_hour(times, skip=1) == pytest.approx(3600.0 * 3 / 30.0)
+  assert bench_async.steps_per_hour(times, skip=0, drop_last=True) == pytest.approx(3600.0 * 2 / 110.0)
   with pytest.raises(ValueError, match="skip"):
     bench_async.steps_per_hour(times, skip=3)
+  with pytest.raises(ValueError, match="drop_last"):
+    bench_async.steps_per_hour(times, skip=2, drop_last=True)
   cmd = bench_async.train_command("/w", 2, 7, ["sft.steps=0"])
   assert "--config.rl.max_lag=2" in cmd and "--config.rl.steps=7" in cmd and "--config.sft.steps=0" in cmd
