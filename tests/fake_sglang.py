@@ -58,6 +58,50 @@ def stop_server(proc: subprocess.Popen) -> None:
   proc.wait(timeout=30)
 
 
+# -- the real embedded server (vcpo_jax.rollout.server), as the rollout tests start it ----------------------
+TINY_MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_seq_len=320)
+# One jit shape for every request (8 rows, 16 prompt slots, 256 new slots) and one token per decode chunk,
+# so long generations are slow enough to interrupt (kill, weight update) mid-way.
+EMBEDDED_ARGS = ("--max-prompt-len", "16", "--max-total-len", "272", "--min-batch-bucket", "8",
+                 "--max-batch", "8", "--min-prompt-bucket", "16", "--min-new-bucket", "256",
+                 "--chunk-steps", "1", "--batch-window-ms", "5")
+
+
+def tiny_params(seed: int):
+  """Params of the tiny test model, sharpened so that different seeds give clearly different outputs."""
+  import jax
+  from vcpo_jax import model
+  params = model.init_params(model.ModelConfig(**TINY_MODEL), jax.random.PRNGKey(seed))
+  return jax.device_get(jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, params))
+
+
+def export_tiny(params, out_dir: str) -> str:
+  from vcpo_jax import hf, model, tokenizer
+  return hf.export_hf(params, model.ModelConfig(**TINY_MODEL), out_dir, tokenizer.build_tokenizer())
+
+
+def reference_logprobs(params, prompt: list[int], output: list[int]):
+  """The learner's recompute: model.token_logprobs over prompt + output (padded to one jit shape)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from vcpo_jax import model
+  cfg = model.ModelConfig(**TINY_MODEL)
+  seq = list(prompt) + list(output)
+  tokens = jnp.asarray(np.array([seq + [0] * (cfg.max_seq_len - len(seq))], np.int32))
+  lp = np.asarray(model.token_logprobs(params, cfg, tokens, jnp.ones_like(tokens)))
+  return lp[0, len(prompt):len(seq)]
+
+
+def start_embedded(model_dir: str, weights_root: str, cache_dir: str, log_dir: str, port: int = 0,
+                   weight_version: str = "v0"):
+  from vcpo_jax.rollout import launcher
+  server = launcher.EmbeddedServer(model_dir, weights_root=weights_root, port=port, log_dir=log_dir,
+                                   weight_version=weight_version,
+                                   extra_args=EMBEDDED_ARGS + ("--compilation-cache-dir", cache_dir))
+  return server.start()
+
+
 class FakeServer:
   """State of one fake server: misbehaviour mode, weight version, pause flag."""
 
