@@ -1,0 +1,141 @@
+"""Learner step cost side by side: plain GRPO, VCPO (book-keeping), two-pass VCPO, micro-batch-1 oracle."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks import common
+from vcpo_jax import learner as Lr
+from vcpo_jax import model as M
+from vcpo_jax import optimizer as O
+from vcpo_jax import oracle, vcpo
+
+# The main CPU job's model (configs/countdown.py); B = 8 prompts x 8 samples.
+MODEL = M.ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=32, max_seq_len=256)
+GROUP = 8
+
+
+def make_batch(cfg: M.ModelConfig, params, b: int, t: int, seed: int = 0) -> Lr.RLBatch:
+  """Right-padded rows: prompts of 16-32 tokens, responses up to the end, sampler log-probs a little stale."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, cfg.vocab_size, (b, t)).astype(np.int32)
+  prompt = rng.integers(16, 33, b)
+  end = np.minimum(t, prompt + rng.integers(t // 4, t - 16, b))
+  pos = np.arange(t)[None, :]
+  mask = ((pos >= prompt[:, None]) & (pos < end[:, None])).astype(np.float32)
+  tokens = np.where(pos < end[:, None], tokens, 0).astype(np.int32)
+  logp = np.asarray(jax.jit(functools.partial(M.token_logprobs, cfg=cfg))(params, tokens_BxT=tokens,
+                                                                           mask_BxT=mask))
+  sampler = (logp + 0.05 * rng.standard_normal((b, t))) * mask
+  return Lr.RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=sampler.astype(np.float32),
+                    rewards_B=rng.integers(0, 2, b).astype(np.float32),
+                    group_B=np.repeat(np.arange(b // GROUP), GROUP).astype(np.int32),
+                    lag_B=rng.integers(0, 3, b).astype(np.float32), valid_B=np.ones(b, np.float32))
+
+
+def _jit_rl(cfg, lc, opt):
+  return jax.jit(functools.partial(Lr.rl_step, model_cfg=cfg, learner_cfg=lc, optimizer=opt), donate_argnums=0)
+
+
+def _oracle_step(state: Lr.TrainState, batch: Lr.RLBatch, *, cfg, opt, tau: float = 8.0):
+  """Micro-batch-1 VCPO update: per-sequence backward loop, then the same ESS-scaled optimizer step."""
+  grads, stats = oracle.oracle_grads(state.params, cfg, batch.tokens_BxT, batch.mask_BxT,
+                                     batch.sampler_logp_BxT, batch.rewards_B, GROUP, tau=tau)
+  logw_B = stats["logw_B"]
+  updates, opt_state = opt.update(grads, state.opt_state, state.params, ess_ratio=vcpo.ess_ratio(logw_B),
+                                  ess=vcpo.ess(logw_B))
+  return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                       opt_state=opt_state), stats
+
+
+def _arith(batch: Lr.RLBatch, logw_B, sq_B, tau: float = 8.0):
+  """The ESS + OPOB arithmetic of one step, alone (given log-weights and per-sequence norms)."""
+  wt_B = vcpo.truncated_weights(logw_B, tau)
+  lengths_B = jnp.sum(batch.mask_BxT, axis=1)
+  adv_B, _ = vcpo.opob_advantages(batch.rewards_B, batch.group_B, sq_B, logw_B, wt_B, lengths_B,
+                                  valid_B=batch.valid_B > 0)
+  return adv_B, vcpo.ess(logw_B, batch.valid_B > 0), vcpo.ess_ratio(logw_B, batch.valid_B > 0)
+
+
+def _memory(jitted, *args) -> dict:
+  mem = jitted.lower(*args).compile().memory_analysis()
+  if mem is None:
+    return {}
+  out = {k: int(getattr(mem, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                            "output_size_in_bytes", "alias_size_in_bytes")
+         if hasattr(mem, k)}
+  out["peak_estimate_bytes"] = (out.get("temp_size_in_bytes", 0) + out.get("argument_size_in_bytes", 0)
+                                + out.get("output_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0))
+  return out
+
+
+class _Runner:
+  """A thunk that advances its own (donated) state each call, so repeated timing is legitimate."""
+
+  def __init__(self, fn, state, batch):
+    self.fn, self.state, self.batch = fn, state, batch
+
+  def __call__(self):
+    self.state, metrics = self.fn(self.state, self.batch)
+    return self.state, metrics
+
+
+def produce(quick: bool) -> list[dict]:
+  b, t, repeats = (16, 64, 2) if quick else (64, 128, 5)
+  cfg = MODEL
+  opt = O.build_optimizer(learning_rate=1e-5)
+  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  batch = jax.device_put(make_batch(cfg, params, b, t))
+  fresh = lambda: Lr.TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, params),
+                                opt_state=opt.init(params), skipped_updates=jnp.zeros((), jnp.int32))
+  configs = {
+      "grpo": Lr.LearnerConfig(advantage="grpo", policy_loss="ppo"),
+      "vcpo": Lr.LearnerConfig(),
+      "two_pass": Lr.LearnerConfig(grad_path="two_pass"),
+  }
+  jitted = {name: _jit_rl(cfg, lc, opt) for name, lc in configs.items()}
+  jitted["oracle"] = jax.jit(functools.partial(_oracle_step, cfg=cfg, opt=opt), donate_argnums=0)
+  memory = {name: _memory(jitted[name], fresh(), batch) for name in ("grpo", "vcpo", "two_pass")}
+  runners = {name: _Runner(fn, fresh(), batch) for name, fn in jitted.items()}
+
+  # Inputs of the arithmetic-only timing, from one VCPO step.
+  _, m = jitted["vcpo"](fresh(), batch)
+  logw_B = jnp.asarray(m["hist/logw_B"])
+  sq_B = jnp.square(jnp.asarray(m["hist/seq_grad_norm_B"]))
+  arith = jax.jit(_arith)
+  runners["arith"] = lambda: arith(batch, logw_B, sq_B)
+
+  times = common.time_calls(runners, warmup=1, repeats=repeats)
+  ratio = lambda a, c: common.summarize(common.ratio_samples(times[a], times[c]))
+  shape = {"B": b, "T": t, "params": M.count_params(params), "group": GROUP, "backend": jax.default_backend()}
+  per_call = common.timing_details(times)
+  mem_ratio = None
+  if memory["vcpo"].get("peak_estimate_bytes") and memory["grpo"].get("peak_estimate_bytes"):
+    mem_ratio = memory["vcpo"]["peak_estimate_bytes"] / memory["grpo"]["peak_estimate_bytes"]
+  return [
+      common.figure("step_vcpo_over_grpo", "VCPO step (ESS + group OPOB, book-keeping) / plain GRPO step",
+                    unit="x", goal="<= 1.3", stats=ratio("vcpo", "grpo"),
+                    details={**shape, "seconds": per_call}),
+      common.figure("step_two_pass_over_grpo", "two-pass VCPO step (norm pass + backward) / plain GRPO step",
+                    unit="x", goal="<= 1.8", stats=ratio("two_pass", "grpo"), details=shape),
+      common.figure("step_oracle_over_vcpo", "micro-batch-1 oracle step / VCPO step", unit="x", goal=">= 4",
+                    stats=ratio("oracle", "vcpo"), details=shape),
+      common.figure("step_arith_share", "ESS + OPOB arithmetic / VCPO step time", unit="%", goal="< 0.01",
+                    stats=ratio("arith", "vcpo"), details=shape),
+      common.figure("step_memory_vcpo_over_grpo", "VCPO step / GRPO step compiled memory (temp+args+out-alias)",
+                    unit="x", value=mem_ratio, details={**shape, **{f"memory_{k}": v for k, v in memory.items()}},
+                    note="XLA memory_analysis() of the compiled steps"),
+  ]
+
+
+def main(argv=None):
+  return common.module_main(produce, __doc__, argv)
+
+
+if __name__ == "__main__":
+  main()
