@@ -138,29 +138,29 @@ def _sample_step(logits_BxV, st: DecodeState) -> DecodeState:
   )
 
 
-def _seed_keys(seed_B, stream_B):
-  return jax.vmap(lambda s, j: jax.random.key_data(jax.random.fold_in(jax.random.key(s), j)))(
-      seed_B, stream_B)
+def _row_keys(seeds_Bx2):
+  """Raw key data of each row's stream: fold_in(key(seed), stream) for (seed, stream) pairs."""
+  return jax.vmap(lambda s: jax.random.key_data(jax.random.fold_in(jax.random.key(s[0]), s[1])))(seeds_Bx2)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_new"))
-def _prefill(params, tokens_BxP, positions_BxP, key_mask_BxS, st: DecodeState, *, cfg, num_new):
+def _prefill(params, tokens_BxP, positions_BxP, seeds_Bx2, st: DecodeState, *, cfg, num_new):
   """Writes the prompts' K/V at slots [0, P), samples token 0, returns state and prompt log-probs."""
   B, P = tokens_BxP.shape
   cache = model_lib.init_cache(cfg, B, P + num_new)
-  logits_BxPxV, cache = model_lib.decode(params, cfg, tokens_BxP, positions_BxP, cache, 0, key_mask_BxS)
+  logits_BxPxV, cache = model_lib.decode(params, cfg, tokens_BxP, positions_BxP, cache, 0, st.key_mask_BxS)
   prompt_logp_BxP = model_lib.logprobs_from_logits(logits_BxPxV, tokens_BxP, jnp.ones_like(tokens_BxP))[0]
-  st = st._replace(cache=cache, key_data_Bx2=_seed_keys(st.key_data_Bx2[:, 0], st.key_data_Bx2[:, 1]))
+  st = st._replace(cache=cache, key_data_Bx2=_row_keys(seeds_Bx2))
   return _sample_step(logits_BxPxV[:, -1], st), prompt_logp_BxP
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill_no_cache(params, tokens_BxP, positions_BxP, st: DecodeState, *, cfg):
+def _prefill_no_cache(params, tokens_BxP, positions_BxP, seeds_Bx2, st: DecodeState, *, cfg):
   """The no-cache baseline's prefill: a plain forward over the prompts, then token 0."""
   P = tokens_BxP.shape[1]
   logits_BxPxV = model_lib.forward(params, cfg, tokens_BxP, positions_BxP, st.key_mask_BxS[:, :P])
   prompt_logp_BxP = model_lib.logprobs_from_logits(logits_BxPxV, tokens_BxP, jnp.ones_like(tokens_BxP))[0]
-  st = st._replace(key_data_Bx2=_seed_keys(st.key_data_Bx2[:, 0], st.key_data_Bx2[:, 1]))
+  st = st._replace(key_data_Bx2=_row_keys(seeds_Bx2))
   return _sample_step(logits_BxPxV[:, -1], st), prompt_logp_BxP
 
 
@@ -239,8 +239,8 @@ def _validate_rows(rows: Sequence[RowSpec], cfg: model_lib.ModelConfig):
       raise ValueError(f"rows[{r}].max_new_tokens must be >= 0, got {row.max_new_tokens}")
 
 
-def _initial_state(rows, cfg, B, P, N, K) -> tuple[DecodeState, np.ndarray, np.ndarray]:
-  """Host-built arrays: left-padded prompts, key mask, positions and per-row sampling settings."""
+def _initial_state(rows, cfg, B, P, N, K) -> tuple[DecodeState, np.ndarray, np.ndarray, np.ndarray]:
+  """Host-built arrays: state (no cache, no keys yet), left-padded prompts, positions, (seed, stream)s."""
   V = cfg.vocab_size
   n = len(rows)
   tokens = np.zeros((B, P), np.int32)
@@ -274,12 +274,11 @@ def _initial_state(rows, cfg, B, P, N, K) -> tuple[DecodeState, np.ndarray, np.n
       max_new_B=per_row(lambda r: r.max_new_tokens, np.int32, 0),
       ignore_eos_B=per_row(lambda r: r.ignore_eos, bool, True),
       stop_ids_BxK=jnp.asarray(stop_ids),
-      # (seed, stream) pairs until the jitted prefill turns them into keys.
-      key_data_Bx2=jnp.asarray(np.array([[r.seed % 2**32, r.stream % 2**32] for r in rows]
-                                        + [[0, 0]] * (B - n), np.uint32)),
+      key_data_Bx2=jnp.zeros((B, 2), jnp.uint32),  # set by the jitted prefill
       sample_offset_B=per_row(lambda r: r.sample_offset, np.int32, 0),
   )
-  return st, tokens, positions
+  seeds = np.array([[r.seed % 2**32, r.stream % 2**32] for r in rows] + [[0, 0]] * (B - n), np.uint32)
+  return st, tokens, positions, seeds
 
 
 def start_batch(params, cfg: model_lib.ModelConfig, rows: Sequence[RowSpec], *, min_batch: int = 1,
@@ -293,13 +292,12 @@ def start_batch(params, cfg: model_lib.ModelConfig, rows: Sequence[RowSpec], *, 
   longest = max(len(r.prompt) + r.max_new_tokens for r in rows)
   if longest > cfg.max_seq_len:
     raise ValueError(f"prompt + max_new_tokens = {longest} exceeds model.max_seq_len={cfg.max_seq_len}")
-  st, tokens, positions = _initial_state(rows, cfg, B, P, N, K)
-  tokens = jnp.asarray(tokens)
+  st, tokens, positions, seeds = _initial_state(rows, cfg, B, P, N, K)
+  tokens, positions, seeds = jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(seeds)
   if use_cache:
-    st, prompt_logp = _prefill(params, tokens, jnp.asarray(positions), st.key_mask_BxS, st, cfg=cfg,
-                               num_new=N)
+    st, prompt_logp = _prefill(params, tokens, positions, seeds, st, cfg=cfg, num_new=N)
   else:
-    st, prompt_logp = _prefill_no_cache(params, tokens, jnp.asarray(positions), st, cfg=cfg)
+    st, prompt_logp = _prefill_no_cache(params, tokens, positions, seeds, st, cfg=cfg)
   return DecodeBatch(st, len(rows), [len(r.prompt) for r in rows], tokens, prompt_logp, cfg)
 
 
