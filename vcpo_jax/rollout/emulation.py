@@ -1,0 +1,63 @@
+"""In-process lag emulation: rollouts for learner step t come from the params of step t - k (ring buffer)."""
+from __future__ import annotations
+
+import collections
+from typing import Callable, Sequence
+
+import numpy as np
+
+from vcpo_jax.rollout import client as client_lib, scheduler as scheduler_lib
+
+# (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult)
+LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
+
+
+class LagEmulator:
+  """Deterministic controlled staleness with no servers: every sample of step t has lag exactly
+  min(t - first_version, k). Holds at most k + 1 parameter versions (host memory: (k+1) x params)."""
+
+  def __init__(self, generate: LocalGenerate, *, max_lag: int, group_size: int, seed: int):
+    if not isinstance(max_lag, int) or max_lag < 0:
+      raise ValueError(f"max_lag must be an int >= 0, got {max_lag!r}")
+    if not isinstance(group_size, int) or group_size < 1:
+      raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    self.max_lag, self.group_size, self.seed = max_lag, group_size, seed
+    self._generate = generate
+    self._ring: collections.OrderedDict[int, object] = collections.OrderedDict()
+
+  def push(self, version: int, params) -> None:
+    """Records the params of learner version `version` (versions must increase by one)."""
+    if self._ring and version != next(reversed(self._ring)) + 1:
+      raise ValueError(f"versions must be pushed in order: got {version} after {next(reversed(self._ring))}")
+    self._ring[version] = params
+    while len(self._ring) > self.max_lag + 1:
+      self._ring.popitem(last=False)
+
+  def behaviour_version(self, step: int) -> int:
+    if step not in self._ring:
+      raise ValueError(f"learner version {step} was never pushed (have {list(self._ring)})")
+    return max(step - self.max_lag, next(iter(self._ring)))
+
+  def rollout(self, step: int, examples: Sequence[dict]) -> list[scheduler_lib.Group]:
+    """Generates group_size samples per example with the params of version behaviour_version(step)."""
+    version = self.behaviour_version(step)
+    prompts = [[int(t) for t in e["prompt_ids"]] for e in examples for _ in range(self.group_size)]
+    # One seed per (example index, sample): the same example always draws the same random streams.
+    seeds = [int(np.random.default_rng([self.seed, int(e.get("index", i)), s]).integers(2**31 - 1))
+             for i, e in enumerate(examples) for s in range(self.group_size)]
+    rows = self._generate(self._ring[version], prompts, seeds)
+    groups = []
+    for gi, example in enumerate(examples):
+      samples = []
+      for s in range(self.group_size):
+        row = rows[gi * self.group_size + s]
+        n = len(row.output_ids)
+        samples.append(client_lib.Sample(
+            prompt_ids=prompts[gi * self.group_size], output_ids=list(row.output_ids),
+            output_logprobs=np.asarray(row.logprobs, np.float32), token_versions=np.full((n,), version, np.int64),
+            finish_reason=row.finish_reason or "length", server_url="in-process"))
+      group = scheduler_lib.Group(index=int(example.get("index", gi)), example=example, start_version=version,
+                                  deadline=version + self.max_lag, samples=samples, consumed_version=step)
+      group.sample_lags = [scheduler_lib.sample_lag(s, step, version) for s in samples]
+      groups.append(group)
+    return groups
