@@ -2,6 +2,8 @@
 import asyncio
 import json
 import math
+import os
+import signal
 import sys
 import urllib.request
 
@@ -249,3 +251,106 @@ def test_dead_server_is_routed_around_and_counted(fake_pair):
   samples, stats, available = asyncio.run(run())
   assert all(s.server_url == good for (s,) in samples)
   assert stats["connection_errors"] >= 1 and stats["marked_down"] == 1 and available == [good]
+
+
+@pytest.mark.integration
+def test_slow_server_times_out_and_the_sample_is_redone_elsewhere(fake_pair, tmp_path):
+  _, good = fake_pair
+  port = fake_sglang.free_port()
+  slow = f"http://127.0.0.1:{port}"
+  argv = [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
+          "--weight-version", "v2", "--token-delay", "0.5"]
+  proc = fake_sglang.launch_server(argv, slow, log_path=tmp_path / "slow.log")
+
+  async def run():
+    async with client_lib.RolloutClient([slow, good], vocab_size=VOCAB, request_timeout=0.3,
+                                        backoff_base=0.001) as client:
+      samples = await asyncio.gather(*(client.generate([i + 2], {"max_new_tokens": 4}) for i in range(2)))
+      return samples, client.stats
+
+  try:
+    samples, stats = asyncio.run(run())
+  finally:
+    fake_sglang.stop_server(proc)
+  assert stats["timeouts"] >= 1 and stats["retries"] == stats["timeouts"]
+  for i, (s,) in enumerate(samples):
+    assert s.server_url == good and s.output_ids == _expected([i + 2], 4)[0]
+
+
+# -- against the real embedded server (python -m vcpo_jax.rollout.server) ---------------------------------
+@pytest.fixture(scope="module")
+def embedded_pair(tmp_path_factory):
+  base = tmp_path_factory.mktemp("client_e2e")
+  model_dir = fake_sglang.export_tiny(fake_sglang.tiny_params(0), str(base / "weights" / "v0"))
+  cache = str(tmp_path_factory.getbasetemp() / "jax_cache")
+  servers = [fake_sglang.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
+             for _ in range(2)]
+  try:
+    for s in servers:
+      s.wait_healthy(180)
+    yield servers
+  finally:
+    for s in servers:
+      s.stop()
+
+
+def _check_real(samples, params, max_new):
+  for s in samples:
+    assert len(s.output_ids) == max_new and s.finish_reason == "length" and list(s.token_versions) == [0] * max_new
+    ref = fake_sglang.reference_logprobs(params, s.prompt_ids, s.output_ids)
+    np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
+
+
+@pytest.mark.integration
+def test_end_to_end_with_the_embedded_server(embedded_pair):
+  urls = [s.url for s in embedded_pair]
+  vocab = fake_sglang.TINY_MODEL["vocab_size"]
+  sampling = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=vocab) as client:
+      groups = await asyncio.gather(*(client.generate([5, 6, i + 1], sampling, n=3) for i in range(4)))
+      again = await client.generate([5, 6, 1], sampling, n=3)
+      # The server's own limit (16 prompt tokens) is a 400: reported at once, never retried.
+      with pytest.raises(client_lib.ServerRequestError, match="400"):
+        await client.generate(list(range(1, 30)), sampling)
+      return groups, again, client.stats
+
+  groups, again, stats = asyncio.run(run())
+  params = fake_sglang.tiny_params(0)
+  for samples in groups:
+    _check_real(samples, params, 10)
+    assert len({tuple(s.output_ids) for s in samples}) == 3  # seed + i: three different samples
+  assert [s.output_ids for s in again] == [s.output_ids for s in groups[0]]  # seeded: reproducible
+  assert {s.server_url for g in groups for s in g} == set(urls)  # both servers got work
+  assert stats.get("retries", 0) == 0 and stats["samples_completed"] == 15
+
+
+@pytest.mark.integration
+def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair):
+  victim, survivor = embedded_pair
+  vocab = fake_sglang.TINY_MODEL["vocab_size"]
+  sampling = {"max_new_tokens": 240, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}
+  prompts = [[9, i + 1] for i in range(6)]
+
+  async def run():
+    async with client_lib.RolloutClient([victim.url, survivor.url], vocab_size=vocab,
+                                        backoff_base=0.01) as client:
+      tasks = [asyncio.create_task(client.generate(p, sampling, n=2)) for p in prompts]
+      while client.stats["outstanding"][victim.url] < 6:
+        await asyncio.sleep(0.001)
+      os.kill(victim.proc.pid, signal.SIGKILL)
+      groups = await asyncio.gather(*tasks)
+      return groups, client.stats
+
+  groups, stats = asyncio.run(run())
+  victim.proc.wait()
+  assert stats["connection_errors"] >= 1 and stats["marked_down"] >= 1
+  assert stats["available"][victim.url] is False
+  # Every sample completed exactly once, all of those cut off were redone on the survivor.
+  assert [len(g) for g in groups] == [2] * 6 and stats["samples_completed"] == 12
+  assert sum(s.server_url == survivor.url for g in groups for s in g) >= 6
+  params = fake_sglang.tiny_params(0)
+  for prompt, samples in zip(prompts, groups):
+    assert all(s.prompt_ids == prompt for s in samples)
+    _check_real(samples, params, 240)

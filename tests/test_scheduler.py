@@ -2,6 +2,7 @@
 import asyncio
 import dataclasses
 import itertools
+import json
 import random
 
 import numpy as np
@@ -145,6 +146,7 @@ def test_checkpoint_reissues_unconsumed_prompts_and_loses_none():
     return batches, state
 
   batches, state = asyncio.run(first_run())
+  state = json.loads(json.dumps(state))  # it travels in the checkpoint's JSON host state
   assert state["next_step"] == 3 and len(state["pending"]) == 6  # B * k groups prefetched
   pulled = state["next_index"]
 
