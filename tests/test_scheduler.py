@@ -193,3 +193,35 @@ def test_generation_failure_and_bad_arguments_are_reported():
     args = dict(sampling_params={}, group_size=1, batch_groups=2, max_lag=0) | kwargs
     with pytest.raises(ValueError, match=field):
       sched_lib.RolloutScheduler(failing, _prompts(1), **args)
+
+
+@dataclasses.dataclass
+class _Row:
+  output_ids: list
+  logprobs: list
+  finish_reason: str = "length"
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_lag_emulator_generates_step_t_with_the_params_of_step_t_minus_k(k):
+  from vcpo_jax.rollout import emulation
+  used = []
+
+  def generate(params, prompts, seeds):  # "params" is the version tag itself: outputs reveal which was used
+    used.append(params)
+    return [_Row([params % 50, seed % 7], [-0.5, -0.25]) for seed in seeds]
+
+  emu = emulation.LagEmulator(generate, max_lag=k, group_size=2, seed=0)
+  examples = [{"prompt_ids": [1, 2], "index": i} for i in range(3)]
+  seeds_by_step = []
+  for t in range(8):
+    emu.push(t, t)
+    groups = emu.rollout(t, examples)
+    assert used[-1] == max(0, t - k) and len(emu._ring) <= k + 1
+    for g in groups:
+      assert g.consumed_version == t and g.sample_lags == [min(t, k)] * 2
+      assert all(list(s.token_versions) == [max(0, t - k)] * 2 for s in g.samples)
+    seeds_by_step.append([s.output_ids[1] for g in groups for s in g.samples])
+  assert all(seeds == seeds_by_step[0] for seeds in seeds_by_step)  # per-example streams, stable over steps
+  with pytest.raises(ValueError, match="in order"):
+    emu.push(10, 10)
