@@ -1,4 +1,4 @@
-"""Asyncio batching engine behind the embedded server: windowed batches, decoded in chunks between controls."""
+"""Asyncio batching engine of the embedded server: windowed batches, decoded in chunks between controls."""
 from __future__ import annotations
 
 import asyncio
@@ -211,8 +211,8 @@ class Engine:
     self.stats["max_batch_requests_seen"] = max(self.stats["max_batch_requests_seen"],
                                                 len({r.request_no for r in rows}))
     version, params = self.weight_version, self.params
-    batch = await asyncio.to_thread(sampling.start_batch, params, self.cfg, [r.remaining_spec() for r in rows],
-                                **self._bucket_kwargs)
+    specs = [r.remaining_spec() for r in rows]
+    batch = await asyncio.to_thread(sampling.start_batch, params, self.cfg, specs, **self._bucket_kwargs)
     prompt_logp = None
     consumed = [0] * len(rows)
     while True:
@@ -251,8 +251,8 @@ class Engine:
     P = prompt_logp.shape[1]
     for b, row in enumerate(rows):
       if row.prompt_logprobs is None:  # a resumed row keeps those of its first prefill
-        L = len(row.spec.prompt)
-        row.prompt_logprobs = prompt_logp[b, P - batch.prompt_lens[b] + 1:P - batch.prompt_lens[b] + L].tolist()
+        first = P - batch.prompt_lens[b]  # left padding of this row
+        row.prompt_logprobs = prompt_logp[b, first + 1:first + len(row.spec.prompt)].tolist()
 
   def _finish_if_done(self, row: Row, done: bool, stopped: bool):
     if row.stop_strings and self._stop_string_check is not None:
