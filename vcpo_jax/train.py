@@ -70,11 +70,12 @@ def learner_config(config) -> learner.LearnerConfig:
       tis_threshold=a.tis_threshold, opob=dict(a.opob), kl_beta=a.kl_beta)
 
 
-def build_optimizer(config, *, ess: bool):
+def build_optimizer(config, *, sft: bool = False):
+  """The RL chain (with scale_by_ess when algo.ess.enabled), or the warm start's plain AdamW."""
   o, e = config.optim, config.algo.ess
-  kwargs = dict(learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                max_grad_norm=o.max_grad_norm)
-  if ess and e.enabled:
+  kwargs = dict(learning_rate=config.sft.learning_rate if sft else o.learning_rate, b1=o.b1, b2=o.b2,
+                eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+  if not sft and e.enabled:
     kwargs.update(base_ess_ratio=e.base_ess_ratio, ess_rule=e.rule, ess_trigger=e.trigger or None,
                   min_ess_brake=(e.min_ess_floor, e.min_ess_factor) if e.min_ess_floor > 0 else None)
   else:
@@ -119,7 +120,7 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
   if os.path.exists(info_path):
     with open(info_path) as f:
       return base_dir, json.load(f)
-  optimizer = build_optimizer(config, ess=False)
+  optimizer = build_optimizer(config, sft=True)
   state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
   sft_step = learner.make_sft_step(model_cfg, optimizer)
   it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
@@ -153,9 +154,11 @@ class RLRun:
     self.config, self.workdir, self.model_cfg = config, workdir, model_cfg
     self.tok, self.task, self.eval_examples, self.base_info = tok, task, eval_examples, base_info
     rl = config.rl
-    self.batch_rows = rl.prompts_per_step * rl.group_size
     self.mesh = sharding.make_mesh(config.mesh)
-    self.optimizer = build_optimizer(config, ess=True)
+    # Rows are split over data x fsdp; invalid padding rows fill the batch up to a multiple of that.
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    self.batch_rows = -(-rl.prompts_per_step * rl.group_size // shards) * shards
+    self.optimizer = build_optimizer(config)
     self.step_fn = learner.make_rl_step(model_cfg, learner_config(config), self.optimizer, mesh=self.mesh)
     base_params, _ = hf.import_hf(base_dir)
     state = learner.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
@@ -276,12 +279,14 @@ async def _async_rl(run: RLRun):
     servers = await asyncio.to_thread(
         launcher.start_servers, config.rollout.num_servers, first_dir, weights_root=weights_root,
         base_port=config.rollout.base_port, log_dir=os.path.join(run.workdir, "logs"),
-        weight_version=f"v{run.step}")
+        weight_version=f"v{run.step}",
+        extra_args=("--max-batch", str(max(64, run.batch_rows)),
+                    "--compilation-cache-dir", os.path.join(run.workdir, "jax_cache")))
     urls = [s.url for s in servers]
   client = client_lib.RolloutClient(urls, vocab_size=run.model_cfg.vocab_size,
                                     request_timeout=config.rollout.request_timeout,
                                     max_retries=config.rollout.max_retries)
-  sched = None
+  sched = publisher = None
   try:
     await client.start()
     publisher = publisher_lib.WeightPublisher(export, weights_root, client, keep_last=config.rollout.keep_versions)
@@ -304,6 +309,8 @@ async def _async_rl(run: RLRun):
   finally:
     if sched is not None:
       await sched.close()
+    if publisher is not None:
+      await publisher.close()
     await client.close()
     launcher.stop_servers(servers)
 

@@ -86,10 +86,12 @@ class EmbeddedServer:
 
 
 def start_servers(n: int, model_path: str, *, weights_root: str, base_port: int = 0, log_dir=None,
-                  weight_version: str = "v0", timeout: float = 180.0) -> list[EmbeddedServer]:
+                  weight_version: str = "v0", timeout: float = 180.0,
+                  extra_args: tuple[str, ...] = ()) -> list[EmbeddedServer]:
   """Starts n servers concurrently and waits for all; on any failure stops them all and re-raises."""
   servers = [EmbeddedServer(model_path, weights_root=weights_root, port=(base_port + i if base_port else 0),
-                            log_dir=log_dir, weight_version=weight_version) for i in range(n)]
+                            log_dir=log_dir, weight_version=weight_version, extra_args=tuple(extra_args))
+             for i in range(n)]
   try:
     for s in servers:
       s.start()

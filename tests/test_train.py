@@ -1,0 +1,105 @@
+"""The main job end to end on a tiny config: async with a real embedded server, lag emulation, resume after
+SIGKILL with the same data order, invalid config before anything starts, failed checkpoint writes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import countdown
+from vcpo_jax import train
+
+pytestmark = [pytest.mark.slow]
+
+
+def tiny_config(**overrides):
+  c = countdown.get_config()
+  c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                 max_seq_len=80)
+  c.sft.update(steps=4, batch_size=8)
+  c.rl.update(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8, max_lag=1)
+  c.task.eval_size = 8
+  c.eval_every = 2
+  c.checkpoint_every = 1
+  for key, value in overrides.items():
+    section, _, field = key.rpartition(".")
+    (c[section] if section else c)[field] = value
+  return c
+
+
+def _jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.integration
+def test_async_run_with_embedded_server(tmp_path):
+  result = train.train_and_evaluate(tiny_config(), str(tmp_path))
+  assert result["steps"] == 3
+  assert 0.0 <= result["final"]["eval/greedy_accuracy"] <= 1.0
+  scalars = _jsonl(tmp_path / "metrics.jsonl")
+  assert [s["step"] for s in scalars] == [1, 2, 3]
+  for s in scalars:
+    assert 0.0 < s["ess_ratio"] <= 1.0
+    assert s["lag/max"] <= 1
+  assert "eval/greedy_accuracy" in scalars[1]
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+  assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "3"
+  # Weight directories beyond keep_versions were deleted.
+  assert len([d for d in os.listdir(tmp_path / "weights") if d.startswith("v")]) <= 3
+  # Rerunning with the same workdir resumes at the end and does nothing more.
+  again = train.train_and_evaluate(tiny_config(), str(tmp_path))
+  assert again["steps"] == 3 and len(_jsonl(tmp_path / "metrics.jsonl")) == 3
+
+
+def _run_main(workdir, extra=()):
+  cmd = [sys.executable, "-m", "vcpo_jax.main", "--config=configs/countdown.py", f"--workdir={workdir}",
+         "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_layers=1",
+         "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
+         "--config.model.max_seq_len=80", "--config.sft.steps=4", "--config.sft.batch_size=8",
+         "--config.rl.steps=8", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
+         "--config.rl.max_new_tokens=8", "--config.rl.mode=emulate", "--config.rl.max_lag=2",
+         "--config.task.eval_size=8", "--config.eval_every=100", "--config.checkpoint_every=2", *extra]
+  env = dict(os.environ, VCPO_PROGRESS="0")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+
+def _consumed_by_step(workdir):
+  by_step = {}
+  for entry in _jsonl(os.path.join(workdir, "consumed.jsonl")):
+    by_step[entry["step"]] = entry["indices"]  # a step replayed after a kill is overwritten
+  return by_step
+
+
+def test_resume_after_sigkill_continues_steps_and_data_order(tmp_path):
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  proc = _run_main(straight)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+
+  proc = _run_main(killed)
+  deadline = time.time() + 600
+  ckpt = killed / "checkpoints"
+  while time.time() < deadline and not (ckpt.exists() and "4" in os.listdir(ckpt)):
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    time.sleep(0.2)
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  steps_before = max(_consumed_by_step(killed))
+  assert steps_before < 8, "the run finished before it could be killed"
+  proc = _run_main(killed)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  assert "resumed from checkpoint at step" in out
+  assert _consumed_by_step(killed) == _consumed_by_step(straight)
+  assert json.load(open(killed / "result.json"))["steps"] == 8
+
+
+def test_invalid_config_fails_before_anything_starts(tmp_path):
+  with pytest.raises(ValueError, match=r"rl\.max_lag"):
+    train.train_and_evaluate(tiny_config(**{"rl.max_lag": -2}), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
