@@ -133,8 +133,8 @@ def state_shardings(model_cfg: M.ModelConfig, optimizer, mesh, rules=sharding.DE
 
 def create_train_state(model_cfg: M.ModelConfig, optimizer, rng, mesh=None, rules=sharding.DEFAULT_RULES):
   """Fresh state; with a mesh it is created directly sharded (never materialised on one device)."""
-  if mesh is None:
-    return _init_state(model_cfg, optimizer, rng, boxed=False)
+  if mesh is None:  # jitted: op-by-op initialisation is slow
+    return jax.jit(lambda key: _init_state(model_cfg, optimizer, key, boxed=False))(rng)
   state, _ = sharding.create_sharded(lambda: _init_state(model_cfg, optimizer, rng, boxed=True), mesh, rules)
   return state
 
