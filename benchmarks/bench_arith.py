@@ -48,7 +48,7 @@ def produce(quick: bool) -> list[dict]:
 
 
 def _measure(quick: bool) -> list[dict]:
-  bench = bench_flops.build_learner_bench(quick=quick, variant="vcpo")
+  bench = bench_flops.build_learner_bench(quick=quick, variant="vcpo", analyze=False)
   B, T = bench.batch_size, bench.seq_len
   inputs = arithmetic_inputs(B, T, bench.group_size)
   arith = lambda: vcpo_arithmetic(*inputs)
@@ -66,13 +66,12 @@ def _measure(quick: bool) -> list[dict]:
                             repeats=repeats)
   arith_times = [t / inner for t in times["arith_x%d" % inner]]
   share = common.summarize(common.ratio_samples(arith_times, times["step"]))
-  compiled = vcpo_arithmetic.lower(*inputs).compile()
-  arith_flops = bench_flops.compiled_flops(compiled)
-  step_flops = bench_flops.compiled_flops(bench.compiled)
+  arith_flops = bench_flops.compiled_flops(vcpo_arithmetic.lower(*inputs).compile())
+  step_flops = bench.analytic_flops
   details = {
       "arith_seconds_per_call": common.summarize(arith_times).to_dict(),
       "step_seconds": common.summarize(times["step"]).to_dict(),
-      "arith_flops": arith_flops, "step_flops": step_flops,
+      "arith_flops": arith_flops, "step_model_flops_analytic": step_flops,
       "flops_share": (arith_flops / step_flops) if arith_flops and step_flops else None,
       "timed": "seq_log_weights + truncated_weights + ess_ratio + opob_advantages(group, raw, mean, std) "
                "as one separate jitted call (dispatch included: an upper bound on its cost inside the step)",

@@ -1,158 +1,180 @@
 """Figure 5: async (k = 2, 4) / sync (k = 0) RL steps per hour of the main job with embedded servers.
 
 Each run is the real CLI (`python -m vcpo_jax.main --config=configs/countdown.py`) with a few overrides
-(fewer steps; the warm start is done once and its cached base copied into the other runs' workdirs).
-Step times are the wall times TensorBoard recorded for each step's scalars, so start-up, compilation and
-the first `skip` steps and the last one (the job evaluates after its final step) are excluded, so the
-figure is the steady-state rate.
+(a short warm start done once and its cached base copied into the later runs' workdirs; evaluation and
+checkpoints pushed out of the timed window). The job appends one line per learner step to
+workdir/metrics.jsonl; we watch that file and stamp each step with our own clock when its line appears
+(TensorBoard events are flushed too rarely to be read live). Start-up, compilation and the first `skip`
+steps are left out, so the figure is the steady-state rate; a run is stopped once it has enough steps
+or its time share is spent, and whatever steps it logged are used.
 """
 from __future__ import annotations
 
 import dataclasses
-import glob
+import json
 import os
 import shutil
-import struct
+import subprocess
 import sys
 import tempfile
-from typing import Iterator, Sequence
+import time
+from typing import Sequence
 
 from benchmarks import common
 
 TITLE = "async / sync RL steps per hour (main job)"
 GOAL = ">= 1.5"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_STEPS = 1000   # rl.steps of a run: never reached, the run is stopped once measured
 
 
 @dataclasses.dataclass(frozen=True)
 class AsyncSetup:
   lags: tuple[int, ...]         # k values; the first must be 0 (the reference)
-  steps: int                    # RL steps per run
+  measured_steps: int           # steady-state steps wanted per run
   skip: int                     # first steps left out of the rate (compilation, pipeline fill)
+  budget_s: float               # all runs together; each gets an equal share of what is left
   overrides: tuple[str, ...]    # extra --config.* flags shared by every run
-  run_timeout_s: float
 
 
-FULL = AsyncSetup(lags=(0, 2, 4), steps=14, skip=3, run_timeout_s=130,
-                  overrides=("sft.steps=100", "eval_every=1000", "checkpoint_every=1000"))
-QUICK = AsyncSetup(lags=(0, 2), steps=6, skip=2, run_timeout_s=120,
-                   overrides=("sft.steps=5", "eval_every=1000", "checkpoint_every=1000", "rl.prompts_per_step=4",
-                              "rl.group_size=4", "rl.max_new_tokens=16", "task.eval_size=8"))
+FULL = AsyncSetup(lags=(0, 2, 4), measured_steps=6, skip=2, budget_s=400,
+                  overrides=("sft.steps=20", "eval_every=100000", "checkpoint_every=100000", "task.eval_size=16"))
+QUICK = AsyncSetup(lags=(0, 2), measured_steps=3, skip=2, budget_s=260,
+                   overrides=("sft.steps=5", "eval_every=100000", "checkpoint_every=100000",
+                              "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "task.eval_size=8"))
 
 
-def tfrecord_payloads(path: str) -> Iterator[bytes]:
-  """Records of a TFRecord file (u64 length, u32 crc, payload, u32 crc); a torn last record is dropped."""
-  with open(path, "rb") as f:
-    while True:
-      header = f.read(12)
-      if len(header) < 12:
-        return
-      (length,) = struct.unpack("<Q", header[:8])
-      payload = f.read(length)
-      if len(payload) < length or len(f.read(4)) < 4:
-        return
-      yield payload
-
-
-def scalar_events(logdir: str) -> list[tuple[str, int, float, float]]:
-  """(tag, step, wall_time, value) of every scalar in every event file under `logdir`."""
-  from tensorboardX.proto import event_pb2
-  out = []
-  for path in sorted(glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)):
-    for payload in tfrecord_payloads(path):
-      event = event_pb2.Event.FromString(payload)
-      for v in event.summary.value:
-        if v.WhichOneof("value") == "simple_value":
-          out.append((v.tag, int(event.step), float(event.wall_time), float(v.simple_value)))
-  return out
-
-
-def step_wall_times(events: Sequence[tuple[str, int, float, float]], tag_prefix: str = "") -> dict[int, float]:
-  """Earliest wall time at which each step wrote a scalar (optionally only tags starting with a prefix)."""
-  times: dict[int, float] = {}
-  for tag, step, wall, _ in events:
-    if tag.startswith(tag_prefix):
-      times[step] = min(wall, times.get(step, wall))
-  return times
-
-
-def _steady_steps(times: dict[int, float], skip: int, drop_last: bool) -> list[int]:
-  """Logged steps without the first `skip` (compilation) and, optionally, the last (the job evaluates there)."""
-  steps = sorted(times)[skip:]
-  if drop_last:
-    steps = steps[:-1]
-  if len(steps) < 2:
-    raise ValueError(f"need >= 2 logged steps after skip={skip}, drop_last={drop_last}; got {sorted(times)}")
+def read_steps(path: str) -> list[int]:
+  """Step numbers of the complete lines of a metrics.jsonl file (a torn last line is ignored)."""
+  if not os.path.exists(path):
+    return []
+  steps = []
+  with open(path) as f:
+    for line in f:
+      if not line.endswith("\n"):
+        break
+      try:
+        steps.append(int(json.loads(line)["step"]))
+      except (ValueError, KeyError, TypeError):
+        continue
   return steps
 
 
-def step_intervals(times: dict[int, float], skip: int, drop_last: bool = False) -> list[float]:
+def _steady_steps(times: dict[int, float], skip: int) -> list[int]:
+  steps = sorted(times)[skip:]
+  if len(steps) < 2:
+    raise ValueError(f"need >= 2 logged steps after skip={skip}; got steps {sorted(times)}")
+  return steps
+
+
+def step_intervals(times: dict[int, float], skip: int) -> list[float]:
   """Seconds per step between consecutive steady-state logged steps."""
-  steps = _steady_steps(times, skip, drop_last)
+  steps = _steady_steps(times, skip)
   return [(times[b] - times[a]) / (b - a) for a, b in zip(steps, steps[1:])]
 
 
-def steps_per_hour(times: dict[int, float], skip: int, drop_last: bool = False) -> float:
+def steps_per_hour(times: dict[int, float], skip: int) -> float:
   """Steady-state rate: logged steps over the wall time they spanned."""
-  steps = _steady_steps(times, skip, drop_last)
+  steps = _steady_steps(times, skip)
   span = times[steps[-1]] - times[steps[0]]
   if span <= 0:
     raise ValueError(f"logged wall times do not advance: {span}")
   return 3600.0 * (steps[-1] - steps[0]) / span
 
 
-def train_command(workdir: str, max_lag: int, steps: int, overrides: Sequence[str]) -> list[str]:
+def train_command(workdir: str, max_lag: int, overrides: Sequence[str], steps: int = MAX_STEPS) -> list[str]:
   flags = [f"--config.rl.max_lag={max_lag}", f"--config.rl.steps={steps}"] + [f"--config.{o}" for o in overrides]
   return [sys.executable, "-m", "vcpo_jax.main", "--config=configs/countdown.py", f"--workdir={workdir}"] + flags
 
 
-def run_training(workdir: str, max_lag: int, setup: AsyncSetup) -> None:
-  env = dict(os.environ, VCPO_PROGRESS="0")
-  proc = common.run_subprocess(train_command(workdir, max_lag, setup.steps, setup.overrides), cwd=REPO_ROOT,
-                               env=env, timeout=setup.run_timeout_s)
-  if proc.returncode != 0:
-    raise RuntimeError(f"k={max_lag} training exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_limit_s: float,
+                   poll_s: float = 0.2) -> tuple[dict[int, float], str]:
+  """Runs `cmd`, stamping each new metrics.jsonl step with time.monotonic(); stops the process tree when
+  `want_steps` steps are in, the time limit passes, or it exits. Returns (times, how it ended)."""
+  os.makedirs(workdir, exist_ok=True)
+  log_path = os.path.join(workdir, "bench_stdout_stderr.log")
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  times: dict[int, float] = {}
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=dict(os.environ, VCPO_PROGRESS="0"), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + time_limit_s
+    ended = "time limit"
+    try:
+      while time.monotonic() < deadline:
+        now = time.monotonic()
+        for step in read_steps(metrics_path):
+          times.setdefault(step, now)
+        if len(times) >= want_steps:
+          ended = "enough steps"
+          break
+        if proc.poll() is not None:
+          ended = f"exited with code {proc.returncode}"
+          break
+        time.sleep(poll_s)
+    finally:
+      if proc.poll() is None:
+        common.end_process_tree(proc)
+  if ended.startswith("exited") and proc.returncode != 0:
+    with open(log_path) as f:
+      ended += ": " + f.read()[-800:].strip()
+  return times, ended
 
 
 def produce(quick: bool) -> list[dict]:
   return common.run_figure("async_speedup", TITLE, lambda: _measure(QUICK if quick else FULL), goal=GOAL)
 
 
+def _one_run(tmp: str, k: int, base: str | None, setup: AsyncSetup, time_limit_s: float) -> tuple[float, dict]:
+  workdir = os.path.join(tmp, f"k{k}")
+  if base is not None:  # reuse the first run's warm start (SFT) instead of redoing it
+    shutil.copytree(base, os.path.join(workdir, "base"))
+  want = setup.skip + setup.measured_steps + 1
+  times, ended = watch_training(train_command(workdir, k, setup.overrides), workdir, want_steps=want,
+                                time_limit_s=time_limit_s)
+  info = {"ended": ended, "logged_steps": len(times), "time_limit_s": round(time_limit_s)}
+  try:
+    rate = steps_per_hour(times, setup.skip)
+  except ValueError as e:
+    raise RuntimeError(f"k={k}: {e}; run ended: {ended}") from None
+  info.update(steps_per_hour=rate, seconds_per_step=common.summarize(step_intervals(times, setup.skip)).to_dict())
+  return rate, info
+
+
 def _measure(setup: AsyncSetup) -> list[dict]:
   if setup.lags[0] != 0:
     raise ValueError(f"lags must start with 0 (the sync reference), got lags={setup.lags}")
   rates, errors = {}, {}
-  details = {"steps": setup.steps, "skip": setup.skip, "overrides": list(setup.overrides),
-             "timed": "TensorBoard wall time of each RL step's scalars (steady state)"}
+  details = {"measured_steps": setup.measured_steps, "skip": setup.skip, "overrides": list(setup.overrides),
+             "timed": "wall time at which each step's metrics.jsonl line appeared (steady state)"}
+  # The suite's runner says how long this job may take; keep a margin for start-up and writing results.
+  budget_s = min(setup.budget_s, float(os.environ.get("BENCH_JOB_LIMIT_S", "inf")) - 40)
+  details["budget_s"] = budget_s
+  start = time.monotonic()
   with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
     base = None
-    for k in setup.lags:
-      workdir = os.path.join(tmp, f"k{k}")
+    for i, k in enumerate(setup.lags):
+      share = (budget_s - (time.monotonic() - start)) / (len(setup.lags) - i)
       try:
-        if base is not None:  # reuse the first run's warm start (SFT) instead of redoing it
-          shutil.copytree(base, os.path.join(workdir, "base"))
-        run_training(workdir, k, setup)
-        base = base or os.path.join(workdir, "base")
-        times = step_wall_times(scalar_events(workdir))
-        rates[k] = steps_per_hour(times, setup.skip, drop_last=True)
-        intervals = step_intervals(times, setup.skip, drop_last=True)
-        details[f"k{k}"] = {"steps_per_hour": rates[k], "logged_steps": len(times),
-                            "seconds_per_step": common.summarize(intervals).to_dict()}
+        rates[k], details[f"k{k}"] = _one_run(tmp, k, base, setup, share)
       except Exception as e:  # noqa: BLE001 - one failed run must not lose the others
         errors[k] = f"{type(e).__name__}: {str(e)[-600:]}"
         details[f"k{k}"] = {"error": errors[k]}
+      candidate = os.path.join(tmp, f"k{k}", "base")
+      if base is None and os.path.exists(os.path.join(candidate, "warm_start.json")):
+        base = candidate
   figures = []
   for k in setup.lags[1:]:
     key, title = f"async_speedup_k{k}", f"async k={k} / sync k=0 RL steps per hour (main job)"
     missing = {j: errors[j] for j in (0, k) if j in errors}
     if missing:
       figures.append(common.failed_figure(key, title, "; ".join(f"k={j}: {e}" for j, e in missing.items()),
-                                          goal=GOAL))
+                                          goal=GOAL, details=details))
       continue
     figures.append(common.figure(
         key, title, unit="x", goal=GOAL, value=rates[k] / rates[0], details=details,
-        note=f"{rates[k]:.0f} vs {rates[0]:.0f} steps/h; one run each, {setup.steps} steps, first "
-             f"{setup.skip} and last left out; per-step spread in details"))
+        note=f"{rates[k]:.0f} vs {rates[0]:.0f} steps/h; one run each, first {setup.skip} steps left out; "
+             f"per-step spread in details"))
   return figures
 
 

@@ -67,7 +67,7 @@ def matmul_peak(setup: FlopsSetup) -> tuple[float, dict]:
 class LearnerBench:
   """A ready-to-time learner step on a fixed batch; `step()` threads the donated state through calls."""
   step: Callable[[], Any]
-  compiled: Any                # the same rl_step compiled once more for cost/memory analysis
+  compiled: Any                # the same rl_step compiled once more for cost analysis (None if not asked)
   analytic_flops: float
   batch_size: int
   seq_len: int
@@ -128,7 +128,7 @@ def _flat(params) -> dict:
   return {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
 
 
-def build_learner_bench(*, quick: bool, variant: str = "vcpo") -> LearnerBench:
+def build_learner_bench(*, quick: bool, variant: str = "vcpo", analyze: bool = True) -> LearnerBench:
   """The main job's model and learner (make_rl_step, unsharded) on a B x T synthetic batch."""
   import jax
   from vcpo_jax import learner, model as model_lib, optimizer as optimizer_lib
@@ -145,8 +145,9 @@ def build_learner_bench(*, quick: bool, variant: str = "vcpo") -> LearnerBench:
   lc = learner_config(variant, config)
   batch = synthetic_batch(B, T, G, model_cfg.vocab_size)
   state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
-  compiled = jax.jit(lambda s, b: learner.rl_step(s, b, model_cfg=model_cfg, learner_cfg=lc,
-                                                  optimizer=optimizer)).lower(state, batch).compile()
+  # Same function and donation as make_rl_step's jit, so the persistent compilation cache can serve one.
+  compiled = jax.jit(lambda s, b: learner.rl_step(s, b, model_cfg=model_cfg, learner_cfg=lc, optimizer=optimizer),
+                     donate_argnums=0).lower(state, batch).compile() if analyze else None
   analytic = analytic_step_flops(model_cfg, state.params, B, T)
   step_fn = learner.make_rl_step(model_cfg, lc, optimizer)
   holder = {"state": state}

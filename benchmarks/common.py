@@ -118,8 +118,9 @@ def figure(key: str, title: str, *, value: float | None = None, unit: str = "", 
   }
 
 
-def failed_figure(key: str, title: str, error: str, goal: str | None = None, note: str = "") -> dict:
-  return figure(key, title, goal=goal, error=error, note=note)
+def failed_figure(key: str, title: str, error: str, goal: str | None = None, note: str = "",
+                  details: Mapping[str, Any] | None = None) -> dict:
+  return figure(key, title, goal=goal, error=error, note=note, details=details)
 
 
 def timing_details(times: Mapping[str, Sequence[float]]) -> dict:
@@ -129,28 +130,68 @@ def timing_details(times: Mapping[str, Sequence[float]]) -> dict:
 
 def run_subprocess(cmd: Sequence[str], *, timeout: float, cwd: str | None = None,
                    env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-  """subprocess.run in its own session: on timeout the whole group is ended (a training run's servers too)."""
+  """subprocess.run, but on timeout the child and every process it started are ended (by pid).
+
+  Why by pid and not only by process group: a training run starts its rollout servers in sessions of
+  their own, which a process-group signal would not reach.
+  """
   proc = subprocess.Popen(list(cmd), cwd=cwd, env=None if env is None else dict(env), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)
   try:
     out, err = proc.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
-    _end_group(proc)
+    end_process_tree(proc)
     raise
   return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _end_group(proc: subprocess.Popen, grace_s: float = 5.0):
-  for sig in (signal.SIGTERM, signal.SIGKILL):
-    try:
-      os.killpg(proc.pid, sig)  # the group this Popen created (start_new_session): only our own processes
-    except ProcessLookupError:
-      return
-    try:
-      proc.communicate(timeout=grace_s)
-      return
-    except subprocess.TimeoutExpired:
+def descendants(pid: int) -> list[int]:
+  """Pids of every live descendant of `pid` (Linux /proc; empty elsewhere)."""
+  children: dict[int, list[int]] = {}
+  for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    if not entry.isdigit():
       continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      continue
+    children.setdefault(ppid, []).append(int(entry))
+  out, todo = [], [pid]
+  while todo:
+    for child in children.get(todo.pop(), []):
+      out.append(child)
+      todo.append(child)
+  return out
+
+
+def end_process_tree(proc: subprocess.Popen, grace_s: float = 5.0):
+  """SIGTERM the child and its descendants (collected before signalling), then SIGKILL what is left."""
+  pids = [proc.pid] + descendants(proc.pid)
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    for pid in pids:
+      try:
+        os.kill(pid, sig)
+      except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+      time.sleep(0.1)
+      proc.poll()
+    if not any(_alive(p) for p in pids):
+      break
+  try:
+    proc.communicate(timeout=grace_s)
+  except subprocess.TimeoutExpired:
+    pass
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+  except OSError:
+    return False
 
 
 def cpu_model() -> str:
@@ -205,6 +246,17 @@ def _fmt(x: float | None, unit: str = "") -> str:
   return f"{s}{unit}" if unit in ("x",) else (f"{s} {unit}" if unit else s)
 
 
+def _fmt_goal(goal: str | None, unit: str) -> str:
+  """'>= 0.5' with unit '%' reads '>= 50.00%'; other goals keep their number and gain the unit."""
+  if not goal:
+    return "-"
+  op, _, rhs = goal.strip().partition(" ")
+  try:
+    return f"{op} {_fmt(float(rhs), unit)}"
+  except ValueError:
+    return goal
+
+
 def _cell(text: str) -> str:
   return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -234,7 +286,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     else:
       value, note = _fmt(fig.get("value"), unit), fig.get("note", "")
     lines.append("| " + " | ".join(_cell(c) for c in (
-        fig["title"], value, rng, st["n"] if st else "-", fig.get("goal") or "-", met, note)) + " |")
+        fig["title"], value, rng, st["n"] if st else "-", _fmt_goal(fig.get("goal"), unit), met, note)) + " |")
   details = [f for f in results.get("figures", []) if f.get("details")]
   if details:
     lines += ["", "## Details", ""]

@@ -22,7 +22,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "benchmarks")
 QUICK_OUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "results", "quick")  # git-ignored
 COMPILATION_CACHE_DIR = os.path.join(REPO_ROOT, "benchmarks", "results", "jax_cache")  # git-ignored
-SUITE_BUDGET_S = 19 * 60   # the whole suite must fit in 20 minutes on the 2-core CPU machine
+SUITE_BUDGET_S = 19.5 * 60   # the whole suite must fit in 20 minutes on the 2-core CPU machine
 MIN_JOB_S = 30             # a job given less than this is skipped rather than started
 
 
@@ -39,10 +39,10 @@ class Job:
 # Per-job limits; the suite as a whole is held to SUITE_BUDGET_S (a job's limit shrinks to what is left).
 JOBS = (
     Job("step", "benchmarks.bench_step", "VCPO / GRPO / two-pass / micro-batch-1 oracle step", 300, 240),
-    Job("flops", "benchmarks.bench_flops", "learner FLOP/s / XLA matmul peak", 180, 150),
-    Job("arith", "benchmarks.bench_arith", "ESS + OPOB arithmetic share of the VCPO step", 150, 150),
-    Job("decode", "benchmarks.bench_decode", "decode tokens/s: ours / HF generate", 240, 150),
-    Job("async", "benchmarks.bench_async", "async / sync RL steps per hour", 420, 300),
+    Job("flops", "benchmarks.bench_flops", "learner FLOP/s / XLA matmul peak", 150, 150),
+    Job("arith", "benchmarks.bench_arith", "ESS + OPOB arithmetic share of the VCPO step", 120, 120),
+    Job("decode", "benchmarks.bench_decode", "decode tokens/s: ours / HF generate", 210, 150),
+    Job("async", "benchmarks.bench_async", "async / sync RL steps per hour", 460, 300),
 )
 
 
@@ -80,7 +80,7 @@ def run_job(job: Job, *, quick: bool, python: str = sys.executable, limit_s: flo
     limit = job.quick_timeout_s if quick else job.timeout_s
     if limit_s is not None:
       limit = min(limit, limit_s)
-    env = child_env()
+    env = dict(child_env(), BENCH_JOB_LIMIT_S=str(int(limit)))  # lets a long job fit its runs to the limit
     start = time.perf_counter()
     try:
       proc = runner(cmd, cwd=REPO_ROOT, env=env, timeout=limit)

@@ -84,7 +84,8 @@ def test_render_markdown_rows_values_and_errors():
   assert "step ratio \\| vcpo/grpo" in rows[1] and "1.25x" in rows[1] and "1.10x - 1.40x" in rows[1]
   assert "| yes |" in rows[1]
   assert "not measured" in rows[2] and "train loop missing" in rows[2]
-  assert "0.30%" in rows[3] and "| yes |" in rows[3]
+  assert "0.30%" in rows[3] and "| < 1.00% | yes |" in rows[3]
+  assert "| <= 1.30x |" in rows[1]
   assert "Test CPU" in md and "backend: cpu" in md and '"B": 64' in md
 
 
@@ -162,31 +163,53 @@ def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tm
   assert "fake figure" in md and "not measured" in md
 
 
-def test_async_reads_tensorboard_step_times(tmp_path):
-  from tensorboardX import SummaryWriter
+def test_async_read_steps_ignores_torn_last_line(tmp_path):
   from benchmarks import bench_async
-  writer = SummaryWriter(str(tmp_path / "tb"))
-  for step in range(1, 5):
-    writer.add_scalar("loss", 0.5 * step, step)
-    writer.add_scalar("ess_ratio", 1.0 / step, step)
-  writer.close()
-  events = bench_async.scalar_events(str(tmp_path))
-  assert sorted((t, s, v) for t, s, _, v in events) == sorted(
-      [("loss", s, 0.5 * s) for s in range(1, 5)] + [("ess_ratio", s, pytest.approx(1.0 / s)) for s in range(1, 5)])
-  times = bench_async.step_wall_times(events)
-  assert sorted(times) == [1, 2, 3, 4]
-  assert all(times[a] <= times[b] for a, b in zip(range(1, 4), range(2, 5)))
+  path = tmp_path / "metrics.jsonl"
+  assert bench_async.read_steps(str(path)) == []
+  path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2}\n{"step": 3, "lo')
+  assert bench_async.read_steps(str(path)) == [1, 2]
 
 
 def test_async_rate_arithmetic():
   from benchmarks import bench_async
-  times = {0: 0.0, 1: 100.0, 2: 110.0, 4: 130.0}  # step 3 not logged
+  times = {1: 0.0, 2: 100.0, 3: 110.0, 5: 130.0}  # step 4 not seen
   assert bench_async.step_intervals(times, skip=1) == [10.0, 10.0]
   assert bench_async.steps_per_hour(times, skip=1) == pytest.approx(3600.0 * 3 / 30.0)
-  assert bench_async.steps_per_hour(times, skip=0, drop_last=True) == pytest.approx(3600.0 * 2 / 110.0)
   with pytest.raises(ValueError, match="skip"):
     bench_async.steps_per_hour(times, skip=3)
-  with pytest.raises(ValueError, match="drop_last"):
-    bench_async.steps_per_hour(times, skip=2, drop_last=True)
-  cmd = bench_async.train_command("/w", 2, 7, ["sft.steps=0"])
+  cmd = bench_async.train_command("/w", 2, ["sft.steps=0"], steps=7)
   assert "--config.rl.max_lag=2" in cmd and "--config.rl.steps=7" in cmd and "--config.sft.steps=0" in cmd
+
+
+def test_async_watch_training_stamps_steps_and_stops_the_run(tmp_path):
+  from benchmarks import bench_async
+  workdir = tmp_path / "w"
+  metrics = workdir / "metrics.jsonl"
+  writer = (f"import json, time\nfor s in range(1, 100):\n  time.sleep(0.3)\n"
+            f"  open({str(metrics)!r}, 'a').write(json.dumps({{'step': s}}) + '\\n')\n")
+  times, ended = bench_async.watch_training([sys.executable, "-c", writer], str(workdir), want_steps=3,
+                                            time_limit_s=60)
+  assert ended == "enough steps" and sorted(times)[:3] == [1, 2, 3]
+  assert times[1] < times[2] < times[3]
+  times, ended = bench_async.watch_training([sys.executable, "-c", "import sys; sys.exit('bad config')"],
+                                            str(tmp_path / "w2"), want_steps=3, time_limit_s=60)
+  assert times == {} and ended.startswith("exited with code 1") and "bad config" in ended
+
+
+def test_run_subprocess_timeout_ends_grandchildren_in_other_sessions(tmp_path):
+  import subprocess
+  import time
+  pid_file = tmp_path / "grandchild.pid"
+  # The child starts a grandchild in a session of its own (as the training job starts its servers).
+  script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(60)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(p.pid)); "
+            f"time.sleep(60)")
+  with pytest.raises(subprocess.TimeoutExpired):
+    common.run_subprocess([sys.executable, "-c", script], timeout=2.0)
+  grandchild = int(pid_file.read_text())
+  for _ in range(50):
+    if not common._alive(grandchild):
+      break
+    time.sleep(0.1)
+  assert not common._alive(grandchild)
