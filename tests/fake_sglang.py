@@ -63,7 +63,8 @@ TINY_MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_laye
                   num_kv_heads=2, head_dim=8, max_seq_len=320)
 # One jit shape for every request (8 rows, 16 prompt slots, 256 new slots) and one token per decode chunk,
 # so long generations are slow enough to interrupt (kill, weight update) mid-way.
-EMBEDDED_ARGS = ("--max-prompt-len", "16", "--max-total-len", "272", "--min-batch-bucket", "8",
+# No --max-prompt-len: a resumed request sends prompt + partial output as its prompt.
+EMBEDDED_ARGS = ("--max-total-len", "272", "--min-batch-bucket", "8",
                  "--max-batch", "8", "--min-prompt-bucket", "16", "--min-new-bucket", "256",
                  "--chunk-steps", "1", "--batch-window-ms", "5")
 

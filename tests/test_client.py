@@ -278,6 +278,9 @@ def test_slow_server_times_out_and_the_sample_is_redone_elsewhere(fake_pair, tmp
 
 
 # -- against the real embedded server (python -m vcpo_jax.rollout.server) ---------------------------------
+EMBEDDED_ROOT = {}
+
+
 @pytest.fixture(scope="module")
 def embedded_pair(tmp_path_factory):
   base = tmp_path_factory.mktemp("client_e2e")
@@ -288,15 +291,17 @@ def embedded_pair(tmp_path_factory):
   try:
     for s in servers:
       s.wait_healthy(180)
+    EMBEDDED_ROOT["weights"] = str(base / "weights")
     yield servers
   finally:
     for s in servers:
       s.stop()
 
 
-def _check_real(samples, params, max_new):
+def _check_real(samples, params, max_new, version=0):
   for s in samples:
-    assert len(s.output_ids) == max_new and s.finish_reason == "length" and list(s.token_versions) == [0] * max_new
+    assert len(s.output_ids) == max_new and s.finish_reason == "length"
+    assert list(s.token_versions) == [version] * max_new
     ref = fake_sglang.reference_logprobs(params, s.prompt_ids, s.output_ids)
     np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
 
@@ -311,9 +316,9 @@ def test_end_to_end_with_the_embedded_server(embedded_pair):
     async with client_lib.RolloutClient(urls, vocab_size=vocab) as client:
       groups = await asyncio.gather(*(client.generate([5, 6, i + 1], sampling, n=3) for i in range(4)))
       again = await client.generate([5, 6, 1], sampling, n=3)
-      # The server's own limit (16 prompt tokens) is a 400: reported at once, never retried.
-      with pytest.raises(client_lib.ServerRequestError, match="400"):
-        await client.generate(list(range(1, 30)), sampling)
+      # The server's own limit (272 tokens in all) is a 400: reported at once, never retried.
+      with pytest.raises(client_lib.ServerRequestError, match="400.*max_total_len"):
+        await client.generate(list(range(1, 30)), dict(sampling, max_new_tokens=250))
       return groups, again, client.stats
 
   groups, again, stats = asyncio.run(run())
@@ -324,6 +329,50 @@ def test_end_to_end_with_the_embedded_server(embedded_pair):
   assert [s.output_ids for s in again] == [s.output_ids for s in groups[0]]  # seeded: reproducible
   assert {s.server_url for g in groups for s in g} == set(urls)  # both servers got work
   assert stats.get("retries", 0) == 0 and stats["samples_completed"] == 15
+
+
+@pytest.mark.integration
+def test_generation_aborted_for_a_weight_update_resumes_on_the_new_weights(embedded_pair):
+  """pause(abort) cuts requests short; the client resubmits prompt + partial output, and the resumed part
+  runs on the new weights: old tokens match the old params' recompute, new ones the new params'."""
+  from vcpo_jax.rollout import publisher as publisher_lib
+  urls = [s.url for s in embedded_pair]
+  vocab = fake_sglang.TINY_MODEL["vocab_size"]
+  params = {0: fake_sglang.tiny_params(0), 1: fake_sglang.tiny_params(1)}
+  sampling = {"max_new_tokens": 240, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 21}
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=vocab) as client:
+      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, EMBEDDED_ROOT["weights"], client)
+      try:
+        task = asyncio.create_task(client.generate([4, 5, 6], sampling, n=2))
+        # Both requests must be inside the servers' engines (else the pause finds nothing to abort).
+        while True:
+          infos = await asyncio.gather(*(client.request_json(u, "GET", "/get_model_info") for u in urls))
+          if sum(info["num_in_flight"] for _, info in infos) >= 2:
+            break
+          await asyncio.sleep(0.002)
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(client.request_json(u, "POST", "/pause_generation", {"mode": "abort"})
+                               for u in urls))
+        await pub.publish(params[1], 1)  # pause(in_place) -> update -> continue: the resumed part runs on v1
+        return await task, client.stats
+      finally:
+        await pub.close()
+
+  samples, stats = asyncio.run(run())
+  assert stats["aborted_resumed"] >= 2
+  for s in samples:
+    v = s.token_versions
+    assert s.num_resumes >= 1 and len(v) == 240 and s.finish_reason == "length", (s.num_resumes, v.tolist())
+    assert np.all(np.diff(v) >= 0) and set(v.tolist()) <= {0, 1} and v[-1] == 1
+    cut = int(np.sum(v == 0))
+    np.testing.assert_allclose(s.output_logprobs[:cut],
+                               fake_sglang.reference_logprobs(params[0], s.prompt_ids, s.output_ids[:cut]),
+                               atol=2e-4, rtol=0)
+    np.testing.assert_allclose(s.output_logprobs[cut:],
+                               fake_sglang.reference_logprobs(params[1], s.prompt_ids, s.output_ids)[cut:],
+                               atol=2e-4, rtol=0)
 
 
 @pytest.mark.integration
@@ -343,6 +392,9 @@ def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair
       groups = await asyncio.gather(*tasks)
       return groups, client.stats
 
+  # Earlier tests may have published newer weights; by convention version v runs tiny_params(v).
+  info = json.loads(urllib.request.urlopen(survivor.url + "/get_model_info", timeout=10).read())
+  version = client_lib.version_from_wire(info["weight_version"])
   groups, stats = asyncio.run(run())
   victim.proc.wait()
   assert stats["connection_errors"] >= 1 and stats["marked_down"] >= 1
@@ -350,7 +402,7 @@ def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair
   # Every sample completed exactly once, all of those cut off were redone on the survivor.
   assert [len(g) for g in groups] == [2] * 6 and stats["samples_completed"] == 12
   assert sum(s.server_url == survivor.url for g in groups for s in g) >= 6
-  params = fake_sglang.tiny_params(0)
+  params = fake_sglang.tiny_params(version)
   for prompt, samples in zip(prompts, groups):
     assert all(s.prompt_ids == prompt for s in samples)
-    _check_real(samples, params, 240)
+    _check_real(samples, params, 240, version)
