@@ -66,6 +66,7 @@ class RolloutScheduler:
   (or the restored version after load_state_dict); each call returns `batch_groups` groups (fewer only
   when the prompts are exhausted). With a `sampling_seed` in sampling_params, group i uses
   seed + i * group_size (the client adds the sample index), so runs are reproducible per group.
+  `max_inflight_groups` optionally caps the groups started but not yet consumed below B * (k + 1).
   """
 
   def __init__(self, generate_fn: GenerateFn, prompts: Iterator[dict], *, sampling_params: dict,
@@ -207,7 +208,8 @@ class RolloutScheduler:
       self._consume(group, learner_version)
     self._next_step = learner_version + 1
     self._counts["batches"] += 1
-    self._counts["batch_wait_ms"] += int(1000 * (time.perf_counter() - t0))
+    self._counts["last_batch_wait_ms"] = int(1000 * (time.perf_counter() - t0))
+    self._counts["batch_wait_ms"] += self._counts["last_batch_wait_ms"]
     return batch
 
   def _consume(self, group: Group, version: int) -> None:
