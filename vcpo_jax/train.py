@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import shutil
+import re
 import time
 from typing import Any
 
@@ -252,6 +251,7 @@ class RLRun:
 
 
 def _client_metrics(stats: dict) -> dict:
+  """Numeric rollout stats as flat TensorBoard names (server URLs become legal name parts)."""
   out = {}
   for key, value in stats.items():
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -259,7 +259,7 @@ def _client_metrics(stats: dict) -> dict:
     elif isinstance(value, dict):
       for sub, v in value.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-          out[f"rollout/{key}/{sub}"] = float(v)
+          out[f"rollout/{key}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', str(sub))}"] = float(v)
   return out
 
 
