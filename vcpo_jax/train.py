@@ -196,6 +196,7 @@ class RLRun:
   def to_arrays(self, groups) -> batching.RolloutArrays:
     return batching.groups_to_arrays(
         groups, seq_len=self.seq_len, pad_id=self.tok.pad_id, num_rows=self.batch_rows,
+        vocab_size=self.model_cfg.vocab_size,
         decode=lambda ids: completion_text(self.tok, ids),
         reward_fn=self.task.reward)
 

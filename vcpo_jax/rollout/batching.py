@@ -23,9 +23,12 @@ class RolloutArrays:
 
 
 def groups_to_arrays(groups: Sequence, *, seq_len: int, pad_id: int, decode: Callable[[list[int]], str],
-                     reward_fn: Callable[[dict, str], float], num_rows: int | None = None) -> RolloutArrays:
+                     reward_fn: Callable[[dict, str], float], num_rows: int | None = None,
+                     vocab_size: int | None = None) -> RolloutArrays:
   """`groups` carry .example, .samples (prompt_ids, output_ids, output_logprobs, token_versions) and
-  .sample_lags. Rows beyond the real samples (to fill `num_rows`) are invalid padding rows."""
+  .sample_lags. Rows beyond the real samples (to fill `num_rows`) are invalid padding rows. Token ids outside
+  [0, vocab_size) and non-finite sampler log-probs are rejected here: inside jit they would be clamped or
+  poison the whole batch silently."""
   samples = [(gi, g, s, lag) for gi, g in enumerate(groups) for s, lag in zip(g.samples, g.sample_lags)]
   B = num_rows or len(samples)
   if len(samples) > B:
@@ -44,7 +47,13 @@ def groups_to_arrays(groups: Sequence, *, seq_len: int, pad_id: int, decode: Cal
     end = len(prompt) + len(out)
     if end > seq_len:
       raise ValueError(f"sample of group {g.index} has {end} tokens, more than seq_len={seq_len}")
-    tokens[row, :end] = prompt + out
+    ids = np.asarray(prompt + out, np.int64)
+    if vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+      bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+      raise ValueError(f"group {g.index}: token id {bad} outside the vocabulary [0, {vocab_size})")
+    if not np.all(np.isfinite(np.asarray(s.output_logprobs, np.float64))):
+      raise ValueError(f"group {g.index}: non-finite sampler log-prob in output_logprobs")
+    tokens[row, :end] = ids
     mask[row, len(prompt):end] = 1.0
     logp[row, len(prompt):end] = np.asarray(s.output_logprobs, np.float32)
     version[row, len(prompt):end] = np.asarray(s.token_versions, np.int32)
