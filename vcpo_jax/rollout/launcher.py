@@ -32,7 +32,7 @@ class EmbeddedServer:
     self.url = f"http://{host}:{self.port}"
     self.argv = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", model_path,
                  "--host", host, "--port", str(self.port), "--weights-root", weights_root,
-                 "--weight-version", weight_version, *extra_args]
+                 "--weight-version", weight_version, "--parent-pid", str(os.getpid()), *extra_args]
     log_dir = log_dir or tempfile.gettempdir()
     os.makedirs(log_dir, exist_ok=True)
     self.log_path = os.path.join(log_dir, f"server-{self.port}.log")

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -394,7 +395,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compilation-cache-dir", default=None,
                  help="JAX persistent compilation cache: restarted servers skip the jit compiles")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
+  p.add_argument("--parent-pid", type=int, default=None,
+                 help="exit when this process is gone (a trainer killed with SIGKILL leaves no orphan server)")
   return p.parse_args(argv)
+
+
+def _exit_with_parent(pid: int, interval_s: float = 1.0):
+  """Watchdog thread: the server's own process exits once `pid` no longer exists."""
+  def watch():
+    while True:
+      time.sleep(interval_s)
+      try:
+        os.kill(pid, 0)
+      except ProcessLookupError:
+        log.warning("parent process %d is gone; exiting", pid)
+        os._exit(0)
+      except PermissionError:
+        pass
+  threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
 def main(argv=None):
@@ -403,6 +421,8 @@ def main(argv=None):
                       format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   if args.compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+  if args.parent_pid:
+    _exit_with_parent(args.parent_pid)
   try:
     state = load_state(args)
   except (ValueError, OSError, KeyError) as e:
