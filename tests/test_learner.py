@@ -215,3 +215,33 @@ def test_bad_config_and_batch_name_the_field():
   with pytest.raises(ValueError, match="group_size"):
     oracle.oracle_grads(_params(), CFG, batch.tokens_BxT, batch.mask_BxT, batch.sampler_logp_BxT,
                         batch.rewards_B, group_size=3)
+
+
+@skip_if_not_enough_devices(8)
+@pytest.mark.parametrize("mesh_shape", [None, dict(data=2, tensor=4)])
+def test_micro_batched_step_equals_whole_batch(mesh_shape):
+  """Chunks of whole groups (scan) give the whole-batch step; with 2 data shards each chunk spans both."""
+  batch = _batch().replace(group_B=np.repeat(np.arange(B // 2), 2).astype(np.int32))  # groups of 2
+  want, want_m = _run(Lr.LearnerConfig(), batch)
+  lc = Lr.LearnerConfig(micro_batch_size=4)
+  opt = _step(Lr.LearnerConfig())[1]
+  mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
+  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
+  got, got_m = Lr.make_rl_step(CFG, lc, opt, mesh=mesh)(state, batch)
+  params = _params()
+  delta = lambda s: jax.tree.map(lambda a, p: np.asarray(a, np.float64) - np.asarray(p, np.float64), s, params)
+  _assert_tree_close(delta(got.params), delta(want.params), 1e-5, "param delta")
+  for key in ("loss", "ess_ratio", "baseline", "grad_norm", "entropy", "seq_grad_norm/p50"):
+    np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, err_msg=key)
+  np.testing.assert_allclose(got_m["hist/logw_B"], want_m["hist/logw_B"], rtol=1e-5, atol=1e-5)
+
+
+def test_micro_batch_misuse_names_the_field():
+  with pytest.raises(ValueError, match="micro_batch_size"):
+    Lr.LearnerConfig(advantage="reinforce", micro_batch_size=4)
+  with pytest.raises(ValueError, match="micro_batch_size"):
+    Lr.LearnerConfig(opob=dict(scope="minibatch"), micro_batch_size=4)
+  with pytest.raises(ValueError, match="splits prompt group"):
+    Lr.check_chunks(_batch(), micro_batch_size=2)  # groups of 4 in chunks of 2
+  with pytest.raises(ValueError, match="micro_batch_size"):
+    Lr.check_chunks(_batch(), micro_batch_size=3)

@@ -8,6 +8,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from vcpo_jax import grad_norms, losses, model as M, optimizer as optimizer_lib, sharding, vcpo
@@ -17,6 +18,9 @@ from vcpo_jax import grad_norms, losses, model as M, optimizer as optimizer_lib,
 SEQ_SCALAR_LOSSES = ("vcpo", "seq_tis", "topr")
 GRAD_PATHS = ("auto", "two_pass")
 _TAU_LOSSES = ("vcpo", "seq_tis")
+# Micro-batching is exact when advantages are group-local and the loss has no batch-global statistic.
+GROUP_LOCAL_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "opob")
+BATCH_GLOBAL_LOSSES = ("m2po",)
 
 
 # ---------------------------------------------------------------------------------------------- data types
@@ -56,6 +60,24 @@ def check_batch(batch: RLBatch):
       raise ValueError(f"RLBatch.{field.name} must have shape {want}, got {tuple(value.shape)}")
 
 
+def check_chunks(batch: RLBatch, micro_batch_size: int, row_shards: int = 1):
+  """Host-side: micro-batch chunks (see _chunk_order) must hold whole prompt groups."""
+  b = batch.tokens_BxT.shape[0]
+  if not micro_batch_size or micro_batch_size >= b:
+    return
+  if b % micro_batch_size or micro_batch_size % row_shards:
+    raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch rows B={b} and be a multiple "
+                     f"of the data shards ({row_shards})")
+  chunk_of_row = np.empty(b, np.int64)
+  chunk_of_row[_chunk_order(b, micro_batch_size, row_shards).reshape(-1)] = np.repeat(
+      np.arange(b // micro_batch_size), micro_batch_size)
+  groups = np.asarray(batch.group_B)
+  for g in np.unique(groups):
+    if len(np.unique(chunk_of_row[groups == g])) > 1:
+      raise ValueError(f"micro_batch_size={micro_batch_size} splits prompt group {g} across chunks; groups must "
+                       f"be contiguous rows and the group size must divide micro_batch_size / data shards")
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
   """What the RL step computes; names refer to the registries in losses.py (plain values, no ml_collections)."""
@@ -69,6 +91,7 @@ class LearnerConfig:
   kl_beta: float = 0.0
   grad_path: str = "auto"                  # 'auto': book-keeping when possible; 'two_pass': norms, then backward
   grad_norm_mode: str = "auto"             # grad_norms mode: 'auto' | 'ghost' | 'explicit'
+  micro_batch_size: int = 0                # > 0: rows processed in chunks of whole groups (scan); 0: at once
 
   def __post_init__(self):
     # Option mappings are frozen to sorted (key, value) tuples so the config is hashable (a cache key).
@@ -87,6 +110,20 @@ class LearnerConfig:
     if self.grad_norm_mode not in grad_norms.MODES:
       raise ValueError(f"grad_norm_mode must be one of {grad_norms.MODES}, got {self.grad_norm_mode!r}")
     vcpo.OPOBOptions(**dict(self.opob))
+    if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 0:
+      raise ValueError(f"micro_batch_size must be an int >= 0, got micro_batch_size={self.micro_batch_size!r}")
+    if self.micro_batch_size and not self.chunkable:
+      raise ValueError(
+          f"micro_batch_size={self.micro_batch_size} needs statistics local to prompt groups: advantage one of "
+          f"{GROUP_LOCAL_ADVANTAGES} (opob with scope='group') and a policy loss other than {BATCH_GLOBAL_LOSSES}; "
+          f"got advantage={self.advantage!r}, policy_loss={self.policy_loss!r}")
+
+  @property
+  def chunkable(self) -> bool:
+    """Whether each row's advantage and loss depend only on its own group (so chunks of groups are exact)."""
+    local = self.advantage in GROUP_LOCAL_ADVANTAGES and (
+        self.advantage != "opob" or self.opob_options().scope == "group")
+    return local and self.policy_loss not in BATCH_GLOBAL_LOSSES
 
   def opob_options(self) -> vcpo.OPOBOptions:
     return vcpo.OPOBOptions(**dict(self.opob))
@@ -101,7 +138,7 @@ class LearnerConfig:
             and not self.kl_beta)
 
   def estimator_options(self) -> dict:
-    return dict(self.opob) if self.advantage == "opob" else dict(self.advantage_options)
+    return dict(self.advantage_options)
 
   def loss_options(self) -> dict:
     opts = dict(self.policy_loss_options)
@@ -151,25 +188,23 @@ def _masked_percentile(x_B, keep_B, q):
 
 
 def _sample_stats(logp_BxT, batch: RLBatch, mask_BxT, valid_B, sq_norms_B, lc: LearnerConfig) -> dict:
-  """IS weights, global ESS and advantages (all stop-gradient) for one batch."""
+  """IS weights and advantages (stop-gradient) of the given rows (the ESS is formed over the whole batch)."""
   logp_BxT = jax.lax.stop_gradient(logp_BxT)
   logw_B = vcpo.seq_log_weights(logp_BxT, batch.sampler_logp_BxT, mask_BxT)
   wt_B = vcpo.truncated_weights(logw_B, lc.tis_threshold)
   lengths_B = jnp.sum(mask_BxT, axis=-1)
-  inputs = losses.AdvantageInputs(rewards_B=batch.rewards_B.astype(jnp.float32), group_B=batch.group_B,
-                                  logw_B=logw_B, wt_B=wt_B, lengths_B=lengths_B, sq_norms_B=sq_norms_B,
-                                  valid_B=valid_B)
-  adv_B = losses.get_advantage_fn(lc.advantage)(inputs, **lc.estimator_options())
-  stats = {"logw_B": logw_B, "wt_B": wt_B, "adv_B": adv_B, "lengths_B": lengths_B,
-           "ess": vcpo.ess(logw_B, valid_B), "ess_ratio": vcpo.ess_ratio(logw_B, valid_B)}
-  if lc.advantage == "opob":
+  rewards_B = batch.rewards_B.astype(jnp.float32)
+  if lc.advantage == "opob":  # called directly (not via the registry) to also get the baseline for logging
     o = lc.opob_options()
-    _, baseline_B = vcpo.opob_advantages(
-        inputs.rewards_B, batch.group_B, sq_norms_B, logw_B, wt_B, lengths_B, scope=o.scope,
+    adv_B, baseline_B = vcpo.opob_advantages(
+        rewards_B, batch.group_B, sq_norms_B, logw_B, wt_B, lengths_B, scope=o.scope,
         is_weight=o.is_weight, normalize_by_length=o.normalize_by_length, aggregation=o.aggregation,
         norm_by_std=o.norm_by_std, winsor_quantiles=tuple(o.winsor_quantiles), valid_B=valid_B)
-    stats["baseline_B"] = baseline_B
-  return stats
+    return {"logw_B": logw_B, "wt_B": wt_B, "adv_B": adv_B, "baseline_B": baseline_B}
+  inputs = losses.AdvantageInputs(rewards_B=rewards_B, group_B=batch.group_B, logw_B=logw_B, wt_B=wt_B,
+                                  lengths_B=lengths_B, valid_B=valid_B)
+  adv_B = losses.get_advantage_fn(lc.advantage)(inputs, **lc.estimator_options())
+  return {"logw_B": logw_B, "wt_B": wt_B, "adv_B": adv_B}
 
 
 def _policy_loss(logp_BxT, batch: RLBatch, mask_BxT, adv_B, lc: LearnerConfig):
@@ -217,6 +252,45 @@ def _loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: Le
 
   (loss, (stats, ent_BxT, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   return loss, grads, stats, ent_BxT, sq_B, aux
+
+
+def _aggregation_denominator(mask_BxT, mode: str):
+  """What losses.aggregate divides by over these rows: tokens ('token-mean') or non-empty rows (else)."""
+  len_B = jnp.sum(mask_BxT, axis=-1)
+  if mode == "token-mean":
+    return jnp.maximum(jnp.sum(len_B), 1.0)
+  return jnp.maximum(jnp.sum((len_B > 0).astype(jnp.float32)), 1.0)
+
+
+def _chunk_order(b: int, micro: int, row_shards: int):
+  """Row permutation into [chunks, micro]: each chunk takes micro/row_shards contiguous rows of every
+  data shard, so every device works on every chunk (and contiguous groups stay whole)."""
+  idx = np.arange(b).reshape(row_shards, b // micro, micro // row_shards)
+  return idx.transpose(1, 0, 2).reshape(b // micro, micro)
+
+
+def _chunked_loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: LearnerConfig,
+                            row_shards: int):
+  """Same results as _loss_and_grads on the whole batch, computed by a scan over chunks of whole groups."""
+  b, micro = mask_BxT.shape[0], lc.micro_batch_size
+  order = _chunk_order(b, micro, row_shards)
+  chunks = jax.tree.map(lambda x: x[order], (batch, mask_BxT, valid_B))
+  total_den = _aggregation_denominator(mask_BxT, lc.aggregation)
+
+  def body(acc, chunk):
+    cb, cm, cv = chunk
+    loss, grads, stats, ent, sq, aux = _loss_and_grads(params, cb, cm, cv, model_cfg, lc)
+    scale = _aggregation_denominator(cm, lc.aggregation) / total_den  # chunk mean -> share of batch mean
+    acc = jax.tree.map(lambda a, g: a + scale * g.astype(a.dtype), acc, grads)
+    return acc, (loss * scale, stats, ent, sq, aux)
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  grads, (loss_n, stats, ent, sq, aux) = jax.lax.scan(body, zeros, chunks)
+  inverse = np.argsort(order.reshape(-1))
+  rows = lambda x: x.reshape((b,) + x.shape[2:])[inverse]
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return (jnp.sum(loss_n), grads, jax.tree.map(rows, stats), rows(ent), None if sq is None else rows(sq),
+          jax.tree.map(jnp.mean, aux))
 
 
 def _all_finite(tree) -> jax.Array:
@@ -270,12 +344,22 @@ def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B
 
 
 def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: M.ModelConfig, learner_cfg: LearnerConfig,
-            optimizer: optax.GradientTransformationExtraArgs):
-  """One RL update (pure): recompute log-probs, IS weights, ESS, advantages, weighted gradient, optimizer."""
+            optimizer: optax.GradientTransformationExtraArgs, row_shards: int = 1):
+  """One RL update (pure): recompute log-probs, IS weights, ESS, advantages, weighted gradient, optimizer.
+
+  row_shards: how many data shards the rows are split over (only orders micro-batch chunks).
+  """
   lc = learner_cfg
   valid_B = _valid(batch)
   mask_BxT = batch.mask_BxT.astype(jnp.float32) * valid_B[:, None].astype(jnp.float32)
-  loss, grads, stats, ent_BxT, sq_B, aux = _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc)
+  if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0]:
+    loss, grads, stats, ent_BxT, sq_B, aux = _chunked_loss_and_grads(
+        state.params, batch, mask_BxT, valid_B, model_cfg, lc, row_shards)
+  else:
+    loss, grads, stats, ent_BxT, sq_B, aux = _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg,
+                                                             lc)
+  stats["ess"] = vcpo.ess(stats["logw_B"], valid_B)
+  stats["ess_ratio"] = vcpo.ess_ratio(stats["logw_B"], valid_B)
   # A NaN reward can be absorbed silently (e.g. a NaN group std reads as "std 0" -> advantage 0), so
   # corrupt inputs are checked directly rather than only through the gradient.
   inputs_ok = (jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
@@ -337,9 +421,14 @@ def _jit_step(fn: Callable, model_cfg, optimizer, mesh, rules, check: Callable, 
 def make_rl_step(model_cfg: M.ModelConfig, learner_cfg: LearnerConfig, optimizer, mesh=None,
                  rules=sharding.DEFAULT_RULES):
   """`step(state, batch) -> (state, metrics)`, jitted once (state donated; shardings when a mesh is given)."""
+  shards = _batch_rows(mesh)
   fn = lambda state, batch: rl_step(state, batch, model_cfg=model_cfg, learner_cfg=learner_cfg,
-                                    optimizer=optimizer)
-  return _jit_step(fn, model_cfg, optimizer, mesh, rules, check_batch)
+                                    optimizer=optimizer, row_shards=shards)
+
+  def check(batch):
+    check_batch(batch)
+    check_chunks(batch, learner_cfg.micro_batch_size, shards)
+  return _jit_step(fn, model_cfg, optimizer, mesh, rules, check)
 
 
 def make_sft_step(model_cfg: M.ModelConfig, optimizer, mesh=None, rules=sharding.DEFAULT_RULES):
