@@ -23,7 +23,13 @@ class DecodeSetup:
   no_cache_repeats: int       # the no-cache baseline is ~20x slower: fewer rounds, headline batch only
 
 
-FULL = DecodeSetup(batches=(64, 16), prompt_len=58, new_tokens=32, warmup=1, repeats=5, no_cache_repeats=2)
+def _main_job_new_tokens() -> int:
+  from configs import countdown
+  return int(countdown.get_config().rl.max_new_tokens)
+
+
+FULL = DecodeSetup(batches=(64, 16), prompt_len=58, new_tokens=_main_job_new_tokens(), warmup=1, repeats=5,
+                   no_cache_repeats=2)
 QUICK = DecodeSetup(batches=(8,), prompt_len=16, new_tokens=16, warmup=1, repeats=2, no_cache_repeats=1)
 
 

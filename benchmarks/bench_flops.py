@@ -129,15 +129,14 @@ def _flat(params) -> dict:
 
 
 def build_learner_bench(*, quick: bool, variant: str = "vcpo", analyze: bool = True) -> LearnerBench:
-  """The main job's model and learner (make_rl_step, unsharded) on a B x T synthetic batch."""
+  """The main job's model, learner (make_rl_step, unsharded) and batch shape, on synthetic data."""
   import jax
   from vcpo_jax import learner, model as model_lib, optimizer as optimizer_lib
   config = main_job_config()
   model_cfg = model_lib.ModelConfig.from_dict(config.model)
-  B, T = (16, 32) if quick else (64, 128)
+  # The main job's learner batch: prompts_per_step * group_size rows padded to model.max_seq_len.
+  B, T = (16, 32) if quick else (config.rl.prompts_per_step * config.rl.group_size, model_cfg.max_seq_len)
   G = min(config.rl.group_size, B)
-  if T > model_cfg.max_seq_len:
-    raise ValueError(f"bench seq_len={T} exceeds model.max_seq_len={model_cfg.max_seq_len}")
   o = config.optim
   optimizer = optimizer_lib.build_optimizer(learning_rate=o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
                                             weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm,
