@@ -13,6 +13,8 @@ from vcpo_jax import model as M
 # s_i = grad_theta sum_t m_t log pi(y_t) is the score of sequence i. For every parametrised op we hold its
 # inputs a (sown) and the output-gradients g of sum_i sum_t m log pi (gradient wrt a zero perturbation);
 # rows do not interact, so row i of g is sequence i's own output-gradient.
+# Memory: a and g of every layer are held for the rows given at once; callers bound it by passing
+# micro-batches (learner.LearnerConfig.micro_batch_size scans over chunks of whole prompt groups).
 
 MODES = ("auto", "ghost", "explicit")
 CoefFn = Callable[..., tuple[jax.Array, Any]]
@@ -64,7 +66,8 @@ def _one_hot(tokens_BxT, vocab_size: int):
 
 def embedding_sq_norms(tokens_BxT, g_BxTxD, vocab_size: int, mode: str = "auto"):
   """Squared norm of the row-scatter of g by token id: sum_{t,s: id_t = id_s} <g_t, g_s>."""
-  if (tokens_BxT.shape[1] < vocab_size) if mode == "auto" else mode == "ghost":  # T^2 D vs T V D
+  ghost = tokens_BxT.shape[1] < vocab_size if mode == "auto" else mode == "ghost"  # T^2 D vs T V D FLOPs
+  if ghost:
     same_BxTxS = tokens_BxT[:, :, None] == tokens_BxT[:, None, :]
     return jnp.maximum(jnp.sum(jnp.where(same_BxTxS, _gram(g_BxTxD), 0.0), axis=(1, 2)), 0.0)
   de_BxVxD = jnp.einsum("btv,btd->bvd", _one_hot(tokens_BxT, vocab_size), g_BxTxD,
