@@ -213,3 +213,10 @@ def test_run_subprocess_timeout_ends_grandchildren_in_other_sessions(tmp_path):
       break
     time.sleep(0.1)
   assert not common._alive(grandchild)
+
+
+def test_decode_baseline_takes_the_faster_variant_per_round():
+  from benchmarks import bench_decode
+  assert bench_decode.best_of_rounds([1.0, 5.0, 2.0], [3.0, 1.0, 2.5]) == [1.0, 1.0, 2.0]
+  assert bench_decode.random_prompts(3, 5, 10) == bench_decode.random_prompts(3, 5, 10)
+  assert all(len(p) == 5 and all(1 <= t < 10 for t in p) for p in bench_decode.random_prompts(3, 5, 10))
