@@ -220,3 +220,14 @@ def test_decode_baseline_takes_the_faster_variant_per_round():
   assert bench_decode.best_of_rounds([1.0, 5.0, 2.0], [3.0, 1.0, 2.5]) == [1.0, 1.0, 2.0]
   assert bench_decode.random_prompts(3, 5, 10) == bench_decode.random_prompts(3, 5, 10)
   assert all(len(p) == 5 and all(1 <= t < 10 for t in p) for p in bench_decode.random_prompts(3, 5, 10))
+
+
+def test_async_speedup_figures_pair_steps_and_report_failed_runs():
+  from benchmarks import bench_async
+  setup = bench_async.AsyncSetup(lags=(0, 2, 4), measured_steps=3, skip=1, budget_s=10, overrides=())
+  details = {"k0": {"intervals_s": [4.0, 6.0, 5.0]}, "k2": {"intervals_s": [2.0, 3.0, 5.0, 1.0]}}
+  figs = bench_async.speedup_figures(setup, {0: 720.0, 2: 1200.0}, {4: "RuntimeError: boom"}, details)
+  assert [f["key"] for f in figs] == ["async_speedup_k2", "async_speedup_k4"]
+  assert figs[0]["stats"] == {"median": 2.0, "min": 1.0, "max": 2.0, "n": 3} and figs[0]["goal_met"] is True
+  assert "1.67x" in figs[0]["note"]
+  assert figs[1]["error"] == "k=4: RuntimeError: boom" and figs[1]["value"] is None
