@@ -1,6 +1,5 @@
 """Benchmark harness: statistics, goal checks, table rendering and failure isolation of figure subprocesses."""
 import json
-import os
 import sys
 import textwrap
 
