@@ -9,21 +9,14 @@ import time
 
 import pytest
 
-from configs import countdown
+from configs import tiny
 from vcpo_jax import train
 
 pytestmark = [pytest.mark.slow]
 
 
 def tiny_config(**overrides):
-  c = countdown.get_config()
-  c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                 max_seq_len=80)
-  c.sft.update(steps=4, batch_size=8)
-  c.rl.update(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8, max_lag=1)
-  c.task.eval_size = 8
-  c.eval_every = 2
-  c.checkpoint_every = 1
+  c = tiny.get_config()
   for key, value in overrides.items():
     section, _, field = key.rpartition(".")
     (c[section] if section else c)[field] = value
@@ -56,13 +49,9 @@ def test_async_run_with_embedded_server(tmp_path):
 
 
 def _run_main(workdir, extra=()):
-  cmd = [sys.executable, "-m", "vcpo_jax.main", "--config=configs/countdown.py", f"--workdir={workdir}",
-         "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_layers=1",
-         "--config.model.num_heads=2", "--config.model.num_kv_heads=1", "--config.model.head_dim=16",
-         "--config.model.max_seq_len=80", "--config.sft.steps=4", "--config.sft.batch_size=8",
-         "--config.rl.steps=8", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
-         "--config.rl.max_new_tokens=8", "--config.rl.mode=emulate", "--config.rl.max_lag=2",
-         "--config.task.eval_size=8", "--config.eval_every=100", "--config.checkpoint_every=2", *extra]
+  cmd = [sys.executable, "-m", "vcpo_jax.main", "--config=configs/tiny.py:emulate", f"--workdir={workdir}",
+         "--config.rl.steps=8", "--config.rl.max_lag=2", "--config.eval_every=100",
+         "--config.checkpoint_every=2", *extra]
   env = dict(os.environ, VCPO_PROGRESS="0")
   env.pop("XLA_FLAGS", None)
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
