@@ -1,15 +1,13 @@
-"""One process of the two-process (multi-host on localhost) check; run by tests/test_multihost.py."""
-import os
+"""One process of the two-process (multi-host on localhost) check; run by tests/test_multihost.py with
+XLA_FLAGS giving each process 4 CPU devices."""
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from vcpo_jax import model as M, sharding  # noqa: E402
+from vcpo_jax import model as M, sharding
 
 CFG = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64)

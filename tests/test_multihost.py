@@ -18,8 +18,7 @@ pytestmark = pytest.mark.integration
 
 def test_two_process_forward_equals_single_process(tmp_path):
   port = str(free_port())
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), port,
                              str(tmp_path / f"logp{i}.npy")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
