@@ -50,6 +50,12 @@ def _brute(tied: bool):
   return jax.jit(jax.vmap(jax.grad(seq_logp), in_axes=(None, 0, 0)))(params, tokens, mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _norms_fn(cfg: M.ModelConfig, mode: str = "auto"):
+  """One compiled norms function per (config, mode), shared by the tests."""
+  return jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg, mode=mode))
+
+
 def _leaf_sq(per_seq):
   return {"/".join(k): np.sum(np.square(np.asarray(v, np.float64).reshape(B, -1)), axis=1)
           for k, v in traverse_util.flatten_dict(per_seq).items()}
@@ -61,8 +67,7 @@ def _leaf_sq(per_seq):
 def test_norms_match_vmap_grad_per_leaf(tied, mode):
   cfg, params, tokens, mask = _setup(tied)
   want = _leaf_sq(_brute(tied))
-  sq_B, aux = jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg, mode=mode))(
-      params, tokens_BxT=tokens, mask_BxT=mask)
+  sq_B, aux = _norms_fn(cfg, mode)(params, tokens_BxT=tokens, mask_BxT=mask)
   np.testing.assert_allclose(sq_B[:3], sum(want.values())[:3], rtol=1e-5)
   assert float(sq_B[3]) == 0.0  # empty response has zero score
   # Every parameter leaf has its own entry and matches on its own, so that even the k bias (share ~1e-5 of
@@ -126,10 +131,8 @@ def test_weighted_grad_matches_vmap_and_jax_grad(tied, two_pass):
 def test_bfloat16_compute_stays_close():
   cfg, params, tokens, mask = _setup(False)
   cfg16 = M.ModelConfig(**{**cfg.to_dict(), "dtype": "bfloat16"})
-  sq32, _ = jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg))(
-      params, tokens_BxT=tokens, mask_BxT=mask)
-  sq16, _ = jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg16))(
-      params, tokens_BxT=tokens, mask_BxT=mask)
+  sq32, _ = _norms_fn(cfg)(params, tokens_BxT=tokens, mask_BxT=mask)
+  sq16, _ = _norms_fn(cfg16)(params, tokens_BxT=tokens, mask_BxT=mask)
   assert sq16.dtype == jnp.float32
   np.testing.assert_allclose(sq16[:3], sq32[:3], rtol=0.1)
 

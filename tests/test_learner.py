@@ -218,14 +218,14 @@ def test_bad_config_and_batch_name_the_field():
 
 
 @skip_if_not_enough_devices(8)
-@pytest.mark.parametrize("mesh_shape", [None, dict(data=2, tensor=4)])
-def test_micro_batched_step_equals_whole_batch(mesh_shape):
+def test_micro_batched_step_equals_whole_batch():
   """Chunks of whole groups (scan) give the whole-batch step; with 2 data shards each chunk spans both."""
+  mesh_shape = dict(data=2, tensor=4)
   batch = _batch().replace(group_B=np.repeat(np.arange(B // 2), 2).astype(np.int32))  # groups of 2
   want, want_m = _run(Lr.LearnerConfig(), batch)
   lc = Lr.LearnerConfig(micro_batch_size=4)
   opt = _step(Lr.LearnerConfig())[1]
-  mesh = None if mesh_shape is None else sharding.make_mesh(mesh_shape)
+  mesh = sharding.make_mesh(mesh_shape)
   state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
   got, got_m = Lr.make_rl_step(CFG, lc, opt, mesh=mesh)(state, batch)
   params = _params()
