@@ -42,25 +42,28 @@ def compiled_flops(compiled) -> float | None:
   return flops if flops > 0 else None
 
 
-def matmul_peak(setup: FlopsSetup) -> tuple[float, dict]:
-  """Best achieved FLOP/s of a jitted float32 square matmul over growing sizes (median time per size)."""
+def matmul_thunk(n: int):
+  """A no-argument call of a jitted float32 n x n matmul on fixed random inputs."""
   import jax
   import jax.numpy as jnp
-  matmul = jax.jit(lambda a, b: a @ b)
+  ka, kb = jax.random.split(jax.random.key(n))
+  a = jax.random.normal(ka, (n, n), jnp.float32)
+  b = jax.random.normal(kb, (n, n), jnp.float32)
+  matmul = jax.jit(lambda x, y: x @ y)
+  return lambda: matmul(a, b)
+
+
+def matmul_peak(setup: FlopsSetup) -> tuple[int, dict]:
+  """The size with the best achieved FLOP/s of a jitted float32 square matmul (median time per size)."""
   per_size = {}
   for n in setup.sizes:
-    ka, kb = jax.random.split(jax.random.key(n))
-    a = jax.random.normal(ka, (n, n), jnp.float32)
-    b = jax.random.normal(kb, (n, n), jnp.float32)
-    times = common.time_calls({"mm": lambda: matmul(a, b)}, warmup=setup.warmup, repeats=setup.repeats)["mm"]
+    times = common.time_calls({"mm": matmul_thunk(n)}, warmup=setup.warmup, repeats=setup.repeats)["mm"]
     st = common.summarize(times)
     per_size[n] = {"seconds": st.to_dict(), "flop_per_s": matmul_flops(n) / st.median}
-    del a, b
     if st.median >= setup.min_call_seconds:
       break
   best = max(per_size, key=lambda n: per_size[n]["flop_per_s"])
-  return per_size[best]["flop_per_s"], {"best_size": best, "per_size": per_size,
-                                        "precision": "jax default matmul precision, float32 inputs"}
+  return best, {"best_size": best, "sweep": per_size, "precision": "jax default matmul precision, float32 inputs"}
 
 
 @dataclasses.dataclass
@@ -167,32 +170,34 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(quick: bool) -> list[dict]:
   setup = QUICK if quick else FULL
-  peak, peak_details = matmul_peak(setup)
+  size, peak_details = matmul_peak(setup)
   bench = build_learner_bench(quick=quick, variant="vcpo")
-  times = common.time_calls({"step": bench.step}, warmup=setup.warmup, repeats=setup.repeats)["step"]
-  st = common.summarize(times)
+  # Side by side: each round times the peak matmul and the learner step back to back (the machine is shared).
+  times = common.time_calls({"matmul": matmul_thunk(size), "step": bench.step}, warmup=setup.warmup,
+                            repeats=setup.repeats)
+  peak_B = [matmul_flops(size) / t for t in times["matmul"]]
   xla_flops = compiled_flops(bench.compiled)
   analytic = bench.analytic_flops
   flops, source = (xla_flops, "XLA cost_analysis() of the compiled step") if xla_flops else (
       analytic, "analytic 6*N*tokens + attention")
-  share = [flops / t / peak for t in times]
+  share = [flops / t / p for t, p in zip(times["step"], peak_B)]
+  model_share = [analytic / t / p for t, p in zip(times["step"], peak_B)]
+  step, peak = common.summarize(times["step"]), common.summarize(peak_B)
   details = {
-      "peak_flop_per_s": peak, "peak": peak_details,
+      "peak_flop_per_s": peak.to_dict(), "peak": peak_details,
       "step_flops": flops, "flops_source": source, "xla_cost_analysis_flops": xla_flops,
-      "analytic_flops": analytic, "achieved_flop_per_s": flops / st.median,
-      "step_seconds": st.to_dict(), **bench.describe,
+      "analytic_flops": analytic, "achieved_flop_per_s": flops / step.median,
+      "seconds": common.timing_details(times), **bench.describe,
   }
-  note = (f"{bench.describe['shape']}; {flops / st.median / 1e9:.2f} GFLOP/s of peak {peak / 1e9:.1f} GFLOP/s "
-          f"(FLOPs: {source})")
-  model_share = [analytic / t / peak for t in times]
-  figures = [
+  note = (f"{bench.describe['shape']}; {flops / step.median / 1e9:.1f} GFLOP/s vs matmul {size}^3 "
+          f"{peak.median / 1e9:.1f} GFLOP/s, per-round ratios (FLOPs: {source})")
+  return [
       common.figure("learner_flops", TITLE, unit="%", goal=GOAL, stats=common.summarize(share),
                     details=details, note=note),
       common.figure("learner_model_flops", "learner model FLOP/s (6N*tokens + attention) / XLA matmul peak",
                     unit="%", stats=common.summarize(model_share),
                     note=f"{bench.describe['shape']}; useful FLOPs only (no per-sequence norm work)"),
   ]
-  return figures
 
 
 if __name__ == "__main__":
