@@ -245,3 +245,18 @@ def test_micro_batch_misuse_names_the_field():
     Lr.check_chunks(_batch(), micro_batch_size=2)  # groups of 4 in chunks of 2
   with pytest.raises(ValueError, match="micro_batch_size"):
     Lr.check_chunks(_batch(), micro_batch_size=3)
+
+
+@pytest.mark.parametrize("name", Lr.SEQ_SCALAR_LOSSES)
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
+  """The book-keeping path assumes d loss / d logp_t is one constant per sequence on its response tokens."""
+  batch = _batch()
+  lc = Lr.LearnerConfig(policy_loss=name, aggregation=aggregation)
+  logp = jnp.asarray(batch.sampler_logp_BxT + 0.3 * batch.mask_BxT * np.cos(np.arange(T))[None, :])
+  adv = jnp.linspace(-1.0, 1.0, B)
+  dlogp = np.asarray(jax.grad(lambda lp: Lr._policy_loss(lp, batch, jnp.asarray(batch.mask_BxT), adv, lc)[0])(logp))
+  for i in range(B):
+    on = dlogp[i][batch.mask_BxT[i] > 0]
+    np.testing.assert_allclose(on, np.full_like(on, on[0]), rtol=1e-6, atol=1e-9, err_msg=f"{name} row {i}")
+    assert np.all(dlogp[i][batch.mask_BxT[i] == 0] == 0)
