@@ -81,6 +81,15 @@ def test_norms_match_vmap_grad_per_leaf(tied, mode):
   np.testing.assert_allclose(aux["logp_BxT"], want_logp, atol=1e-6)
 
 
+def test_explicit_norms_one_sequence_at_a_time(monkeypatch):
+  """Large explicit temporaries are formed per sequence (lax.map); forced here with a zero budget."""
+  cfg, params, tokens, mask = _setup(False)
+  monkeypatch.setattr(G, "EXPLICIT_BATCH_BYTES", 0)
+  sq_B, _ = jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg, mode="explicit"))(
+      params, tokens_BxT=tokens, mask_BxT=mask)
+  np.testing.assert_allclose(sq_B[:3], sum(_leaf_sq(_brute(False)).values())[:3], rtol=1e-5)
+
+
 def test_dropping_a_leaf_changes_the_total(monkeypatch):
   cfg, params, tokens, mask = _setup(False)
   want_B = sum(_leaf_sq(_brute(False)).values())[:3]

@@ -17,6 +17,9 @@ from vcpo_jax import model as M
 # micro-batches (learner.LearnerConfig.micro_batch_size scans over chunks of whole prompt groups).
 
 MODES = ("auto", "ghost", "explicit")
+# Explicit per-sequence dW temporaries above this size (B x I x O float32) are formed one sequence at a
+# time (lax.map) instead of all at once.
+EXPLICIT_BATCH_BYTES = 1 << 28
 CoefFn = Callable[..., tuple[jax.Array, Any]]
 _F32 = jnp.float32
 
@@ -46,6 +49,11 @@ def dense_sq_norms(a_BxTxI, g_BxTxO, mode: str = "auto"):
   _, t, d_in = a_BxTxI.shape
   if _use_ghost(mode, t, d_in, g_BxTxO.shape[-1]):
     return jnp.maximum(jnp.sum(_gram(a_BxTxI) * _gram(g_BxTxO), axis=(1, 2)), 0.0)
+  if 4 * a_BxTxI.shape[0] * d_in * g_BxTxO.shape[-1] > EXPLICIT_BATCH_BYTES:
+    def one(ag):
+      dw_IxO = jnp.einsum("ti,to->io", ag[0], ag[1], preferred_element_type=_F32)
+      return jnp.sum(jnp.square(dw_IxO))
+    return jax.lax.map(one, (a_BxTxI, g_BxTxO))
   dw_BxIxO = jnp.einsum("bti,bto->bio", a_BxTxI, g_BxTxO, preferred_element_type=_F32)
   return jnp.sum(jnp.square(dw_BxIxO), axis=(1, 2))
 
