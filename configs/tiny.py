@@ -13,6 +13,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rl.update(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8)
   c.rl.max_lag = min(c.rl.max_lag, 1)
   c.task.eval_size = 8
+  c.algo.micro_batch_size = 0
   c.eval_every = 2
   c.checkpoint_every = 1
   return c

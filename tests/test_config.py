@@ -78,4 +78,15 @@ def test_group_size_one_allowed_without_group_baseline():
   config = countdown.get_config()
   config.rl.group_size = 1
   config.algo.advantage = "reinforce"
+  config.algo.micro_batch_size = 0  # a batch-mean baseline cannot be micro-batched
   train.validate_config(config)
+  config.algo.micro_batch_size = 32
+  with pytest.raises(ValueError, match="micro_batch_size"):
+    train.validate_config(config)
+
+
+def test_micro_batch_must_hold_whole_groups():
+  config = countdown.get_config()
+  config.algo.micro_batch_size = 12
+  with pytest.raises(ValueError, match=r"algo\.micro_batch_size=12"):
+    train.validate_config(config)

@@ -53,6 +53,11 @@ def validate_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
       config.algo.advantage == "opob" and config.algo.opob.scope == "group")
   if group_based and rl.group_size < 2:
     _fail("rl.group_size", rl.group_size, f"a group baseline ({config.algo.advantage}) needs >= 2 samples")
+  learner_config(config)  # option names and combinations (e.g. micro-batching) are checked there
+  micro = config.algo.micro_batch_size
+  if micro and (micro % rl.group_size or (rl.prompts_per_step * rl.group_size) % micro):
+    _fail("algo.micro_batch_size", micro, f"must be a multiple of rl.group_size={rl.group_size} that divides "
+          f"the batch of {rl.prompts_per_step * rl.group_size} rows")
   if config.sft.steps < 0:
     _fail("sft.steps", config.sft.steps, "must be >= 0")
   if config.checkpoint_every < 1:
@@ -66,7 +71,8 @@ def learner_config(config) -> learner.LearnerConfig:
   a = config.algo
   return learner.LearnerConfig(
       advantage=a.advantage, policy_loss=a.policy_loss, aggregation=a.aggregation,
-      tis_threshold=a.tis_threshold, opob=dict(a.opob), kl_beta=a.kl_beta)
+      tis_threshold=a.tis_threshold, opob=dict(a.opob), kl_beta=a.kl_beta,
+      micro_batch_size=a.micro_batch_size)
 
 
 def build_optimizer(config, *, sft: bool = False):
