@@ -96,8 +96,12 @@ def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_li
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   times: dict[int, float] = {}
   with open(log_path, "w") as log:
-    proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=dict(os.environ, VCPO_PROGRESS="0"), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    # On one accelerator the learner and its embedded servers are separate JAX processes: none may grab
+    # most of the device memory up front (no effect on CPU).
+    env = dict(os.environ, VCPO_PROGRESS="0")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + time_limit_s
     ended = "time limit"
     try:
