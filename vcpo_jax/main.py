@@ -1,4 +1,6 @@
 """Entry point: `python -m vcpo_jax.main --config=configs/countdown.py --workdir=W [--config.x=y ...]`."""
+import logging as pylogging
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -10,10 +12,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, Tens
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+class _QuietLibraries(pylogging.Filter):
+  """Keeps our INFO lines; drops INFO chatter from orbax/jax/tensorboardX (their warnings still show)."""
+
+  def filter(self, record):
+    return record.levelno >= pylogging.WARNING or "/vcpo_jax/" in record.pathname
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
