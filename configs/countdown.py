@@ -44,7 +44,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   ))
 
   c.rl = ml_collections.ConfigDict(dict(
-      steps=60,
+      steps=100,
       prompts_per_step=16,     # B_prompts; the batch has prompts_per_step * group_size sequences
       group_size=8,            # n samples per prompt
       max_new_tokens=24,
