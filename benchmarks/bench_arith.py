@@ -48,7 +48,7 @@ def produce(quick: bool) -> list[dict]:
 
 
 def _measure(quick: bool) -> list[dict]:
-  bench = bench_flops.build_learner_bench(quick=quick, variant="vcpo", analyze=False)
+  bench = bench_flops.build_learner_bench(quick=quick, analyze=False)
   B, T = bench.batch_size, bench.seq_len
   inputs = arithmetic_inputs(B, T, bench.group_size)
   arith = lambda: vcpo_arithmetic(*inputs)

@@ -41,7 +41,8 @@ FULL = AsyncSetup(lags=(0, 2, 4), measured_steps=6, skip=2, budget_s=400,
                   overrides=("sft.steps=20", "eval_every=100000", "checkpoint_every=100000", "task.eval_size=16"))
 QUICK = AsyncSetup(lags=(0, 2), measured_steps=3, skip=2, budget_s=260,
                    overrides=("sft.steps=5", "eval_every=100000", "checkpoint_every=100000",
-                              "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "task.eval_size=8"))
+                              "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "task.eval_size=8",
+                              "algo.micro_batch_size=8"))
 
 
 def read_steps(path: str) -> list[int]:
