@@ -92,3 +92,28 @@ def test_invalid_config_fails_before_anything_starts(tmp_path):
   with pytest.raises(ValueError, match=r"rl\.max_lag"):
     train.train_and_evaluate(tiny_config(**{"rl.max_lag": -2}), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
+
+
+def _server_pids(workdir):
+  out = subprocess.run(["pgrep", "-f", f"vcpo_jax.rollout.server --model-path {workdir}"], capture_output=True,
+                       text=True).stdout
+  return [int(p) for p in out.split()]
+
+
+@pytest.mark.integration
+def test_ctrl_c_stops_the_servers(tmp_path):
+  workdir = tmp_path / "w"
+  env = dict(os.environ, VCPO_PROGRESS="0")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen([sys.executable, "-m", "vcpo_jax.main", "--config=configs/tiny.py",
+                           f"--workdir={workdir}", "--config.rl.steps=1000"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 600
+  while time.time() < deadline and not (workdir / "metrics.jsonl").exists():
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    time.sleep(0.5)
+  assert _server_pids(workdir), "the job should be running an embedded server"
+  proc.send_signal(signal.SIGINT)
+  proc.communicate(timeout=120)
+  time.sleep(1)
+  assert _server_pids(workdir) == []
