@@ -18,6 +18,8 @@ import sys
 import time
 import urllib.request
 
+from vcpo_jax.rollout import protocol
+
 MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_length", "oov_ids",
          "token_mismatch", "http_500", "missing_version", "no_spans", "abort_half", "list_body")
 
@@ -145,7 +147,7 @@ class FakeServer:
     entries = [[lp, t, None] for lp, t in zip(lps, out)]
     meta = {"id": body.get("rid", "x"), "finish_reason": finish, "prompt_tokens": len(ids),
             "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.version,
-            "weight_versions": _spans(versions), "output_token_logprobs": entries, "e2e_latency": 0.0}
+            "weight_versions": protocol.weight_version_spans(versions), "output_token_logprobs": entries, "e2e_latency": 0.0}
     result = {"text": "", "output_ids": out, "meta_info": meta}
     if mode == "malformed_json":
       return web.Response(text=json.dumps(result)[:-7], content_type="application/json")
@@ -211,16 +213,6 @@ class FakeServer:
                     web.post("/continue_generation", resume), web.post("/abort_request", ok),
                     web.post("/update_weights_from_disk", self.update_weights)])
     return app
-
-
-def _spans(versions: list[str]) -> list[dict]:
-  spans = []
-  for i, v in enumerate(versions):
-    if spans and spans[-1]["version"] == v:
-      spans[-1]["end"] = i + 1
-    else:
-      spans.append({"version": v, "start": i, "end": i + 1})
-  return spans
 
 
 def main() -> None:

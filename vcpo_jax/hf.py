@@ -105,6 +105,18 @@ def _write_tokenizer(tokenizer, out_dir: str):
     tokenizer.save(out_dir)
 
 
+def replace_directory(src: str, dst: str) -> None:
+  """Moves the finished directory src to dst by rename; an existing dst is swapped out first, so a reader
+  sees either the old or the new directory, never a half-written one."""
+  if os.path.exists(dst):
+    trash = f"{dst}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(dst, trash)
+    os.rename(src, dst)
+    shutil.rmtree(trash, ignore_errors=True)
+  else:
+    os.rename(src, dst)
+
+
 def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) -> str:
   """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir."""
   out_dir = os.path.abspath(out_dir)
@@ -129,13 +141,7 @@ def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) 
       json.dump({"bos_token_id": bos, "eos_token_id": stop, "do_sample": False}, f, indent=2)
     _write_tokenizer(tokenizer, tmp)
     os.chmod(tmp, 0o755)
-    if os.path.exists(out_dir):
-      trash = f"{out_dir}.old-{uuid.uuid4().hex[:8]}"
-      os.rename(out_dir, trash)
-      os.rename(tmp, out_dir)
-      shutil.rmtree(trash, ignore_errors=True)
-    else:
-      os.rename(tmp, out_dir)
+    replace_directory(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import aiohttp
 
+from vcpo_jax import hf
 from vcpo_jax.rollout import client as client_lib, protocol
 
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
@@ -39,13 +40,7 @@ def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int
     export_fn(params, tmp)
     if not os.path.isfile(os.path.join(tmp, "config.json")):
       raise RuntimeError(f"export_fn wrote no config.json into {tmp}")
-    if os.path.exists(final):  # a re-publish after a resume: swap, never leave a half directory
-      trash = f"{tmp}.old"
-      os.rename(final, trash)
-      os.rename(tmp, final)
-      shutil.rmtree(trash, ignore_errors=True)
-    else:
-      os.rename(tmp, final)
+    hf.replace_directory(tmp, final)  # a re-publish after a resume swaps, never leaves a half directory
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return final
