@@ -1,5 +1,7 @@
 """Entry point: `python -m vcpo_jax.main --config=configs/countdown.py --workdir=W [--config.x=y ...]`."""
+import faulthandler
 import logging as pylogging
+import signal
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -24,6 +26,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck run)
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
