@@ -235,12 +235,13 @@ class RLRun:
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
     rl = self.config.rl
-    if self.step % self.config.eval_every == 0 or self.step == rl.steps:
+    eval_now = self.step % self.config.eval_every == 0 or self.step == rl.steps
+    if eval_now:
       self.last_eval = evaluate(jax.device_get(self.state.params), self.model_cfg, self.tok, self.task,
                                 self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed)
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
-    if self.step % self.config.log_every == 0 or self.last_eval:
+    if self.step % self.config.log_every == 0 or eval_now:
       self.writer.write(self.step, scalars)
     host_scalars = metrics_lib.split_metrics(scalars)[0]
     with open(self.scalars_log, "a") as f:
