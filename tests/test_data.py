@@ -16,18 +16,24 @@ def _take(it, n, field="index"):
   return [next(it)[field] for _ in range(n)]
 
 
+def _continue_after_restore(make, skip: int = 7, take: int = 5):
+  """Take `skip`, save the state, take `take` (expected); restore into a fresh iterator, take `take`."""
+  it = make()
+  for _ in range(skip):
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(take)]
+  fresh = make()
+  fresh.set_state(state)
+  return expected, [next(fresh) for _ in range(take)]
+
+
 @pytest.mark.parametrize("batch_size", [None, 3])
 def test_resume_from_state_continues_the_same_order(batch_size):
   make = lambda: data.make_prompt_iterator(COUNTDOWN, seed=11, batch_size=batch_size, shard_index=0,
                                            shard_count=1)
-  it = make()
-  for _ in range(7):
-    next(it)
-  state = it.get_state()
-  expected = [next(it) for _ in range(5)]
-  fresh = make()
-  fresh.set_state(state)
-  assert [next(fresh) for _ in range(5)] == expected
+  expected, resumed = _continue_after_restore(make)
+  assert resumed == expected
 
 
 def test_resume_through_json_file(tmp_path):
@@ -163,13 +169,7 @@ def test_sft_batches_carry_correct_or_wrong_completions(error_rate):
 def test_sft_iterator_resumes():
   make = lambda: data.make_sft_iterator(COUNTDOWN, TOK, seed=1, batch_size=2, seq_len=96, error_rate=0.5,
                                         shard_index=0, shard_count=1)
-  it = make()
-  for _ in range(7):
-    next(it)
-  state = it.get_state()
-  expected = [next(it) for _ in range(5)]
-  fresh = make()
-  fresh.set_state(state)
-  for want, got in zip(expected, [next(fresh) for _ in range(5)]):
+  expected, resumed = _continue_after_restore(make)
+  for want, got in zip(expected, resumed):
     for k in want:
       np.testing.assert_array_equal(got[k], want[k])
