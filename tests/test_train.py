@@ -105,12 +105,16 @@ def test_ctrl_c_stops_the_servers(tmp_path):
   workdir = tmp_path / "w"
   env = dict(os.environ, VCPO_PROGRESS="0")
   env.pop("XLA_FLAGS", None)
-  # A shell without job control starts background jobs with SIGINT ignored, and children inherit that
-  # (CI may run us so): give the job the default disposition, as a terminal's Ctrl-C would find it.
-  proc = subprocess.Popen([sys.executable, "-m", "vcpo_jax.main", "--config=configs/tiny.py",
-                           f"--workdir={workdir}", "--config.rl.steps=1000"], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  # A shell without job control starts background jobs with SIGINT ignored, and children inherit an ignored
+  # signal across exec (CI may run us so). A handled one is reset to the default on exec: give the job the
+  # disposition a terminal's Ctrl-C would find.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = subprocess.Popen([sys.executable, "-m", "vcpo_jax.main", "--config=configs/tiny.py",
+                             f"--workdir={workdir}", "--config.rl.steps=1000"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   deadline = time.time() + 600
   while time.time() < deadline and not (workdir / "metrics.jsonl").exists():
     assert proc.poll() is None, proc.stdout.read()[-3000:]
