@@ -12,13 +12,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout.launcher import free_port  # noqa: F401  (re-exported for the rollout tests)
 
 MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_length", "oov_ids",
          "token_mismatch", "http_500", "missing_version", "no_spans", "abort_half", "list_body")
@@ -28,12 +28,6 @@ def next_token(context: list[int], vocab_size: int) -> tuple[int, float]:
   """The fake model: next token and its logprob, a pure function of the context."""
   tok = (sum(context) * 31 + 7 * len(context)) % vocab_size
   return tok, -0.1 * (1 + tok % 7)
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def launch_server(argv: list[str], url: str, *, timeout: float = 120.0, log_path=None) -> subprocess.Popen:

@@ -2,7 +2,6 @@
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from vcpo_jax import hf, model, tokenizer
+from vcpo_jax.rollout import launcher
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +24,6 @@ CFG = model.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, nu
 PROMPT = [10, 11, 12, 13, 14]
 LONG = 250  # tokens of the "long" generations that pause/abort/update interrupt
 PAD_T = 320
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _export(params_seed: int, out_dir: str):
@@ -80,7 +74,7 @@ def server(tmp_path_factory):
   _export(0, dirs["m0"])
   _export(1, dirs["m1"])
   _export(2, dirs["outside"])
-  port = _free_port()
+  port = launcher.free_port()
   log_path = root.parent / "server.log"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   cmd = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", dirs["m0"], "--port", str(port),
@@ -390,7 +384,7 @@ def test_stream_sends_cumulative_events(server):
 
 def test_bad_model_dir_exits_nonzero(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", str(tmp_path),
-                         "--port", str(_free_port())], capture_output=True, text=True, timeout=120)
+                         "--port", str(launcher.free_port())], capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert "cannot serve --model-path" in proc.stderr and "config.json" in proc.stderr
 
