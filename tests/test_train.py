@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -124,3 +125,26 @@ def test_ctrl_c_stops_the_servers(tmp_path):
   proc.communicate(timeout=120)
   time.sleep(1)
   assert _server_pids(workdir) == []
+
+
+@pytest.mark.integration
+def test_async_run_against_server_urls(tmp_path):
+  """rollout.server_urls: the job starts no server, publishes its starting weights to the given one."""
+  import jax
+  from vcpo_jax import hf, model as model_lib, tokenizer
+  from vcpo_jax.rollout import launcher
+  config = tiny_config(**{"rl.steps": 2})
+  cfg = model_lib.ModelConfig.from_dict(config.model)
+  start = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(7)), cfg, str(tmp_path / "start"),
+                       tokenizer.build_tokenizer())
+  server = launcher.EmbeddedServer(start, weights_root=str(tmp_path), log_dir=str(tmp_path)).start()
+  try:
+    server.wait_healthy(timeout=300)
+    config.rollout.server_urls = server.url
+    result = train.train_and_evaluate(config, str(tmp_path / "w"))
+    assert result["steps"] == 2
+    assert _server_pids(tmp_path / "w") == []
+    with urllib.request.urlopen(server.url + "/get_model_info", timeout=10) as r:
+      assert json.load(r)["weight_version"] == "v2"
+  finally:
+    server.stop()

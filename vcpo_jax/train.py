@@ -278,12 +278,12 @@ async def _async_rl(run: RLRun):
   weights_root = os.path.join(run.workdir, "weights")
   os.makedirs(weights_root, exist_ok=True)
   export = lambda params, out_dir: hf.export_hf(params, run.model_cfg, out_dir, run.tok)  # noqa: E731
-  first_dir = os.path.join(weights_root, f"v{run.step}")
-  await asyncio.to_thread(export, jax.device_get(run.state.params), first_dir)
   servers = []
-  if config.rollout.server_urls:
+  if config.rollout.server_urls:  # their starting weights are published below, once the client is up
     urls = [u.strip() for u in config.rollout.server_urls.split(",") if u.strip()]
-  else:
+  else:  # embedded servers start directly from the current version's directory
+    first_dir = os.path.join(weights_root, f"v{run.step}")
+    await asyncio.to_thread(export, jax.device_get(run.state.params), first_dir)
     servers = await asyncio.to_thread(
         launcher.start_servers, config.rollout.num_servers, first_dir, weights_root=weights_root,
         base_port=config.rollout.base_port, log_dir=os.path.join(run.workdir, "logs"),
