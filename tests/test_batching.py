@@ -2,15 +2,15 @@
 import numpy as np
 import pytest
 
-from vcpo_jax.rollout import batching, client, scheduler
+from vcpo_jax.rollout import batching, types
 
 
 def _group(index, prompt, outputs, versions, lag):
-  samples = [client.Sample(prompt_ids=list(prompt), output_ids=list(o), output_logprobs=-np.arange(1, len(o) + 1,
+  samples = [types.Sample(prompt_ids=list(prompt), output_ids=list(o), output_logprobs=-np.arange(1, len(o) + 1,
                                                                                                    dtype=np.float32),
                            token_versions=np.asarray(v), finish_reason="stop", server_url="x")
              for o, v in zip(outputs, versions)]
-  g = scheduler.Group(index=index, example={"prompt_ids": list(prompt), "want": len(outputs[0])},
+  g = types.Group(index=index, example={"prompt_ids": list(prompt), "want": len(outputs[0])},
                       start_version=0, deadline=lag, samples=samples, consumed_version=lag)
   g.sample_lags = [lag] * len(samples)
   return g

@@ -14,6 +14,7 @@ import aiohttp
 import numpy as np
 
 from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout.types import Sample
 
 _VERSION_RE = re.compile(r"v([0-9]+)")
 _FINISH_TYPES = ("length", "stop", "abort")
@@ -57,22 +58,6 @@ class BadResponseError(ValueError):
 
 class _ServerError(RuntimeError):
   """A 5xx answer: retried on another server."""
-
-
-@dataclasses.dataclass
-class Sample:
-  """One completed generation; output_logprobs are the sampler's per-token logprobs."""
-  prompt_ids: list[int]
-  output_ids: list[int]
-  output_logprobs: np.ndarray  # float32 [L]
-  token_versions: np.ndarray  # int64 [L], policy version that produced each output token
-  finish_reason: str  # "length" | "stop" (an abort is resumed, never returned)
-  server_url: str  # server that produced the last segment
-  num_resumes: int = 0
-
-  @property
-  def min_version(self) -> Optional[int]:
-    return int(self.token_versions.min()) if len(self.token_versions) else None
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vcpo_jax.rollout import client as client_lib, scheduler as scheduler_lib
+from vcpo_jax.rollout import types
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult)
 LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
@@ -38,7 +38,7 @@ class LagEmulator:
       raise ValueError(f"learner version {step} was never pushed (have {list(self._ring)})")
     return max(step - self.max_lag, next(iter(self._ring)))
 
-  def rollout(self, step: int, examples: Sequence[dict]) -> list[scheduler_lib.Group]:
+  def rollout(self, step: int, examples: Sequence[dict]) -> list[types.Group]:
     """Generates group_size samples per example with the params of version behaviour_version(step)."""
     version = self.behaviour_version(step)
     prompts = [[int(t) for t in e["prompt_ids"]] for e in examples for _ in range(self.group_size)]
@@ -52,12 +52,12 @@ class LagEmulator:
       for s in range(self.group_size):
         row = rows[gi * self.group_size + s]
         n = len(row.output_ids)
-        samples.append(client_lib.Sample(
+        samples.append(types.Sample(
             prompt_ids=prompts[gi * self.group_size], output_ids=list(row.output_ids),
             output_logprobs=np.asarray(row.logprobs, np.float32), token_versions=np.full((n,), version, np.int64),
             finish_reason=row.finish_reason or "length", server_url="in-process"))
-      group = scheduler_lib.Group(index=int(example.get("index", gi)), example=example, start_version=version,
+      group = types.Group(index=int(example.get("index", gi)), example=example, start_version=version,
                                   deadline=version + self.max_lag, samples=samples, consumed_version=step)
-      group.sample_lags = [scheduler_lib.sample_lag(s, step, version) for s in samples]
+      group.sample_lags = [types.sample_lag(s, step, version) for s in samples]
       groups.append(group)
     return groups

@@ -15,34 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import time
 from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence
 
+from vcpo_jax.rollout.types import Group, sample_lag
+
 GenerateFn = Callable[..., Awaitable[Sequence[Any]]]  # (prompt_ids, sampling_params, n=) -> samples
-
-
-@dataclasses.dataclass
-class Group:
-  """n samples of one prompt, with the staleness record of each sample."""
-  index: int  # admission order
-  example: dict  # the prompt example; example["prompt_ids"] was generated from
-  start_version: int  # learner version when generation started
-  deadline: int  # last learner version allowed to consume this group
-  samples: list = dataclasses.field(default_factory=list)  # client.Sample-like: .token_versions
-  consumed_version: Optional[int] = None
-  sample_lags: list[int] = dataclasses.field(default_factory=list)  # consumed_version - oldest token version
-
-  @property
-  def prompt_ids(self) -> list[int]:
-    return [int(t) for t in self.example["prompt_ids"]]
-
-
-def sample_lag(sample: Any, consumed_version: int, start_version: int) -> int:
-  """Learner version at consumption minus the oldest policy version among the sample's tokens."""
-  versions = getattr(sample, "token_versions", ())
-  oldest = int(min(versions)) if len(versions) else start_version
-  return consumed_version - oldest
 
 
 def batch_is_feasible(remaining_deadlines: Sequence[int], next_step: int, batch_groups: int) -> bool:

@@ -1,0 +1,46 @@
+"""Rollout types every backend shares: one completed generation (Sample) and one prompt's group of them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Sample:
+  """One completed generation; output_logprobs are the sampler's per-token logprobs."""
+  prompt_ids: list[int]
+  output_ids: list[int]
+  output_logprobs: np.ndarray  # float32 [L]
+  token_versions: np.ndarray  # int64 [L], policy version that produced each output token
+  finish_reason: str  # "length" | "stop" (an abort is resumed, never returned)
+  server_url: str  # server that produced the last segment ("in-process" for local generation)
+  num_resumes: int = 0
+
+  @property
+  def min_version(self) -> Optional[int]:
+    return int(self.token_versions.min()) if len(self.token_versions) else None
+
+
+@dataclasses.dataclass
+class Group:
+  """n samples of one prompt, with the staleness record of each sample."""
+  index: int  # admission order (the prompt example's index)
+  example: dict  # the prompt example; example["prompt_ids"] was generated from
+  start_version: int  # learner version when generation started
+  deadline: int  # last learner version allowed to consume this group
+  samples: list = dataclasses.field(default_factory=list)  # Sample-like: .token_versions
+  consumed_version: Optional[int] = None
+  sample_lags: list[int] = dataclasses.field(default_factory=list)  # consumed_version - oldest token version
+
+  @property
+  def prompt_ids(self) -> list[int]:
+    return [int(t) for t in self.example["prompt_ids"]]
+
+
+def sample_lag(sample: Any, consumed_version: int, start_version: int) -> int:
+  """Learner version at consumption minus the oldest policy version among the sample's tokens."""
+  versions = getattr(sample, "token_versions", ())
+  oldest = int(min(versions)) if len(versions) else start_version
+  return consumed_version - oldest
