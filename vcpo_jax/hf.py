@@ -140,6 +140,9 @@ def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) 
       # Every stop id, so generate() in transformers and SGLang's default stop set end where we do.
       json.dump({"bos_token_id": bos, "eos_token_id": stop, "do_sample": False}, f, indent=2)
     _write_tokenizer(tokenizer, tmp)
+    # Readable by a server running as another user (safetensors writes its file 0600).
+    for name in os.listdir(tmp):
+      os.chmod(os.path.join(tmp, name), 0o644)
     os.chmod(tmp, 0o755)
     replace_directory(tmp, out_dir)
   except BaseException:
