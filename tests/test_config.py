@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from configs import countdown
-from vcpo_jax import model as model_lib, train
+from vcpo_jax import configuration, model as model_lib
 
 
 _LOADER = """
@@ -71,7 +71,7 @@ def test_invalid_values_name_the_field(path, value, field):
   with config.unlocked():
     config[section][key] = value
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-    train.validate_config(config)
+    configuration.validate_config(config)
 
 
 def test_group_size_one_allowed_without_group_baseline():
@@ -79,14 +79,14 @@ def test_group_size_one_allowed_without_group_baseline():
   config.rl.group_size = 1
   config.algo.advantage = "reinforce"
   config.algo.micro_batch_size = 0  # a batch-mean baseline cannot be micro-batched
-  train.validate_config(config)
+  configuration.validate_config(config)
   config.algo.micro_batch_size = 32
   with pytest.raises(ValueError, match="micro_batch_size"):
-    train.validate_config(config)
+    configuration.validate_config(config)
 
 
 def test_micro_batch_must_hold_whole_groups():
   config = countdown.get_config()
   config.algo.micro_batch_size = 12
   with pytest.raises(ValueError, match=r"algo\.micro_batch_size=12"):
-    train.validate_config(config)
+    configuration.validate_config(config)

@@ -13,6 +13,7 @@ from vcpo_jax import learner as Lr
 from vcpo_jax import model as M
 from vcpo_jax import optimizer as O
 from vcpo_jax import oracle, sharding
+from vcpo_jax.batch import RLBatch
 
 CFG = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=8, max_seq_len=32)
@@ -26,7 +27,7 @@ def _sgd_ess():
 
 
 @functools.lru_cache(maxsize=None)
-def _batch(seed: int = 0) -> Lr.RLBatch:
+def _batch(seed: int = 0) -> RLBatch:
   """Two groups of four; prompts of 2-4 tokens, unequal responses, one off-policy row past tau=8."""
   rng = np.random.default_rng(seed)
   tokens = rng.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
@@ -38,7 +39,7 @@ def _batch(seed: int = 0) -> Lr.RLBatch:
   sampler = (-3.7 + 0.4 * rng.standard_normal((B, T))).astype(np.float32) * mask
   sampler[5] -= 2.0 * mask[5]  # log w_5 > log 8: truncated
   rewards = np.array([1, 0, 1, 1, 0, 1, 0, 0], np.float32)
-  return Lr.RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=sampler, rewards_B=rewards,
+  return RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=sampler, rewards_B=rewards,
                     group_B=np.repeat(np.arange(B // N), N).astype(np.int32),
                     lag_B=rng.integers(0, 4, B).astype(np.float32), valid_B=np.ones(B, np.float32))
 

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from vcpo_jax import grad_norms, losses, model as M, optimizer as optimizer_lib, sharding, vcpo
+from vcpo_jax.batch import RLBatch, check_batch  # noqa: F401  (re-exported for callers of learner.RLBatch)
 
 # Policy losses whose gradient is sum_i c_i grad sum_t m_t log pi(y_t) with stop-gradient per-sequence c_i:
 # for these the book-keeping path gives norms and the weighted gradient from one backward.
@@ -30,34 +31,6 @@ class TrainState:
   params: Any
   opt_state: Any
   skipped_updates: jax.Array   # int32, steps whose loss or gradient was not finite (update not applied)
-
-
-@flax.struct.dataclass
-class RLBatch:
-  """B right-padded rows [prompt | response | pad]; mask_BxT is 1 exactly on generated tokens."""
-  tokens_BxT: jax.Array
-  mask_BxT: jax.Array
-  sampler_logp_BxT: jax.Array
-  rewards_B: jax.Array
-  group_B: jax.Array
-  lag_B: jax.Array
-  valid_B: Optional[jax.Array] = None          # 0 on padding rows (excluded everywhere)
-  prox_logp_BxT: Optional[jax.Array] = None    # decoupled-PPO proximal policy (losses default to sg(pi))
-  ref_logp_BxT: Optional[jax.Array] = None     # reference policy for the k3 KL term
-
-
-def check_batch(batch: RLBatch):
-  """Host-side shape check with errors naming the field."""
-  if getattr(batch.tokens_BxT, "ndim", 0) != 2:
-    raise ValueError(f"RLBatch.tokens_BxT must be 2-D [B, T], got shape {getattr(batch.tokens_BxT, 'shape', None)}")
-  b, t = batch.tokens_BxT.shape
-  for field in dataclasses.fields(batch):
-    value = getattr(batch, field.name)
-    if value is None:
-      continue
-    want = (b, t) if field.name.endswith("BxT") else (b,)
-    if tuple(value.shape) != want:
-      raise ValueError(f"RLBatch.{field.name} must have shape {want}, got {tuple(value.shape)}")
 
 
 def check_chunks(batch: RLBatch, micro_batch_size: int, row_shards: int = 1):
