@@ -22,6 +22,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       max_seq_len=96,          # prompt (<= 60 tokens) + max_new_tokens
       param_dtype="float32",
       dtype="float32",
+      # Precision of every matmul (highest | high | default). "highest" keeps float32 log-probs (the
+      # importance ratios) exact on GPUs, where "default" means TF32; with bfloat16 it changes nothing.
+      matmul_precision="highest",
   ))
   # Device mesh (data x fsdp x tensor); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -78,6 +81,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       request_timeout=120.0,
       max_retries=4,
       keep_versions=3,         # exported weight directories kept on disk
+      # GPUs (ignored on CPU). "" = automatic: one GPU is shared by the learner and the servers; with more,
+      # servers take the last GPUs and the learner the rest. Else comma-separated GPU indices, one per server.
+      server_devices="",
+      # Share of a GPU each process may use when it shares that GPU (0 = no cap, grow on demand; a process
+      # sharing a GPU never preallocates, so learner and servers fit side by side).
+      learner_memory_fraction=0.0,
+      server_memory_fraction=0.0,
   ))
 
   c.eval_every = 20

@@ -54,3 +54,99 @@ def test_server_exits_when_its_parent_is_killed(tmp_path):
         return
     time.sleep(0.5)
   pytest.fail(f"server {server_pid} outlived its killed parent")
+
+
+# ------------------------------------------------------------------ device plan (pure; no GPU needed)
+P, F = launcher.PREALLOCATE_VAR, launcher.MEM_FRACTION_VAR
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, ["2", "3"]),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, []),
+    ({"CUDA_VISIBLE_DEVICES": ""}, []),
+    ({"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "0"}, []),
+    ({"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": "0"}, ["0"]),
+])
+def test_visible_gpus_reads_the_environment(environ, expected, tmp_path):
+  assert launcher.visible_gpus(environ, str(tmp_path / "none")) == expected
+
+
+def test_visible_gpus_counts_driver_entries(tmp_path):
+  for name in ("0000:01:00.0", "0000:02:00.0"):
+    (tmp_path / name).mkdir()
+  assert launcher.visible_gpus({}, str(tmp_path)) == ["0", "1"]
+  assert launcher.visible_gpus({}, str(tmp_path / "missing")) == []
+
+
+@pytest.mark.parametrize("server_fraction", [0.0, 0.3])
+def test_cpu_machine_plan_changes_nothing(server_fraction):
+  plan = launcher.plan_devices([], 2, server_memory_fraction=server_fraction)
+  assert plan == launcher.DevicePlan({}, None, ({}, {}))
+
+
+def test_one_gpu_learner_and_servers_share_without_preallocating():
+  plan = launcher.plan_devices(["0"], 2)
+  assert plan.learner_env == {P: "false", F: None} and plan.learner_devices is None
+  assert plan.server_envs == ({"CUDA_VISIBLE_DEVICES": "0", P: "false", F: None},) * 2
+  capped = launcher.plan_devices(["0"], 1, learner_memory_fraction=0.6, server_memory_fraction=0.3)
+  assert capped.learner_env == {P: "false", F: "0.6"}
+  assert capped.server_envs[0][F] == "0.3" and capped.server_envs[0][P] == "false"
+
+
+def test_several_gpus_servers_get_their_own_devices():
+  plan = launcher.plan_devices(["4", "5", "6", "7"], 2)
+  assert plan.learner_devices == "0,1"
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in plan.server_envs] == ["6", "7"]
+  # Nobody shares: JAX's defaults everywhere (and no inherited settings).
+  assert plan.learner_env == {P: None, F: None}
+  assert all(e[P] is None and e[F] is None for e in plan.server_envs)
+  # More servers than spare GPUs: round-robin over the spare ones, which are then shared between servers.
+  crowded = launcher.plan_devices(["0", "1"], 3, server_memory_fraction=0.3)
+  assert crowded.learner_devices == "0" and crowded.learner_env == {P: None, F: None}
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in crowded.server_envs] == ["1"] * 3
+  assert all(e[P] == "false" and e[F] == "0.3" for e in crowded.server_envs)
+
+
+def test_explicit_server_devices():
+  plan = launcher.plan_devices(["0", "1", "2"], 2, server_devices="0")
+  assert plan.learner_devices == "1,2" and [e["CUDA_VISIBLE_DEVICES"] for e in plan.server_envs] == ["0", "0"]
+  with pytest.raises(ValueError, match="rollout.server_devices='3'"):
+    launcher.plan_devices(["0", "1"], 1, server_devices="3")
+  with pytest.raises(ValueError, match="rollout.server_devices='a'"):
+    launcher.plan_devices(["0", "1"], 1, server_devices="a")
+
+
+def test_memory_fractions_are_validated():
+  with pytest.raises(ValueError, match="rollout.server_memory_fraction=1.5"):
+    launcher.plan_devices(["0"], 1, server_memory_fraction=1.5)
+  with pytest.raises(ValueError, match="sum to 1.1"):
+    launcher.plan_devices(["0"], 2, learner_memory_fraction=0.5, server_memory_fraction=0.3)
+
+
+def test_config_plan_has_no_servers_in_emulate_mode_or_with_urls():
+  from configs import countdown
+  env = {"CUDA_VISIBLE_DEVICES": "0"}
+  assert launcher.config_plan(countdown.get_config(), env).learner_env == {P: "false", F: None}
+  assert launcher.config_plan(countdown.get_config("emulate"), env).server_envs == ()
+  c = countdown.get_config()
+  c.rollout.server_urls = "http://h:1"
+  assert launcher.config_plan(c, env).learner_env == {P: None, F: None}
+
+
+def test_apply_env_sets_and_removes():
+  env = {"A": "1", "B": "2"}
+  assert launcher.apply_env(env, {"A": None, "C": "3"}) == {"B": "2", "C": "3"}
+
+
+def test_server_environment_never_preallocates_and_takes_the_plan(tmp_path, monkeypatch):
+  """The child environment, read back from the process itself (a tiny stand-in for the server module)."""
+  monkeypatch.setenv(F, "0.9")  # e.g. inherited from a learner's own setting: must not reach the server
+  server = launcher.EmbeddedServer("unused", weights_root=str(tmp_path), log_dir=str(tmp_path),
+                                   env={"CUDA_VISIBLE_DEVICES": "1", F: None})
+  server.argv = [sys.executable, "-c", f"import os, json; print(json.dumps({{k: os.environ.get(k) for k in "
+                 f"('CUDA_VISIBLE_DEVICES', {P!r}, {F!r})}}))"]
+  server.start()
+  server.proc.wait(timeout=60)
+  server._log.close()
+  import json
+  assert json.loads(server.output()) == {"CUDA_VISIBLE_DEVICES": "1", P: "false", F: None}

@@ -78,6 +78,7 @@ def hf_config(cfg: model_lib.ModelConfig, *, bos_token_id=None, eos_token_id=Non
       "dtype": _TORCH_DTYPE[cfg.param_dtype],
       # Ours, ignored by transformers/SGLang: the compute dtype to use when re-imported.
       "vcpo_compute_dtype": cfg.dtype,
+      "vcpo_matmul_precision": cfg.matmul_precision,
   }
 
 
@@ -170,7 +171,8 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> mode
       rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
       max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
-      param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype))
+      param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype),
+      matmul_precision=d.get("vcpo_matmul_precision", "highest"))
 
 
 def import_hf(model_dir: str):

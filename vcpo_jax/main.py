@@ -7,6 +7,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from vcpo_jax import train
+from vcpo_jax.rollout import launcher
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -27,6 +28,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_QuietLibraries())
   faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck run)
+  # Before JAX touches a device: on a GPU shared with embedded servers, no process preallocates most of it.
+  launcher.configure_learner(launcher.config_plan(_CONFIG.value))
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

@@ -12,6 +12,10 @@ import jax.numpy as jnp
 # E head dim, F MLP hidden, V vocab.
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Matmul precision by name. "default" lets the backend choose (TF32 for float32 on recent GPUs, one bf16 pass
+# on TPU); "highest" is true float32 everywhere; on CPU all three are float32.
+PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH,
+              "default": jax.lax.Precision.DEFAULT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,8 @@ class ModelConfig:
   max_seq_len: int = 256
   param_dtype: str = "float32"
   dtype: str = "float32"
+  # Every dot in the model (learner log-probs and the sampler alike) runs at this precision.
+  matmul_precision: str = "highest"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -45,6 +51,9 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.matmul_precision not in PRECISIONS:
+      raise ValueError(f"model.matmul_precision must be one of {sorted(PRECISIONS)}, "
+                       f"got {self.matmul_precision!r}")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
@@ -65,6 +74,10 @@ class ModelConfig:
   @property
   def jnp_param_dtype(self):
     return _DTYPES[self.param_dtype]
+
+  @property
+  def precision(self) -> jax.lax.Precision:
+    return PRECISIONS[self.matmul_precision]
 
 
 def _init(scale: float = 0.02):
@@ -87,7 +100,7 @@ class Dense(nn.Module):
     if self.capture:
       self.sow("intermediates", "inputs", x_BxTxI)
     y_BxTxO = jnp.einsum("bti,io->bto", x_BxTxI.astype(dtype), kernel.astype(dtype),
-                         preferred_element_type=jnp.float32).astype(dtype)
+                         preferred_element_type=jnp.float32, precision=self.cfg.precision).astype(dtype)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[1:]),
                         (self.features,), self.cfg.jnp_param_dtype)
@@ -159,11 +172,11 @@ class Attention(nn.Module):
     S = k.shape[1]
     q_BxTxKxGxE = q.reshape(B, T, K, H // K, E)
     scores = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * (1.0 / float(E) ** 0.5)
+                        preferred_element_type=jnp.float32, precision=cfg.precision) * (1.0 / float(E) ** 0.5)
     scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(cfg.jnp_dtype),
-                     preferred_element_type=jnp.float32).astype(cfg.jnp_dtype)
+                     preferred_element_type=jnp.float32, precision=cfg.precision).astype(cfg.jnp_dtype)
     out_BxTxD = dense(cfg.hidden_size, ("q_heads", "embed"), False, "o_proj")(out.reshape(B, T, H * E))
     del S
     return out_BxTxD, new_cache
@@ -222,7 +235,7 @@ class Transformer(nn.Module):
       if self.capture:
         self.sow("intermediates", "tied_head_inputs", x)
       logits = jnp.einsum("btd,vd->btv", x, embedding.astype(cfg.jnp_dtype),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=jnp.float32, precision=cfg.precision)
       if self.capture:
         logits = self.perturb("tied_head_outputs", logits)
     else:

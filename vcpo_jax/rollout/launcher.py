@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -11,12 +12,131 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Mapping, Sequence
+
+# Per-process accelerator memory (read by JAX when its GPU client starts, so set before first device use).
+PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
+MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+_PROC_GPUS = "/proc/driver/nvidia/gpus"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
   with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
+
+
+def visible_gpus(environ: Mapping[str, str], proc_gpus_dir: str = _PROC_GPUS) -> list[str]:
+  """CUDA device ids this process may use (as CUDA_VISIBLE_DEVICES names them); [] on a CPU machine or
+  when JAX_PLATFORMS rules out CUDA."""
+  platforms = environ.get("JAX_PLATFORMS", "")
+  if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+    return []
+  visible = environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    # CUDA stops at the first invalid entry; "-1" is the usual way to hide every device.
+    return [] if not ids or ids[0] == "-1" else ids
+  try:
+    return [str(i) for i in range(len(os.listdir(proc_gpus_dir)))]
+  except OSError:
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+  """Who uses which GPU. Env values of None mean "remove the variable" (a child must not inherit it)."""
+  learner_env: dict
+  learner_devices: str | None          # jax_cuda_visible_devices for the learner (None: all visible)
+  server_envs: tuple[dict, ...]
+
+
+def _fraction(field: str, value) -> float:
+  value = float(value)
+  if not 0.0 <= value < 1.0:
+    raise ValueError(f"invalid config: {field}={value!r}: must be in [0, 1) (0 = no cap, no preallocation)")
+  return value
+
+
+def _memory_env(shared: bool, fraction: float) -> dict:
+  """A process alone on its devices keeps JAX's defaults; one sharing a device never preallocates and is
+  capped at `fraction` of it when that is > 0."""
+  if not shared:
+    return {PREALLOCATE_VAR: None, MEM_FRACTION_VAR: None}
+  return {PREALLOCATE_VAR: "false", MEM_FRACTION_VAR: f"{fraction:.4g}" if fraction > 0 else None}
+
+
+def plan_devices(gpus: Sequence[str], num_servers: int, *, server_devices: str = "",
+                 learner_memory_fraction: float = 0.0, server_memory_fraction: float = 0.0) -> DevicePlan:
+  """Places the learner and `num_servers` embedded servers on `gpus` (pure; no GPUs: nothing changes).
+
+  server_devices: "" picks automatically: with one GPU everyone shares it; with n > 1 the servers take the
+  last min(num_servers, n - 1) GPUs round-robin and the learner keeps the rest. Otherwise a comma list of
+  indices into `gpus`, one per server (cycled). The learner uses every GPU no server uses (all of them if the
+  servers use them all). Processes on a shared GPU get their memory fraction (0 = grow on demand, no cap).
+  """
+  learner_fraction = _fraction("rollout.learner_memory_fraction", learner_memory_fraction)
+  server_fraction = _fraction("rollout.server_memory_fraction", server_memory_fraction)
+  if not gpus:
+    return DevicePlan({}, None, tuple({} for _ in range(num_servers)))
+  n = len(gpus)
+  if server_devices.strip():
+    try:
+      chosen = [int(x) for x in server_devices.split(",") if x.strip()]
+    except ValueError:
+      chosen = [-1]
+    if not chosen or any(not 0 <= i < n for i in chosen):
+      raise ValueError(f"invalid config: rollout.server_devices={server_devices!r}: must be a comma list of "
+                       f"indices into the {n} visible GPU(s) {list(gpus)}")
+  else:
+    chosen = [0] if n == 1 else list(range(n - min(num_servers, n - 1), n)) or [n - 1]
+  server_idx = [chosen[i % len(chosen)] for i in range(num_servers)]
+  learner_idx = [i for i in range(n) if i not in server_idx] or list(range(n))
+  users = {i: learner_idx.count(i) + server_idx.count(i) for i in range(n)}
+  for i in range(n):
+    total = learner_fraction * (i in learner_idx) + server_fraction * server_idx.count(i)
+    if total > 1.0:
+      raise ValueError(f"invalid config: GPU {gpus[i]} is shared by processes whose memory fractions sum to "
+                       f"{total:.3g} > 1 (rollout.learner_memory_fraction={learner_fraction}, "
+                       f"rollout.server_memory_fraction={server_fraction} per server)")
+  learner_env = _memory_env(any(users[i] > 1 for i in learner_idx), learner_fraction)
+  learner_devices = None if len(learner_idx) == n else ",".join(map(str, learner_idx))
+  server_envs = tuple({"CUDA_VISIBLE_DEVICES": gpus[i], **_memory_env(users[i] > 1, server_fraction)}
+                      for i in server_idx)
+  return DevicePlan(learner_env, learner_devices, server_envs)
+
+
+def config_plan(config, environ: Mapping[str, str] | None = None) -> DevicePlan:
+  """The plan for a job config: embedded servers only in async mode without rollout.server_urls."""
+  r = config.rollout
+  embedded = config.rl.mode == "async" and not r.server_urls
+  return plan_devices(visible_gpus(os.environ if environ is None else environ),
+                      r.num_servers if embedded else 0, server_devices=r.get("server_devices", ""),
+                      learner_memory_fraction=r.get("learner_memory_fraction", 0.0),
+                      server_memory_fraction=r.get("server_memory_fraction", 0.0))
+
+
+def apply_env(env: dict, updates: Mapping[str, str | None]) -> dict:
+  """env with `updates` applied (None removes a variable); returns env."""
+  for key, value in updates.items():
+    if value is None:
+      env.pop(key, None)
+    else:
+      env[key] = value
+  return env
+
+
+def configure_learner(plan: DevicePlan) -> None:
+  """Applies the learner's part of the plan to this process; must run before JAX first touches a device."""
+  if not plan.learner_env and plan.learner_devices is None:
+    return
+  from jax._src import xla_bridge  # noqa: PLC0415 - only to refuse acting too late
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError("configure_learner ran after JAX initialised its devices; call it first in main()")
+  apply_env(os.environ, plan.learner_env)
+  if plan.learner_devices is not None:
+    import jax  # noqa: PLC0415
+    jax.config.update("jax_cuda_visible_devices", plan.learner_devices)
 
 
 class ServerStartError(RuntimeError):
@@ -27,7 +147,9 @@ class EmbeddedServer:
   """One `python -m vcpo_jax.rollout.server` process on loopback."""
 
   def __init__(self, model_path: str, *, weights_root: str, host: str = "127.0.0.1", port: int = 0,
-               weight_version: str = "v0", extra_args: tuple[str, ...] = (), log_dir: str | None = None):
+               weight_version: str = "v0", extra_args: tuple[str, ...] = (), log_dir: str | None = None,
+               env: Mapping[str, str | None] | None = None):
+    self.env_updates = dict(env or {})
     self.host, self.port = host, port or free_port(host)
     self.url = f"http://{host}:{self.port}"
     self.argv = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", model_path,
@@ -43,6 +165,10 @@ class EmbeddedServer:
     # JAX in the server must not grab the fake multi-device flag of the parent (tests) or all CPU threads.
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    # Without a device plan a server still never grabs most of a GPU up front: the process that started
+    # it (a learner, a test) may be using the same device. No effect on CPU.
+    env[PREALLOCATE_VAR] = "false"
+    apply_env(env, self.env_updates)
     self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
     return self
@@ -87,10 +213,14 @@ class EmbeddedServer:
 
 def start_servers(n: int, model_path: str, *, weights_root: str, base_port: int = 0, log_dir=None,
                   weight_version: str = "v0", timeout: float = 180.0,
-                  extra_args: tuple[str, ...] = ()) -> list[EmbeddedServer]:
-  """Starts n servers concurrently and waits for all; on any failure stops them all and re-raises."""
+                  extra_args: tuple[str, ...] = (), envs: Sequence[Mapping] | None = None) -> list[EmbeddedServer]:
+  """Starts n servers concurrently and waits for all; on any failure stops them all and re-raises.
+  envs[i] (e.g. DevicePlan.server_envs) updates server i's environment."""
+  if envs is not None and len(envs) != n:
+    raise ValueError(f"envs has {len(envs)} entries for {n} servers")
   servers = [EmbeddedServer(model_path, weights_root=weights_root, port=(base_port + i if base_port else 0),
-                            log_dir=log_dir, weight_version=weight_version, extra_args=tuple(extra_args))
+                            log_dir=log_dir, weight_version=weight_version, extra_args=tuple(extra_args),
+                            env=None if envs is None else envs[i])
              for i in range(n)]
   try:
     for s in servers:
