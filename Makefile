@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdir/countdown
 PYTEST_ARGS ?=
 
-.PHONY: train test bench clean-venv
+.PHONY: train test bench install-gpu clean-venv
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
+
+# On a CUDA 12 machine: `make install-gpu train`; adds the CUDA plugin (and CUDA wheels) to the pinned jax.
+install-gpu: $(VENV)/.runtime requirements-gpu.txt
+	$(PY) -m pip install -q -r requirements-gpu.txt
 
 train: $(VENV)/.runtime
 	$(PY) -m vcpo_jax.main --config=configs/countdown.py --workdir=$(WORKDIR)

@@ -16,6 +16,7 @@ from vcpo_jax.rollout.launcher import free_port
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.cpu_only(reason="each process fakes 4 CPU devices (XLA_FLAGS host device count)")
 def test_two_process_forward_equals_single_process(tmp_path):
   port = str(free_port())
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
