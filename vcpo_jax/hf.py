@@ -1,6 +1,8 @@
 """Hugging Face Qwen2 checkpoint export/import: config.json + model.safetensors + tokenizer files."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -10,12 +12,14 @@ from typing import Any
 
 import jax
 import numpy as np
+import safetensors
 import safetensors.numpy
 
 from vcpo_jax import model as model_lib
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 _WEIGHTS_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
 _TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -175,31 +179,92 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> mode
       matmul_precision=d.get("vcpo_matmul_precision", "highest"))
 
 
-def import_hf(model_dir: str):
-  """Reads a HF Qwen2 directory; returns (params, cfg). Errors name the tensor and both shapes."""
-  cfg_path = os.path.join(model_dir, "config.json")
-  if not os.path.isfile(cfg_path):
+def read_config(model_dir: str) -> dict[str, Any]:
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.isfile(path):
     raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
-  with open(cfg_path) as f:
-    cfg = config_from_hf(json.load(f))
-  weights = os.path.join(model_dir, _WEIGHTS_FILE)
-  if not os.path.isfile(weights):
-    raise FileNotFoundError(f"no {_WEIGHTS_FILE} in model directory {model_dir!r}")
-  tensors = safetensors.numpy.load_file(weights)
+  with open(path) as f:
+    return json.load(f)
+
+
+# Fields a config section may state next to model.hf_path; they must agree with the checkpoint's config.json.
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "tie_word_embeddings")
+# Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
+_RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision")
+
+
+def model_config(section) -> model_lib.ModelConfig:
+  """The job's ModelConfig from its `model` config section. With model.hf_path the architecture comes from
+  that directory's config.json (a stated shape field that disagrees is an error); max_seq_len, dtypes and
+  matmul precision always come from the section."""
+  d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  path = d.pop("hf_path", "") or ""
+  if not path:
+    return model_lib.ModelConfig.from_dict(d)
+  cfg = config_from_hf(read_config(path))
+  for field in _SHAPE_FIELDS:
+    if field in d and d[field] != getattr(cfg, field):
+      raise ValueError(f"invalid config: model.{field}={d[field]!r} but {path}/config.json gives "
+                       f"{getattr(cfg, field)!r} (pick the matching configs/qwen2_5.py variant)")
+  return dataclasses.replace(cfg, **{k: d[k] for k in _RUN_FIELDS if k in d})
+
+
+def weight_files(model_dir: str) -> dict[str, str]:
+  """Tensor name -> safetensors file: model.safetensors, or the shards named by model.safetensors.index.json."""
+  index = os.path.join(model_dir, _INDEX_FILE)
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+  single = os.path.join(model_dir, _WEIGHTS_FILE)
+  if not os.path.isfile(single):
+    raise FileNotFoundError(f"no {_WEIGHTS_FILE} or {_INDEX_FILE} in model directory {model_dir!r}")
+  with safetensors.safe_open(single, "np") as f:
+    return {name: single for name in f.keys()}
+
+
+def _ignorable(name: str, cfg: model_lib.ModelConfig) -> bool:
+  """Tensors a checkpoint may carry that are not parameters here: RoPE buffers, a tied head's copy."""
+  return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def import_hf(model_dir: str, *, cfg: model_lib.ModelConfig | None = None, shardings=None):
+  """Reads a HF Qwen2/Qwen2.5 directory; returns (params, cfg). Errors name the tensor and both shapes.
+
+  cfg: defaults to the directory's config.json; parameters are cast to cfg.param_dtype.
+  shardings: a pytree of jax Shardings like the params; then each parameter is built directly in its
+  sharding, every device reading only its own slice of the tensor from disk (no whole-model host copy).
+  Without it, parameters are host numpy arrays.
+  """
+  cfg = cfg or config_from_hf(read_config(model_dir))
+  files = weight_files(model_dir)
   expected = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
-  params: dict = {}
-  used = set()
-  for path, name, transpose in tensor_names(cfg):
-    want = tuple(_get(expected, path).shape)
-    want_hf = want[::-1] if transpose else want
-    if name not in tensors:
-      raise ValueError(f"missing tensor {name!r} (expected shape {want_hf}) in {weights}")
-    arr = tensors[name]
-    if tuple(arr.shape) != want_hf:
-      raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want_hf}")
-    used.add(name)
-    _set(params, path, np.ascontiguousarray(arr.T) if transpose else arr)
-  extra = sorted(set(tensors) - used)
+  names = tensor_names(cfg)
+  missing = [n for _, n, _ in names if n not in files]
+  if missing:
+    raise ValueError(f"missing tensor {missing[0]!r} in {model_dir} ({len(missing)} missing in all)")
+  extra = sorted(set(files) - {n for _, n, _ in names} - {n for n in files if _ignorable(n, cfg)})
   if extra:
-    raise ValueError(f"unexpected tensors in {weights}: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+    raise ValueError(f"unexpected tensors in {model_dir}: {extra[:5]}{'...' if len(extra) > 5 else ''}")
+  dtype = np.dtype(cfg.jnp_param_dtype)
+  params: dict = {}
+  with contextlib.ExitStack() as stack:
+    handles = {f: stack.enter_context(safetensors.safe_open(f, "np")) for f in sorted(set(files.values()))}
+    for path, name, transpose in names:
+      want = tuple(_get(expected, path).shape)
+      want_hf = want[::-1] if transpose else want
+      tensor = handles[files[name]].get_slice(name)
+      if tuple(tensor.get_shape()) != want_hf:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}, expected {want_hf}")
+
+      def read(index, tensor=tensor, transpose=transpose):
+        index = tuple(index) + (slice(None),) * (len(want) - len(index))
+        block = tensor[index[::-1] if transpose else index]
+        return np.ascontiguousarray(block.T if transpose else block).astype(dtype, copy=False)
+
+      if shardings is None:
+        _set(params, path, read(()))
+      else:
+        _set(params, path, jax.make_array_from_callback(want, _get(shardings, path), read))
   return params, cfg

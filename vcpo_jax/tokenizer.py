@@ -10,6 +10,8 @@ from typing import Iterable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from vcpo_jax import pretrained_tokenizer as pretrained
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -63,27 +65,49 @@ def _build_backend() -> tokenizers.Tokenizer:
 
 
 class Tokenizer:
-  """Wrapper with the small API the project needs; the backend is a `tokenizers.Tokenizer`."""
+  """Wrapper with the small API the project needs; the backend is a `tokenizers.Tokenizer`.
 
-  def __init__(self, backend: tokenizers.Tokenizer):
+  The project's own tokenizer (build_tokenizer) or a pretrained one (load_pretrained: a Hugging Face
+  directory's tokenizer.json, its special tokens and chat template, whose files `save` copies unchanged).
+  """
+
+  def __init__(self, backend: tokenizers.Tokenizer, *, pretrained_dir: str | None = None):
     self.backend = backend
+    self.pretrained_dir = pretrained_dir
     vocab = backend.get_vocab(with_added_tokens=True)
-    for tok in SPECIAL_TOKENS:
-      if tok not in vocab:
-        raise ValueError(f"tokenizer vocab lacks special token {tok!r}")
-    self._known_chars = frozenset(c for c in vocab if len(c) == 1)
     self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-    self.pad_id: int = vocab[PAD_TOKEN]
-    self.im_start_id: int = vocab[IM_START]
-    self.eos_id: int = vocab[IM_END]  # end of an assistant turn: where chat generation stops
-    self.stop_ids: tuple[int, ...] = (vocab[IM_END], vocab[PAD_TOKEN])
-    self.special_ids: frozenset[int] = frozenset(vocab[t] for t in SPECIAL_TOKENS)
+    if pretrained_dir is None:
+      for tok in SPECIAL_TOKENS:
+        if tok not in vocab:
+          raise ValueError(f"tokenizer vocab lacks special token {tok!r}")
+      self._known_chars = frozenset(c for c in vocab if len(c) == 1)
+      self.chat_template = CHAT_TEMPLATE
+      self._template_vars: dict = {}
+      self.pad_id: int = vocab[PAD_TOKEN]
+      self.eos_id: int = vocab[IM_END]  # end of an assistant turn: where chat generation stops
+      self.stop_ids: tuple[int, ...] = (vocab[IM_END], vocab[PAD_TOKEN])
+      self.special_ids: frozenset[int] = frozenset(vocab[t] for t in SPECIAL_TOKENS)
+      self.bos_id = None
+    else:
+      self._known_chars = None  # byte-level: every text has ids
+      info = pretrained.read_info(pretrained_dir, vocab)
+      self.chat_template, self._template_vars = info.chat_template, info.template_vars
+      self.pad_id, self.eos_id, self.stop_ids = info.pad_id, info.eos_id, info.stop_ids
+      self.special_ids, self.bos_id = info.special_ids, info.bos_id
+    self.im_start_id: int | None = vocab.get(IM_START)
+
+  def chat_prompt(self, user_text: str) -> str:
+    """The prompt text for one user message, ending where the assistant's reply starts."""
+    if self.pretrained_dir is None:
+      return chat_prompt(user_text)
+    return pretrained.render_chat(self.chat_template, [{"role": "user", "content": user_text}],
+                                  self._template_vars)
 
   def encode(self, text: str) -> list[int]:
     if not isinstance(text, str):
       raise ValueError(f"text must be a str, got {type(text).__name__}")
     # Special tokens are made of known chars, so checking chars is enough to guarantee no unknown piece.
-    for i, ch in enumerate(text):
+    for i, ch in enumerate(text if self._known_chars is not None else ()):
       if ch not in self._known_chars:
         raise ValueError(f"text contains unknown character {ch!r} at index {i}")
     return self.backend.encode(text, add_special_tokens=False).ids
@@ -108,8 +132,12 @@ class Tokenizer:
     return i
 
   def save(self, out_dir: str | os.PathLike) -> None:
-    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (AutoTokenizer-loadable)."""
+    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (AutoTokenizer-loadable);
+    a pretrained tokenizer's files are copied unchanged (SGLang then tokenizes exactly as we do)."""
     os.makedirs(out_dir, exist_ok=True)
+    if self.pretrained_dir is not None:
+      pretrained.copy_files(self.pretrained_dir, os.fspath(out_dir))
+      return
     self.backend.save(os.path.join(out_dir, "tokenizer.json"))
     added = {
         str(self.token_to_id(t)): {
@@ -143,6 +171,15 @@ def _write_json(path: str, obj: dict) -> None:
 
 def build_tokenizer() -> Tokenizer:
   return Tokenizer(_build_backend())
+
+
+def load_pretrained(model_dir: str | os.PathLike) -> Tokenizer:
+  """A Hugging Face model directory's tokenizer (tokenizer.json + tokenizer_config.json + chat template)."""
+  model_dir = os.fspath(model_dir)
+  file = os.path.join(model_dir, "tokenizer.json")
+  if not os.path.isfile(file):
+    raise ValueError(f"model.hf_path={model_dir!r} has no tokenizer.json (only fast tokenizers are supported)")
+  return Tokenizer(tokenizers.Tokenizer.from_file(file), pretrained_dir=model_dir)
 
 
 def load(path: str | os.PathLike) -> Tokenizer:

@@ -10,8 +10,10 @@ from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 TASKS: dict[str, type[Task]] = {Countdown.name: Countdown, Arithmetic.name: Arithmetic}
 
 
-def get_task(name: str, **knobs) -> Task:
-  """The task `name` built with `knobs`; unknown names or knobs raise ValueError listing the options."""
+def get_task(name: str, *, render_prompt=None, **knobs) -> Task:
+  """The task `name` built with `knobs`; unknown names or knobs raise ValueError listing the options.
+  render_prompt (user text -> prompt text, e.g. a pretrained Tokenizer.chat_prompt) replaces the default
+  chat format."""
   if name not in TASKS:
     raise ValueError(f"unknown task name {name!r}; known: {sorted(TASKS)}")
   cls = TASKS[name]
@@ -19,7 +21,8 @@ def get_task(name: str, **knobs) -> Task:
   for knob in knobs:
     if knob not in allowed:
       raise ValueError(f"unknown knob {knob!r} for task {name!r}; known: {allowed}")
-  return cls(**knobs)
+  task = cls(**knobs)
+  return task if render_prompt is None else task.use_chat_template(render_prompt)
 
 
 def sft_completion(example: Example, rng, error_rate: float) -> str:

@@ -6,7 +6,6 @@ import re
 import numpy as np
 
 from vcpo_jax.tasks import base
-from vcpo_jax.tokenizer import chat_prompt
 
 ALL_OPS = "+-*"
 _INT_RE = re.compile(r"\s*(-?\d{1,64})\s*")
@@ -56,7 +55,7 @@ class Arithmetic(base.Task):
       raise ValueError(f"op must be one of {ALL_OPS!r}, got {op!r}")
     a, b = int(a), int(b)
     return {"task": self.name, "key": f"arithmetic:{a}{op}{b}", "a": a, "b": b, "op": op,
-            "answer": _apply(a, op, b), "prompt": chat_prompt(
+            "answer": _apply(a, op, b), "prompt": self.render_prompt(
                 f"Compute {a} {op} {b}. Put the final answer in <answer></answer>.")}
 
   def reward(self, example: base.Example, completion: str) -> float:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from vcpo_jax import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "eval")
 _HASH_BUCKETS = 1 << 20
@@ -71,6 +73,13 @@ class Task(abc.ABC):
     if not 0.0 < eval_fraction < 1.0:
       raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
     self.eval_fraction = float(eval_fraction)
+    # user message -> prompt text; a pretrained model's tokenizer replaces it with its own chat template.
+    self.render_prompt: Callable[[str], str] = tokenizer_lib.chat_prompt
+
+  def use_chat_template(self, render_prompt: Callable[[str], str]) -> "Task":
+    """Renders every later example's prompt with `render_prompt` (e.g. Tokenizer.chat_prompt); returns self."""
+    self.render_prompt = render_prompt
+    return self
 
   @abc.abstractmethod
   def _draw(self, rng: np.random.Generator) -> Example:

@@ -7,7 +7,6 @@ from typing import Union
 import numpy as np
 
 from vcpo_jax.tasks import base, safe_eval
-from vcpo_jax.tokenizer import chat_prompt
 
 ALL_OPS = "+-*/"
 MAX_ANSWER_CHARS = 256
@@ -142,7 +141,7 @@ class Countdown(base.Task):
             f"Use each number exactly once, with {ops_text} and parentheses. "
             f"Put the final answer in <answer></answer>.")
     return {"task": self.name, "key": key, "numbers": numbers, "target": int(target), "ops": self.ops,
-            "prompt": chat_prompt(user)}
+            "prompt": self.render_prompt(user)}
 
   def reward(self, example: base.Example, completion: str) -> float:
     return countdown_reward(completion, example["numbers"], example["target"])
