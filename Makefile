@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdir/countdown
 PYTEST_ARGS ?=
 
-.PHONY: train test bench install-gpu clean-venv
+.PHONY: train test test-sglang bench install-gpu clean-venv
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ train: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# Opt-in, not part of `make test` or CI: real SGLang 0.5.23 servers on CPU (installs a cached venv under
+# ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~15 min on 2 cores).
+test-sglang: $(VENV)/.dev
+	SGLANG_PYTHON="$$(third_party/install_sglang_cpu.sh | tail -n 1)/bin/python" VCPO_TEST_SGLANG=1 \
+	  $(PY) -m pytest -q -s -m sglang $(PYTEST_ARGS) tests/sglang
 
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks.run

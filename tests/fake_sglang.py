@@ -21,7 +21,12 @@ from vcpo_jax.rollout import protocol
 from vcpo_jax.rollout.launcher import free_port  # noqa: F401  (re-exported for the rollout tests)
 
 MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_length", "oov_ids",
-         "token_mismatch", "http_500", "missing_version", "no_spans", "abort_half", "list_body")
+         "token_mismatch", "http_500", "missing_version", "no_spans", "abort_half", "list_body",
+         "drop_connection", "scaled_logprobs")
+# What /update_weights_from_disk does (POST /fake/update {"mode": m, "count": c}): apply and report the new
+# version; answer SGLang's "cache was not flushed" 400 (weights live, version not reported); or say success
+# while /get_model_info keeps the old version.
+UPDATE_MODES = ("good", "not_flushed", "stale_info")
 
 
 def next_token(context: list[int], vocab_size: int) -> tuple[int, float]:
@@ -31,7 +36,7 @@ def next_token(context: list[int], vocab_size: int) -> tuple[int, float]:
 
 
 def launch_server(argv: list[str], url: str, *, timeout: float = 120.0, log_path=None) -> subprocess.Popen:
-  """Starts a server process and waits until GET /health answers 200; kills it on failure."""
+  """Starts a server process and waits until GET /get_model_info answers 200; kills it on failure."""
   log = open(log_path, "wb") if log_path else subprocess.DEVNULL
   proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
   deadline = time.monotonic() + timeout
@@ -39,7 +44,7 @@ def launch_server(argv: list[str], url: str, *, timeout: float = 120.0, log_path
     if proc.poll() is not None:
       raise RuntimeError(f"server {argv} exited with {proc.returncode} (log: {log_path})")
     try:
-      with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+      with urllib.request.urlopen(url + "/get_model_info", timeout=1) as resp:
         if resp.status == 200:
           return proc
     except OSError:
@@ -60,7 +65,7 @@ TINY_MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_laye
 # One jit shape for every request (8 rows, 16 prompt slots, 256 new slots) and one token per decode chunk,
 # so long generations are slow enough to interrupt (kill, weight update) mid-way.
 # No --max-prompt-len: a resumed request sends prompt + partial output as its prompt.
-EMBEDDED_ARGS = ("--max-total-len", "272", "--min-batch-bucket", "8",
+EMBEDDED_ARGS = ("--context-length", "274", "--min-batch-bucket", "8",
                  "--max-batch", "8", "--min-prompt-bucket", "16", "--min-new-bucket", "256",
                  "--chunk-steps", "1", "--batch-window-ms", "5")
 
@@ -102,9 +107,12 @@ def start_embedded(model_dir: str, weights_root: str, cache_dir: str, log_dir: s
 class FakeServer:
   """State of one fake server: misbehaviour mode, weight version, pause flag."""
 
-  def __init__(self, vocab_size: int, token_delay: float, version: str, mode: str):
+  def __init__(self, vocab_size: int, token_delay: float, version: str, mode: str, context_length: int):
     self.vocab_size, self.token_delay, self.version = vocab_size, token_delay, version
+    self.reported_version, self.context_length = version, context_length
     self.mode, self.mode_count = mode, -1
+    self.update_mode, self.update_count = "good", 0
+    self.update_requests = 0
     self.running = asyncio.Event()
     self.running.set()
     self.generate_requests = 0
@@ -125,6 +133,15 @@ class FakeServer:
       return web.json_response({"error": {"message": "fake internal error"}}, status=500)
     ids = list(body["input_ids"])
     max_new = body.get("sampling_params", {}).get("max_new_tokens", 128)
+    temperature = body.get("sampling_params", {}).get("temperature", 1.0)
+    if mode == "drop_connection":  # as a keep-alive connection the server closed while idle
+      request.transport.close()
+      return web.Response(status=500)
+    if len(ids) >= self.context_length - protocol.INPUT_MARGIN:  # SGLang's limits
+      return web.json_response({"error": {"message": f"The input ({len(ids)} tokens) is longer than the "
+                                                     f"model's context length ({self.context_length} tokens)."}},
+                               status=400)
+    max_new = min(max_new, self.context_length - protocol.TOTAL_MARGIN - len(ids))
     out, lps, versions = [], [], []
     for _ in range(max_new):
       await self.running.wait()
@@ -138,10 +155,16 @@ class FakeServer:
     if mode == "abort_half":
       out, lps, versions = out[:len(out) // 2], lps[:len(out) // 2], versions[:len(out) // 2]
       finish = {"type": "abort", "message": "Aborted"}
+    if mode == "scaled_logprobs" and temperature not in (0, 1.0):  # not the raw model's
+      lps = [lp / temperature for lp in lps]
     entries = [[lp, t, None] for lp, t in zip(lps, out)]
     meta = {"id": body.get("rid", "x"), "finish_reason": finish, "prompt_tokens": len(ids),
             "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.version,
             "weight_versions": protocol.weight_version_spans(versions), "output_token_logprobs": entries, "e2e_latency": 0.0}
+    start = body.get("logprob_start_len", -1)
+    if start is not None and start >= 0:  # the raw model's log-probs of the prompt tokens
+      meta["input_token_logprobs"] = [[None if i == 0 else next_token(ids[:i], self.vocab_size)[1], ids[i], None]
+                                      for i in range(start, len(ids))]
     result = {"text": "", "output_ids": out, "meta_info": meta}
     if mode == "malformed_json":
       return web.Response(text=json.dumps(result)[:-7], content_type="application/json")
@@ -174,16 +197,36 @@ class FakeServer:
   async def update_weights(self, request):
     from aiohttp import web
     body = await request.json()
+    self.update_requests += 1
     if not os.path.isfile(os.path.join(body.get("model_path", ""), "config.json")):
       return web.json_response({"success": False, "message": "no config.json"}, status=400)
+    mode = "good"
+    if self.update_count:
+      mode, self.update_count = self.update_mode, self.update_count - 1
     self.version = body.get("weight_version", self.version)
+    if mode == "not_flushed":
+      return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "
+                                "flushed because requests are still running or queued."}, status=400)
+    if mode == "good":
+      self.reported_version = self.version
     return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+  async def set_update_mode(self, request):
+    from aiohttp import web
+    body = await request.json()
+    if body.get("mode") not in UPDATE_MODES:
+      return web.json_response({"error": f"mode must be one of {UPDATE_MODES}"}, status=400)
+    self.update_mode, self.update_count = body["mode"], body.get("count", 1)
+    return web.json_response({"success": True})
 
   def app(self):
     from aiohttp import web
 
     async def ok(_):
       return web.json_response({})
+
+    async def health(_):  # as SGLang's /health of a paused server: it runs a generation, which waits
+      return web.json_response({}, status=200 if self.running.is_set() else 503)
 
     async def pause(_):
       self.running.clear()
@@ -194,14 +237,15 @@ class FakeServer:
       return web.json_response({})
 
     async def info(_):
-      return web.json_response({"model_path": "fake", "weight_version": self.version,
-                                "vocab_size": self.vocab_size})
+      return web.json_response({"model_path": "fake", "weight_version": self.reported_version})
 
     async def stats(_):
-      return web.json_response({"generate_requests": self.generate_requests})
+      return web.json_response({"generate_requests": self.generate_requests,
+                                "update_requests": self.update_requests})
 
     app = web.Application()
-    app.add_routes([web.post("/generate", self.generate), web.get("/health", ok),
+    app.add_routes([web.post("/generate", self.generate), web.get("/health", health),
+                    web.post("/fake/update", self.set_update_mode),
                     web.get("/get_model_info", info), web.post("/fake/mode", self.set_mode),
                     web.get("/fake/stats", stats), web.post("/pause_generation", pause),
                     web.post("/continue_generation", resume), web.post("/abort_request", ok),
@@ -218,10 +262,12 @@ def main() -> None:
   parser.add_argument("--token-delay", type=float, default=0.0)
   parser.add_argument("--weight-version", default="v0")
   parser.add_argument("--mode", default="good", choices=MODES)
+  parser.add_argument("--context-length", type=int, default=4096)
   args = parser.parse_args()
 
   async def make_app():
-    return FakeServer(args.vocab_size, args.token_delay, args.weight_version, args.mode).app()
+    return FakeServer(args.vocab_size, args.token_delay, args.weight_version, args.mode,
+                      args.context_length).app()
 
   web.run_app(make_app(), host=args.host, port=args.port, print=None)
 

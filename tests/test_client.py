@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests import fake_sglang
-from vcpo_jax.rollout import client as client_lib
+from vcpo_jax.rollout import client as client_lib, protocol
 
 VOCAB = 64
 
@@ -41,21 +41,21 @@ def _expected(prompt, n):
 
 def test_version_mapping_round_trips_and_rejects_garbage():
   for v in (0, 7, 123456):
-    assert client_lib.version_from_wire(client_lib.version_to_wire(v)) == v
-  assert client_lib.version_to_wire(7) == "v7"
+    assert protocol.version_from_wire(protocol.version_to_wire(v)) == v
+  assert protocol.version_to_wire(7) == "v7"
   for bad in ("7", "v", "v-1", "v1.5", "V7", None, 7, "v7 "):
     with pytest.raises(ValueError, match="weight_version"):
-      client_lib.version_from_wire(bad)
+      protocol.version_from_wire(bad)
   for bad in (-1, 1.0, True, "v1"):
     with pytest.raises(ValueError, match="weight_version"):
-      client_lib.version_to_wire(bad)
+      protocol.version_to_wire(bad)
 
 
 def test_parse_accepts_a_good_response_and_reads_two_spans():
   body = _good_body([1, 2, 3], 5)
   body["meta_info"]["weight_versions"] = [{"version": "v3", "start": 0, "end": 2},
                                           {"version": "v4", "start": 2, "end": 5}]
-  seg = client_lib.parse_generate_response(body, vocab_size=VOCAB, max_new_tokens=5)
+  seg = protocol.parse_generate_response(body, vocab_size=VOCAB, max_new_tokens=5)
   assert seg.output_ids == body["output_ids"]
   assert seg.logprobs == [e[0] for e in body["meta_info"]["output_token_logprobs"]]
   assert seg.versions == [3, 3, 4, 4, 4] and seg.finish_type == "length"
@@ -110,8 +110,8 @@ def _broken(kind):
     ("finish", "finish_reason"), ("list", "shape"), ("float_ids", "shape"), ("too_many", "length")])
 def test_parse_rejects_each_broken_field(kind, field):
   max_new = 3 if kind == "too_many" else 4
-  with pytest.raises(client_lib.BadResponseError) as info:
-    client_lib.parse_generate_response(_broken(kind), vocab_size=VOCAB, max_new_tokens=max_new)
+  with pytest.raises(protocol.BadResponseError) as info:
+    protocol.parse_generate_response(_broken(kind), vocab_size=VOCAB, max_new_tokens=max_new)
   assert info.value.kind == field
   assert isinstance(info.value, ValueError)
 
@@ -119,7 +119,7 @@ def test_parse_rejects_each_broken_field(kind, field):
 def test_parse_falls_back_to_the_older_of_reported_and_dispatched_version():
   body = _good_body([1], 3, version="v5")
   del body["meta_info"]["weight_versions"]
-  parse = client_lib.parse_generate_response
+  parse = protocol.parse_generate_response
   assert parse(body, vocab_size=VOCAB, max_new_tokens=3).versions == [5, 5, 5]
   assert parse(body, vocab_size=VOCAB, max_new_tokens=3, fallback_version=4).versions == [4, 4, 4]
   del body["meta_info"]["weight_version"]
@@ -150,6 +150,14 @@ def test_bad_requests_fail_before_anything_is_sent():
     client_lib.RolloutClient(["http://x", "http://x/"], vocab_size=3)
 
 
+def _start_fake(log_dir, *extra):
+  port = fake_sglang.free_port()
+  url = f"http://127.0.0.1:{port}"
+  argv = [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
+          "--weight-version", "v2", *extra]
+  return url, fake_sglang.launch_server(argv, url, log_path=log_dir / f"fake{port}.log")
+
+
 @pytest.fixture(scope="module")
 def fake_pair(tmp_path_factory):
   """Two fake servers on loopback: the first one is told to misbehave, the second stays good."""
@@ -165,6 +173,88 @@ def fake_pair(tmp_path_factory):
   yield urls
   for p in procs:
     fake_sglang.stop_server(p)
+
+
+@pytest.mark.integration
+def test_liveness_uses_model_info_so_a_paused_server_stays_up(fake_pair):
+  """SGLang's /health runs a generation (503 after 20 s while paused); /get_model_info answers at once."""
+  bad, good = fake_pair
+
+  async def run():
+    async with client_lib.RolloutClient([bad, good], vocab_size=VOCAB) as client:
+      await client.request_json(bad, "POST", "/pause_generation", {"mode": "in_place"})
+      try:
+        health, _ = await client.request_json(bad, "GET", "/health")
+        await client.check_health()
+        return health, client.available_urls, client.stats
+      finally:
+        await client.request_json(bad, "POST", "/continue_generation", {})
+
+  health, available, stats = asyncio.run(run())
+  assert health == 503 and available == [bad, good] and stats.get("marked_down", 0) == 0
+
+
+@pytest.mark.integration
+def test_connection_dropped_on_reuse_is_retried_not_a_dead_server(fake_pair):
+  bad, _ = fake_pair
+  _set_mode(bad, "drop_connection", count=1)
+
+  async def run():
+    async with client_lib.RolloutClient([bad], vocab_size=VOCAB, backoff_base=0.001) as client:
+      samples = await client.generate([3, 1], {"max_new_tokens": 4})
+      return samples, client.stats
+
+  try:
+    (s,), stats = asyncio.run(run())
+  finally:
+    _set_mode(bad, "good")
+  assert stats["stale_connection_retries"] == 1 and stats.get("marked_down", 0) == 0
+  assert stats.get("connection_errors", 0) == 0 and s.server_url == bad and s.output_ids == _expected([3, 1], 4)[0]
+
+
+@pytest.mark.integration
+def test_resumed_requests_stay_inside_the_context_limits(tmp_path):
+  """prompt + partial output can exceed SGLang's input limit although the prompt fit: the client caps every
+  segment's max_new_tokens and ends a sample that cannot continue as "length" (never a 400)."""
+  url, proc = _start_fake(tmp_path, "--context-length", "40", "--mode", "abort_half")
+
+  async def run():
+    async with client_lib.RolloutClient([url], vocab_size=VOCAB, context_length=40,
+                                        backoff_base=0.001) as client:
+      samples = await asyncio.gather(*(client.generate([1] * n, {"max_new_tokens": 30}) for n in (5, 20, 33)))
+      with pytest.raises(ValueError, match="context_length=40"):
+        await client.generate([1] * 34, {"max_new_tokens": 1})
+      return samples, client.stats
+
+  try:
+    samples, stats = asyncio.run(run())
+  finally:
+    fake_sglang.stop_server(proc)
+  for (s,) in samples:
+    total = len(s.prompt_ids) + len(s.output_ids)
+    assert s.finish_reason == "length" and total <= 38 and s.num_resumes >= 1
+    ids, _ = _expected(s.prompt_ids, len(s.output_ids))
+    assert s.output_ids == ids
+  assert stats["context_capped"] >= 1 and stats.get("retries", 0) == 0
+
+
+@pytest.mark.integration
+def test_raw_logprob_check_tells_scaled_from_raw(tmp_path):
+  url, proc = _start_fake(tmp_path)
+
+  async def run():
+    async with client_lib.RolloutClient([url], vocab_size=VOCAB) as client:
+      await client.check_raw_logprobs(0.7, [1, 2, 3])
+      _set_mode(url, "scaled_logprobs")
+      with pytest.raises(client_lib.RolloutError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
+        await client.check_raw_logprobs(0.7, [1, 2, 3])
+      return client.stats
+
+  try:
+    stats = asyncio.run(run())
+  finally:
+    fake_sglang.stop_server(proc)
+  assert stats["raw_logprob_checks"] == 1
 
 
 def _set_mode(url, mode, count=-1):
@@ -316,9 +406,9 @@ def test_end_to_end_with_the_embedded_server(embedded_pair):
     async with client_lib.RolloutClient(urls, vocab_size=vocab) as client:
       groups = await asyncio.gather(*(client.generate([5, 6, i + 1], sampling, n=3) for i in range(4)))
       again = await client.generate([5, 6, 1], sampling, n=3)
-      # The server's own limit (272 tokens in all) is a 400: reported at once, never retried.
-      with pytest.raises(client_lib.ServerRequestError, match="400.*max_total_len"):
-        await client.generate(list(range(1, 30)), dict(sampling, max_new_tokens=250))
+      # The server's input limit (context_length 274 - 6) is a 400: reported at once, never retried.
+      with pytest.raises(client_lib.ServerRequestError, match="400.*context length"):
+        await client.generate([1] * 268, dict(sampling, max_new_tokens=2))
       return groups, again, client.stats
 
   groups, again, stats = asyncio.run(run())
@@ -394,7 +484,7 @@ def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair
 
   # Earlier tests may have published newer weights; by convention version v runs tiny_params(v).
   info = json.loads(urllib.request.urlopen(survivor.url + "/get_model_info", timeout=10).read())
-  version = client_lib.version_from_wire(info["weight_version"])
+  version = protocol.version_from_wire(info["weight_version"])
   groups, stats = asyncio.run(run())
   victim.proc.wait()
   assert stats["connection_errors"] >= 1 and stats["marked_down"] >= 1

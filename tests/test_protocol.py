@@ -1,13 +1,13 @@
 """Request validation of the SGLang protocol subset: what is accepted, and errors that name the field."""
 import pytest
 
-from vcpo_jax.rollout import protocol as P
+from vcpo_jax.rollout import protocol as P, server_protocol
 
-LIMITS = dict(vocab_size=100, max_prompt_len=8, max_total_len=20)
+LIMITS = dict(vocab_size=100, max_prompt_len=8, context_length=22)
 
 
 def parse(body, **kw):
-  return P.parse_generate_request(body, **{**LIMITS, **kw})
+  return server_protocol.parse_generate_request(body, **{**LIMITS, **kw})
 
 
 def test_defaults_are_sglangs():
@@ -28,10 +28,29 @@ def test_single_batch_and_text_prompts():
   assert text.prompts == [[7, 8], [9]] and not text.single
 
 
-def test_default_max_new_tokens_shrinks_to_fit_but_explicit_does_not():
+def test_context_limits_are_sglangs():
+  """SGLang 0.5.23 (measured): input >= context_length - 6 is a 400; prompt + output is silently capped
+  at context_length - 2, default or explicit max_new_tokens alike."""
   assert parse({"input_ids": [1] * 5}).params[0].max_new_tokens == 15
-  with pytest.raises(P.RequestError, match="max_new_tokens=16"):
-    parse({"input_ids": [1] * 5, "sampling_params": {"max_new_tokens": 16}})
+  capped = parse({"input_ids": [1] * 5, "sampling_params": {"max_new_tokens": 16, "min_new_tokens": 16}})
+  assert (capped.params[0].max_new_tokens, capped.params[0].min_new_tokens) == (15, 15)
+  assert parse({"input_ids": [1] * 15}, max_prompt_len=None).params[0].max_new_tokens == 5
+  with pytest.raises(P.RequestError, match="context length"):
+    parse({"input_ids": [1] * 16}, max_prompt_len=None)
+
+
+def test_client_side_fit_matches_the_server_limits():
+  for input_len in range(1, 25):
+    for max_new in (0, 1, 5, 30):
+      fit = P.fit_max_new_tokens(input_len, max_new, 22)
+      try:
+        params = parse({"input_ids": [1] * input_len, "sampling_params": {"max_new_tokens": max_new}},
+                       max_prompt_len=None).params[0]
+      except P.RequestError:
+        assert fit == 0 and input_len > P.max_input_len(22)
+        continue
+      assert fit == params.max_new_tokens  # what the client asks for is what the server would allow
+  assert P.fit_max_new_tokens(100, 7, None) == 7
 
 
 @pytest.mark.parametrize("body,needle", [

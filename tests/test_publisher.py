@@ -92,7 +92,11 @@ def test_publish_updates_every_server_and_keeps_last_n(cluster):
   assert {s.server_url for g in groups for s in g} == set(urls)
 
 
-def test_update_during_generation_gives_two_version_spans(cluster):
+def test_update_during_generation_tags_every_token_with_the_weights_that_made_it(cluster):
+  """Requests in flight when an update comes are cut (pause abort) and resumed on the new weights: each
+  token's log-prob is the recompute under the params its version tag names. (The old publisher's
+  pause(in_place) + update with the default flush_cache gets SGLang's 400 here: the embedded server is
+  now as strict, so this test fails against it.)"""
   urls = [s.url for s in cluster["servers"]]
 
   async def attempt(client, pub, version, delay):
@@ -123,9 +127,9 @@ def test_update_during_generation_gives_two_version_spans(cluster):
           delay = delay * 3 if min(old) == 0 else delay / 3
       finally:
         await pub.close()
-      return tries
+      return tries, client.stats, pub.stats
 
-  tries = asyncio.run(run())
+  tries, stats, pub_stats = asyncio.run(run())
   for version, samples in tries:
     for s in samples:
       assert len(s.token_versions) == 240 and np.all(np.diff(s.token_versions) >= 0)
@@ -133,13 +137,43 @@ def test_update_during_generation_gives_two_version_spans(cluster):
   version, samples = tries[-1]
   for s in samples:
     switch = int(np.sum(s.token_versions == version - 1))
-    assert 0 < switch < 240
-    # Tokens before the update are pure old version: the learner's recompute with those params matches.
-    ref = fake_sglang.reference_logprobs(_params(version - 1), s.prompt_ids, s.output_ids[:switch])
-    np.testing.assert_allclose(s.output_logprobs[:switch], ref, atol=2e-4, rtol=0)
-    # After it, the weights changed: the new tokens are not what the old params would give.
-    ref_all = fake_sglang.reference_logprobs(_params(version - 1), s.prompt_ids, s.output_ids)
-    assert np.abs(s.output_logprobs[switch:] - ref_all[switch:]).max() > 1e-2
+    assert 0 < switch < 240 and s.num_resumes >= 1
+    old = fake_sglang.reference_logprobs(_params(version - 1), s.prompt_ids, s.output_ids[:switch])
+    np.testing.assert_allclose(s.output_logprobs[:switch], old, atol=2e-4, rtol=0)
+    new = fake_sglang.reference_logprobs(_params(version), s.prompt_ids, s.output_ids)[switch:]
+    np.testing.assert_allclose(s.output_logprobs[switch:], new, atol=2e-4, rtol=0)
+  assert stats["aborted_resumed"] >= 2 and pub_stats["server_failures"] == 0
+  assert stats["publish_published"] == len(tries) + 1 and len(pub_stats) and stats["publish_last_pause_s"] > 0
+
+
+def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path):
+  """SGLang accepts an update with other shapes (success: true) and serves garbage: refuse it first."""
+  import dataclasses
+  from vcpo_jax import hf, model, tokenizer
+  urls = [s.url for s in cluster["servers"]]
+  wide = dataclasses.replace(model.ModelConfig(**fake_sglang.TINY_MODEL), intermediate_size=128)
+
+  def export_wide(params, out_dir):
+    import jax
+    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
+      before = [(await client.request_json(u, "GET", "/get_model_info"))[1]["weight_version"] for u in urls]
+      pub = publisher_lib.WeightPublisher(export_wide, str(tmp_path / "w"), client)
+      try:
+        with pytest.raises(publisher_lib.PublishError, match="intermediate_size=128.*has 64"):
+          await pub.publish(None, 50)
+      finally:
+        await pub.close()
+      after = [(await client.request_json(u, "GET", "/get_model_info"))[1]["weight_version"] for u in urls]
+      return before, after, pub.stats
+
+  before, after, stats = asyncio.run(run())
+  assert before == after and stats["refused_shapes"] == 1 and stats["server_failures"] == 0
+  # Exported files are readable by a server running as another user.
+  for name in os.listdir(tmp_path / "w" / "v50"):
+    assert os.stat(tmp_path / "w" / "v50" / name).st_mode & 0o777 == 0o644, name
 
 
 def test_failed_server_leaves_rotation_and_is_resynced(cluster):
@@ -177,3 +211,54 @@ def test_failed_server_leaves_rotation_and_is_resynced(cluster):
     _check_against_model(samples, 9)
   assert available == [a.url, b.url] and info["weight_version"] == "v9" and stats["resynced"] >= 1
   assert b.url in {s.server_url for g in after for s in g}
+
+
+def _fake_update_mode(url, mode, count=1):
+  import json
+  import urllib.request
+  req = urllib.request.Request(url + "/fake/update", data=json.dumps({"mode": mode, "count": count}).encode(),
+                               headers={"Content-Type": "application/json"})
+  urllib.request.urlopen(req, timeout=5).read()
+
+
+def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_path):
+  """A server that says success but reports another version is out of rotation, counted, and re-synced;
+  SGLang's "cache was not flushed" 400 (weights live, version not advanced) is retried after a new pause."""
+  import sys
+  procs, urls = [], []
+  for i in range(2):
+    port = fake_sglang.free_port()
+    urls.append(f"http://127.0.0.1:{port}")
+    procs.append(fake_sglang.launch_server(
+        [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB)], urls[-1],
+        log_path=tmp_path / f"fake{i}.log"))
+
+  def export(params, out_dir):
+    fake_sglang.export_tiny(_params(0), out_dir)
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB, health_interval=0.2) as client:
+      pub = publisher_lib.WeightPublisher(export, str(tmp_path / "w"), client, resync_interval=0.2)
+      try:
+        assert await pub.publish(None, 1) == {u: True for u in urls}
+        _fake_update_mode(urls[0], "stale_info")
+        _fake_update_mode(urls[1], "not_flushed")
+        result = await pub.publish(None, 2)
+        out_of_rotation = client.available_urls
+        deadline = time.monotonic() + 30
+        while len(client.available_urls) < 2 and time.monotonic() < deadline:
+          await asyncio.sleep(0.05)
+        infos = [(await client.request_json(u, "GET", "/get_model_info"))[1] for u in urls]
+        return result, out_of_rotation, client.available_urls, infos, dict(pub.stats), client.stats
+      finally:
+        await pub.close()
+
+  try:
+    result, out_of_rotation, available, infos, stats, client_stats = asyncio.run(run())
+  finally:
+    for p in procs:
+      fake_sglang.stop_server(p)
+  assert result == {urls[0]: False, urls[1]: True} and out_of_rotation == [urls[1]]
+  assert stats["version_mismatches"] == 1 and stats["cache_not_flushed_retries"] == 1
+  assert stats["resynced"] == 1 and available == urls and [i["weight_version"] for i in infos] == ["v2", "v2"]
+  assert client_stats["publish_version_mismatches"] == 1 and client_stats["publish_server_failures"] == 1

@@ -60,9 +60,9 @@ class Server:
   def info(self):
     return self.call("GET", "/get_model_info")[1]
 
-  def use_weights(self, name, version):
+  def use_weights(self, name, version, **extra):
     status, out = self.call("POST", "/update_weights_from_disk",
-                            {"model_path": self.dirs[name], "weight_version": version})
+                            {"model_path": self.dirs[name], "weight_version": version, **extra})
     assert status == 200 and out["success"], out
 
 
@@ -78,7 +78,7 @@ def server(tmp_path_factory):
   log_path = root.parent / "server.log"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   cmd = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", dirs["m0"], "--port", str(port),
-         "--weights-root", str(root), "--max-prompt-len", "32", "--max-total-len", "300",
+         "--weights-root", str(root), "--max-prompt-len", "32", "--context-length", "302",
          # One shape for every test (8 rows, 16 prompt slots, 256 new slots): one jit compile.
          "--min-batch-bucket", "8", "--min-new-bucket", "256", "--max-batch", "8",
          # One token per chunk: long generations last long enough to be interrupted mid-way.
@@ -239,7 +239,6 @@ def test_stop_ids_stop_strings_and_trim(server):
     ({"input_ids": [1, 128]}, "input_ids[1]=128"),
     ({"input_ids": [[1, 2], [3, -1]]}, "input_ids[1][1]=-1"),
     ({"input_ids": list(range(33))}, "max_prompt_len=32"),
-    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 296}}, "max_new_tokens=296"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be at least 0"),
     ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": PROMPT, "sampling_params": {"temperature": "hot"}}, "temperature"),
@@ -289,6 +288,31 @@ def _spans_and_prefix_logprobs(server, out, old="v0"):
   return spans
 
 
+def test_context_limits_are_sglangs(server):
+  """context_length 302: prompt + output is silently capped at 300 ("length"), as SGLang does."""
+  out = server.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 296, "ignore_eos": True}})
+  assert len(out["output_ids"]) == 295 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 295}
+
+
+def test_update_with_flush_while_requests_run_is_sglangs_400(server):
+  """SGLang 0.5.23: the default flush_cache with a request in flight answers 400 "cache was not flushed",
+  yet the new weights ARE live (new tokens carry v1) while /get_model_info still reports v0."""
+  fut = _long_request(server, "unflushed")
+  try:
+    assert server.call("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+    status, out = server.call("POST", "/update_weights_from_disk",
+                              {"model_path": server.dirs["m1"], "weight_version": "v1"})
+    assert status == 400 and out["success"] is False and "cache was not flushed" in out["message"]
+    assert server.info()["weight_version"] == "v0"
+    assert server.call("POST", "/flush_cache")[0] == 400  # only when idle
+  finally:
+    assert server.call("POST", "/continue_generation", {})[0] == 200
+  out = fut.result(timeout=120)
+  assert [s["version"] for s in out["meta_info"]["weight_versions"]] == ["v0", "v1"]
+  assert server.info()["weight_version"] == "v0" and server.call("POST", "/flush_cache")[0] == 200
+  server.use_weights("m0", "v0")
+
+
 def test_pause_in_place_update_continue_gives_two_spans(server):
   fut = _long_request(server, "straddle")
   try:
@@ -297,7 +321,7 @@ def test_pause_in_place_update_continue_gives_two_spans(server):
     held = server.info()["num_generated_tokens"]
     time.sleep(0.2)
     assert server.info()["num_generated_tokens"] == held and not fut.done()  # really paused
-    server.use_weights("m1", "v1")
+    server.use_weights("m1", "v1", flush_cache=False)
   finally:
     assert server.call("POST", "/continue_generation", {})[0] == 200
   out = fut.result(timeout=120)

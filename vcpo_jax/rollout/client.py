@@ -1,12 +1,8 @@
-"""Asyncio client for a pool of SGLang-protocol servers: routing, retries, abort-resume, strict validation."""
+"""Asyncio rollout client: per-sample generation with retries, abort-resume within the context limits."""
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import json
-import math
-import re
 import uuid
 from typing import Any, Iterable, Optional
 
@@ -14,30 +10,10 @@ import aiohttp
 import numpy as np
 
 from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout.pool import RolloutError, ServerPool, _is_int  # noqa: F401  (RolloutError re-exported)
+# Defined in protocol (the wire format's one module); importable from here as before.
+from vcpo_jax.rollout.protocol import BadResponseError, Segment, version_from_wire, version_to_wire  # noqa: F401
 from vcpo_jax.rollout.types import Sample
-
-_VERSION_RE = re.compile(r"v([0-9]+)")
-_FINISH_TYPES = ("length", "stop", "abort")
-# Servers compute log-softmax in float32; the sampled token's logprob can round to a hair above 0.
-_LOGPROB_TOLERANCE = 1e-4
-
-
-def version_to_wire(version: int) -> str:
-  """Learner versions are ints; SGLang's weight_version is a string: 7 <-> "v7" (the one mapping)."""
-  if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-    raise ValueError(f"weight_version must be a non-negative int, got {version!r}")
-  return f"v{int(version)}"
-
-
-def version_from_wire(text: Any) -> int:
-  match = _VERSION_RE.fullmatch(text) if isinstance(text, str) else None
-  if match is None:
-    raise ValueError(f"weight_version must look like 'v<int>', got {text!r}")
-  return int(match.group(1))
-
-
-class RolloutError(RuntimeError):
-  """A generation that could not be completed on any server."""
 
 
 class ServerRequestError(RuntimeError):
@@ -48,25 +24,8 @@ class ServerRequestError(RuntimeError):
     self.status = status
 
 
-class BadResponseError(ValueError):
-  """A response that breaks the protocol; `kind` names the broken field (used as a stats key)."""
-
-  def __init__(self, kind: str, message: str):
-    super().__init__(f"bad /generate response ({kind}): {message}")
-    self.kind = kind
-
-
 class _ServerError(RuntimeError):
   """A 5xx answer: retried on another server."""
-
-
-@dataclasses.dataclass
-class Segment:
-  """The validated content of one /generate response."""
-  output_ids: list[int]
-  logprobs: list[float]
-  versions: list[int]
-  finish_type: str
 
 
 def _error_message(text: str) -> str:
@@ -76,260 +35,34 @@ def _error_message(text: str) -> str:
     return text[:500]
 
 
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
+def _stale_connection(e: BaseException) -> bool:
+  """A pooled keep-alive connection the server closed while idle: the write or read fails at once.
+
+  Connection refused (ClientConnectorError, also a ClientOSError) means the server is down instead.
+  """
+  return isinstance(e, (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)) and \
+      not isinstance(e, aiohttp.ClientConnectorError)
 
 
-def _parse_versions(meta: dict, n: int, fallback: Optional[int]) -> list[int]:
-  spans = meta.get("weight_versions")
-  if spans is None:
-    # Client-side tagging for servers without spans: the older of the reported and dispatched versions.
-    candidates = [] if fallback is None else [fallback]
-    if meta.get("weight_version") is not None:
-      try:
-        candidates.append(version_from_wire(meta["weight_version"]))
-      except ValueError as e:
-        raise BadResponseError("version", str(e)) from None
-    if not candidates:
-      raise BadResponseError("version", "meta_info has neither weight_versions nor weight_version")
-    return [min(candidates)] * n
-  if not isinstance(spans, list):
-    raise BadResponseError("version", f"weight_versions must be a list, got {spans!r:.200}")
-  versions, cursor = [], 0
-  for span in spans:
-    if not isinstance(span, dict) or not all(_is_int(span.get(k)) for k in ("start", "end")):
-      raise BadResponseError("version", f"weight_versions span needs int start/end, got {span!r:.200}")
-    if span["start"] != cursor or span["end"] < span["start"]:
-      raise BadResponseError("version", f"weight_versions spans must tile [0, {n}), got {spans!r:.300}")
-    try:
-      version = version_from_wire(span.get("version"))
-    except ValueError as e:
-      raise BadResponseError("version", str(e)) from None
-    versions.extend([version] * (span["end"] - span["start"]))
-    cursor = span["end"]
-  if cursor != n:
-    raise BadResponseError("version", f"weight_versions cover {cursor} tokens, output has {n}")
-  return versions
-
-
-def parse_generate_response(body: Any, *, vocab_size: int, max_new_tokens: int,
-                            fallback_version: Optional[int] = None) -> Segment:
-  """Validates one single-prompt /generate response; raises BadResponseError naming the field."""
-  if not isinstance(body, dict):
-    raise BadResponseError("shape", f"expected a JSON object, got {type(body).__name__}")
-  ids, meta = body.get("output_ids"), body.get("meta_info")
-  if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-    raise BadResponseError("shape", f"output_ids must be a list of ints, got {ids!r:.200}")
-  if not isinstance(meta, dict):
-    raise BadResponseError("shape", f"meta_info must be an object, got {meta!r:.200}")
-  n = len(ids)
-  bad_ids = [t for t in ids if not 0 <= t < vocab_size]
-  if bad_ids:
-    raise BadResponseError("out_of_vocab", f"output_ids {bad_ids[:5]} outside [0, {vocab_size})")
-  if n > max_new_tokens:
-    raise BadResponseError("length", f"{n} output_ids but max_new_tokens was {max_new_tokens}")
-  if meta.get("completion_tokens") != n:
-    raise BadResponseError(
-        "length", f"completion_tokens={meta.get('completion_tokens')!r} but len(output_ids)={n}")
-  entries = meta.get("output_token_logprobs")
-  if not isinstance(entries, list) or len(entries) != n:
-    got = len(entries) if isinstance(entries, list) else repr(entries)[:100]
-    raise BadResponseError("length", f"output_token_logprobs has {got} entries, output_ids has {n}")
-  logprobs = []
-  for i, entry in enumerate(entries):
-    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-      raise BadResponseError("logprob", f"output_token_logprobs[{i}]={entry!r:.100} is not [lp, id, ...]")
-    lp, tok = entry[0], entry[1]
-    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
-      raise BadResponseError("logprob", f"output_token_logprobs[{i}][0]={lp!r} is not a finite number")
-    if lp > _LOGPROB_TOLERANCE:
-      raise BadResponseError("logprob", f"output_token_logprobs[{i}][0]={lp!r} is > 0")
-    if tok != ids[i]:
-      raise BadResponseError("token_mismatch", f"output_token_logprobs[{i}][1]={tok!r} != output_ids[{i}]={ids[i]}")
-    logprobs.append(min(float(lp), 0.0))
-  finish = meta.get("finish_reason")
-  if not isinstance(finish, dict) or finish.get("type") not in _FINISH_TYPES:
-    raise BadResponseError("finish_reason", f"finish_reason must have type in {_FINISH_TYPES}, got {finish!r:.200}")
-  versions = _parse_versions(meta, n, fallback_version)
-  return Segment(ids, logprobs, versions, finish["type"])
-
-
-@dataclasses.dataclass
-class _Server:
-  url: str
-  healthy: bool = True  # health checks and transport errors
-  enabled: bool = True  # publisher: weights in sync
-  outstanding: int = 0
-  picks: int = 0
-  failures_in_a_row: int = 0
-  version: Optional[int] = None  # last version the publisher installed
-
-  @property
-  def available(self) -> bool:
-    return self.healthy and self.enabled
-
-
-class RolloutClient:
-  """A pool of SGLang servers behind least-outstanding-requests routing, with health checks and retries.
+class RolloutClient(ServerPool):
+  """A pool of SGLang servers behind least-outstanding-requests routing, with liveness checks and retries.
 
   Use as `async with RolloutClient(urls, vocab_size=V) as client: samples = await client.generate(...)`.
+  `context_length` (the servers' context length, default: no limit known) caps every request, first or
+  resumed, to what SGLang accepts; a sample that cannot continue within it finishes as "length".
   """
 
   def __init__(self, urls: Iterable[str], *, vocab_size: int, max_prompt_len: Optional[int] = None,
-               request_timeout: float = 600.0, max_retries: int = 4, backoff_base: float = 0.05,
-               backoff_max: float = 2.0, health_interval: float = 2.0, health_timeout: float = 5.0,
-               max_resumes: int = 64, server_wait_timeout: float = 120.0, max_failures_in_a_row: int = 3,
-               max_connections: int = 1024):
-    urls = [u.rstrip("/") for u in urls]
-    if not urls or len(set(urls)) != len(urls):
-      raise ValueError(f"urls must be a non-empty list of distinct server urls, got {urls!r}")
+               context_length: Optional[int] = None, max_retries: int = 4, max_resumes: int = 64, **pool_kwargs):
+    super().__init__(urls, **pool_kwargs)
     for name, value in (("vocab_size", vocab_size), ("max_retries", max_retries + 1),
-                        ("max_prompt_len", 1 if max_prompt_len is None else max_prompt_len)):
+                        ("max_prompt_len", 1 if max_prompt_len is None else max_prompt_len),
+                        ("context_length", 8 if context_length is None else context_length - 7)):
       if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (("request_timeout", request_timeout), ("backoff_base", backoff_base),
-                        ("health_interval", health_interval), ("health_timeout", health_timeout)):
-      if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    self.vocab_size, self.max_prompt_len = vocab_size, max_prompt_len
-    self.request_timeout, self.max_retries = request_timeout, max_retries
-    self.backoff_base, self.backoff_max = backoff_base, backoff_max
-    self.health_interval, self.health_timeout = health_interval, health_timeout
-    self.max_resumes, self.server_wait_timeout = max_resumes, server_wait_timeout
-    self.max_failures_in_a_row, self._max_connections = max_failures_in_a_row, max_connections
-    self.required_version: Optional[int] = None  # set by the publisher; recovered servers must match it
-    self._servers = {u: _Server(u) for u in urls}
-    self._counts = collections.Counter()
-    self._bad = collections.Counter()
-    self._session: Optional[aiohttp.ClientSession] = None
-    self._health_task: Optional[asyncio.Task] = None
-    self._changed: Optional[asyncio.Event] = None  # created in start(), inside the running loop
-
-  # -- lifecycle ---------------------------------------------------------------------------------
-  async def start(self) -> None:
-    if self._session is None:
-      self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_connections))
-      self._changed = asyncio.Event()
-      self._health_task = asyncio.create_task(self._health_loop())
-
-  async def close(self) -> None:
-    if self._health_task is not None:
-      self._health_task.cancel()
-      await asyncio.gather(self._health_task, return_exceptions=True)
-      self._health_task = None
-    if self._session is not None:
-      await self._session.close()
-      self._session = None
-
-  async def __aenter__(self) -> "RolloutClient":
-    await self.start()
-    return self
-
-  async def __aexit__(self, *exc) -> None:
-    await self.close()
-
-  # -- pool state --------------------------------------------------------------------------------
-  @property
-  def urls(self) -> list[str]:
-    return list(self._servers)
-
-  @property
-  def available_urls(self) -> list[str]:
-    return [s.url for s in self._servers.values() if s.available]
-
-  @property
-  def stats(self) -> dict:
-    out = dict(self._counts)
-    out["bad_responses"] = dict(self._bad)
-    out["outstanding"] = {u: s.outstanding for u, s in self._servers.items()}
-    out["available"] = {u: s.available for u, s in self._servers.items()}
-    return out
-
-  def _server(self, url: str) -> _Server:
-    try:
-      return self._servers[url.rstrip("/")]
-    except KeyError:
-      raise ValueError(f"url {url!r} is not in this client's pool {self.urls}") from None
-
-  def set_enabled(self, url: str, enabled: bool) -> None:
-    """The publisher takes an out-of-sync server out of rotation and returns it once re-synced."""
-    self._server(url).enabled = enabled
-    self._notify()
-
-  def is_enabled(self, url: str) -> bool:
-    return self._server(url).enabled
-
-  def set_server_version(self, url: str, version: int) -> None:
-    self._server(url).version = version
-
-  def _notify(self) -> None:
-    if self._changed is not None:
-      self._changed.set()
-
-  def _mark_healthy(self, server: _Server, healthy: bool) -> None:
-    if server.healthy != healthy:
-      self._counts["marked_up" if healthy else "marked_down"] += 1
-      server.healthy = healthy
-      server.failures_in_a_row = 0
-      self._notify()
-
-  # -- health ------------------------------------------------------------------------------------
-  async def request_json(self, url: str, method: str, path: str, payload: Any = None,
-                         timeout: Optional[float] = None) -> tuple[int, Any]:
-    """One HTTP call; returns (status, parsed JSON or raw text). Transport errors propagate."""
-    await self.start()
-    client_timeout = aiohttp.ClientTimeout(total=timeout or self.request_timeout)
-    async with self._session.request(method, url.rstrip("/") + path, json=payload,
-                                     timeout=client_timeout) as resp:
-      text = await resp.text()
-    try:
-      return resp.status, json.loads(text) if text else None
-    except ValueError:
-      return resp.status, text
-
-  async def check_health(self) -> None:
-    """Probes every server once: dead ones leave the rotation, recovered ones come back."""
-    await asyncio.gather(*(self._probe(s) for s in self._servers.values()))
-
-  async def _probe(self, server: _Server) -> None:
-    try:
-      status, _ = await self.request_json(server.url, "GET", "/health", timeout=self.health_timeout)
-      ok = status == 200
-      if ok and not server.healthy and self.required_version is not None:
-        # A restarted server comes back with its start-up weights: keep it out until re-synced.
-        status, info = await self.request_json(server.url, "GET", "/get_model_info",
-                                               timeout=self.health_timeout)
-        wanted = version_to_wire(self.required_version)
-        if not (status == 200 and isinstance(info, dict) and info.get("weight_version") == wanted):
-          server.enabled = False
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-      ok = False
-    self._mark_healthy(server, ok)
-
-  async def _health_loop(self) -> None:
-    while True:
-      await asyncio.sleep(self.health_interval)
-      await self.check_health()
-
-  # -- routing -----------------------------------------------------------------------------------
-  async def _pick(self, avoid: set[str]) -> _Server:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + self.server_wait_timeout
-    while True:
-      candidates = [s for s in self._servers.values() if s.available]
-      preferred = [s for s in candidates if s.url not in avoid] or candidates
-      if preferred:
-        server = min(preferred, key=lambda s: (s.outstanding, s.picks))
-        server.picks += 1
-        return server
-      remaining = deadline - loop.time()
-      if remaining <= 0:
-        raise RolloutError(f"no rollout server available for {self.server_wait_timeout}s: {self.stats}")
-      self._changed.clear()
-      try:
-        await asyncio.wait_for(self._changed.wait(), min(remaining, self.health_interval))
-      except asyncio.TimeoutError:
-        await self.check_health()
+        raise ValueError(f"{name} must be a positive int{' > 7' if name == 'context_length' else ''}, "
+                         f"got {value!r}")
+    self.vocab_size, self.max_prompt_len, self.context_length = vocab_size, max_prompt_len, context_length
+    self.max_retries, self.max_resumes = max_retries, max_resumes
 
   # -- generation --------------------------------------------------------------------------------
   def _check_prompt(self, prompt_ids: Any) -> list[int]:
@@ -342,6 +75,9 @@ class RolloutClient:
       raise ValueError(f"prompt_ids {bad[:5]} outside [0, vocab_size={self.vocab_size})")
     if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
       raise ValueError(f"prompt_ids has {len(ids)} tokens > max_prompt_len={self.max_prompt_len}")
+    if self.context_length is not None and len(ids) > protocol.max_input_len(self.context_length):
+      raise ValueError(f"prompt_ids has {len(ids)} tokens; context_length={self.context_length} admits at "
+                       f"most {protocol.max_input_len(self.context_length)} input tokens")
     return ids
 
   async def generate(self, prompt_ids: Any, sampling_params: dict, n: int = 1) -> list[Sample]:
@@ -366,36 +102,38 @@ class RolloutClient:
 
   async def _generate_one(self, prompt_ids: list[int], params: dict) -> Sample:
     max_new, min_new = params["max_new_tokens"], params.get("min_new_tokens")
-    out_ids, out_lp, out_ver, resumes = [], [], [], 0
+    out_ids, out_lp, out_ver, resumes, url = [], [], [], 0, ""
     while True:
-      remaining = max_new - len(out_ids)
-      step_params = dict(params, max_new_tokens=remaining)
+      input_len = len(prompt_ids) + len(out_ids)
+      step_new = protocol.fit_max_new_tokens(input_len, max_new - len(out_ids), self.context_length)
+      if step_new <= 0 and len(out_ids) < max_new:  # no room left in the context: done, as SGLang would
+        self._counts["context_capped"] += 1
+        finish = "length"
+        break
+      step_params = dict(params, max_new_tokens=step_new)
       if min_new is not None:
-        step_params["min_new_tokens"] = max(0, min_new - len(out_ids))
+        step_params["min_new_tokens"] = min(step_new, max(0, min_new - len(out_ids)))
       seg, url = await self._request_segment(prompt_ids + out_ids, step_params)
       out_ids += seg.output_ids
       out_lp += seg.logprobs
       out_ver += seg.versions
       finish = seg.finish_type
-      if finish == "abort":
-        self._counts["aborted_resumed"] += 1
-        if len(out_ids) >= max_new:
-          finish = "length"
-        else:
-          resumes += 1
-          if resumes > self.max_resumes:
-            raise RolloutError(f"generation aborted {resumes} times (max_resumes={self.max_resumes})")
-          if not seg.output_ids:  # a server that aborts at once is probably paused: don't spin
-            await asyncio.sleep(self._backoff(min(resumes, 6)))
-          continue
-      self._counts["samples_completed"] += 1
-      return Sample(prompt_ids=list(prompt_ids), output_ids=out_ids,
-                    output_logprobs=np.asarray(out_lp, np.float32),
-                    token_versions=np.asarray(out_ver, np.int64), finish_reason=finish,
-                    server_url=url, num_resumes=resumes)
-
-  def _backoff(self, attempt: int) -> float:
-    return min(self.backoff_max, self.backoff_base * 2.0 ** attempt)
+      if finish != "abort":
+        break
+      self._counts["aborted_resumed"] += 1
+      if len(out_ids) >= max_new:
+        finish = "length"
+        break
+      resumes += 1
+      if resumes > self.max_resumes:
+        raise RolloutError(f"generation aborted {resumes} times (max_resumes={self.max_resumes})")
+      if not seg.output_ids:  # a server that aborts at once is probably paused: don't spin
+        await asyncio.sleep(self._backoff(min(resumes, 6)))
+    self._counts["samples_completed"] += 1
+    return Sample(prompt_ids=list(prompt_ids), output_ids=out_ids,
+                  output_logprobs=np.asarray(out_lp, np.float32),
+                  token_versions=np.asarray(out_ver, np.int64), finish_reason=finish,
+                  server_url=url, num_resumes=resumes)
 
   async def _request_segment(self, input_ids: list[int], params: dict) -> tuple[Segment, str]:
     """One /generate call, retried on another server after transport errors, 5xx and bad responses."""
@@ -404,7 +142,13 @@ class RolloutClient:
       server = await self._pick(tried)
       tried.add(server.url)
       try:
-        seg = await self._post_generate(server, input_ids, params)
+        try:
+          seg = await self._post_generate(server, input_ids, params)
+        except aiohttp.ClientError as e:
+          if not _stale_connection(e):
+            raise
+          self._counts["stale_connection_retries"] += 1  # not the server's fault: once more, same server
+          seg = await self._post_generate(server, input_ids, params)
         server.failures_in_a_row = 0
         return seg, server.url
       except BadResponseError as e:
@@ -428,9 +172,9 @@ class RolloutClient:
         await asyncio.sleep(self._backoff(attempt))
     raise RolloutError(f"/generate failed {self.max_retries + 1} times; last error: {last!r}") from last
 
-  async def _post_generate(self, server: _Server, input_ids: list[int], params: dict) -> Segment:
+  async def _post_generate(self, server, input_ids: list[int], params: dict) -> Segment:
     rid = uuid.uuid4().hex
-    payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+    payload = protocol.generate_payload(input_ids, params, rid)
     dispatched_version = server.version
     server.outstanding += 1
     self._counts["requests"] += 1
@@ -452,12 +196,45 @@ class RolloutClient:
       body = json.loads(text)
     except ValueError as e:
       raise BadResponseError("json", f"{e}: {text[:200]!r}") from None
-    return parse_generate_response(body, vocab_size=self.vocab_size,
-                                   max_new_tokens=params["max_new_tokens"],
-                                   fallback_version=dispatched_version)
+    return protocol.parse_generate_response(body, vocab_size=self.vocab_size,
+                                            max_new_tokens=params["max_new_tokens"],
+                                            fallback_version=dispatched_version)
 
   async def _abort_quietly(self, url: str, rid: str) -> None:
     try:
       await self.request_json(url, "POST", "/abort_request", {"rid": rid}, timeout=self.health_timeout)
     except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
       pass
+
+  # -- capability check --------------------------------------------------------------------------
+  async def check_raw_logprobs(self, temperature: float, probe_ids: list[int], atol: float = 1e-3) -> None:
+    """Fails unless every server returns log-probs of the raw model (what the learner recomputes).
+
+    At temperature T != 1 SGLang returns log_softmax(logits / T) unless started with
+    SGLANG_RETURN_ORIGINAL_LOGPROB=1. Probe: sample one token t at T, then score prompt + [t] at T = 1
+    (the prompt's own log-probs, which are raw); the two log-probs of t agree only on a raw server.
+    """
+    probe_ids = self._check_prompt(probe_ids)
+    for url in self.urls:
+      lp_sampled, tok = await self._probe_one(url, probe_ids, temperature)
+      status, body = await self.request_json(url, "POST", "/generate", {
+          "input_ids": probe_ids + [tok], "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+          # SGLang leaves the entry AT logprob_start_len empty: start one earlier, read the last entry.
+          "return_logprob": True, "logprob_start_len": len(probe_ids) - 1})
+      entries = (body.get("meta_info", {}) if isinstance(body, dict) else {}).get("input_token_logprobs")
+      if status != 200 or not entries or entries[-1][1] != tok or entries[-1][0] is None:
+        raise RolloutError(f"{url}: cannot score the log-prob probe (status {status}): {body!r:.300}")
+      if abs(entries[-1][0] - lp_sampled) > atol:
+        raise RolloutError(
+            f"{url} returns temperature-scaled log-probs at temperature={temperature} ({lp_sampled:.4f} "
+            f"vs raw {entries[-1][0]:.4f}): start SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1 "
+            f"(third_party/launch_sglang.sh sets it)")
+      self._counts["raw_logprob_checks"] += 1
+
+  async def _probe_one(self, url: str, probe_ids: list[int], temperature: float) -> tuple[float, int]:
+    status, body = await self.request_json(url, "POST", "/generate", protocol.generate_payload(
+        probe_ids, {"max_new_tokens": 1, "temperature": temperature}, uuid.uuid4().hex))
+    if status != 200:
+      raise RolloutError(f"{url}: log-prob probe answered {status}: {body!r:.300}")
+    seg = protocol.parse_generate_response(body, vocab_size=self.vocab_size, max_new_tokens=1)
+    return seg.logprobs[0], seg.output_ids[0]

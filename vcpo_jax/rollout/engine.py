@@ -136,9 +136,11 @@ class Engine:
     self._resume.set()
     self._wake.set()
 
-  async def update_weights(self, load: Callable[[], tuple], version: str | None, *, abort_all: bool) -> int:
+  async def update_weights(self, load: Callable[[], tuple], version: str | None, *,
+                           abort_all: bool) -> tuple[int, int]:
     """Loads new params (in a thread), then swaps them in. Unpaused, waits for in-flight rows to finish
-    (or aborts them); paused in place, in-flight rows continue on the new weights after resume."""
+    (or aborts them); paused in place, in-flight rows continue on the new weights after resume.
+    Returns (rows held by the pause, rows running or queued at the swap: SGLang cannot flush its cache)."""
     async with self._update_lock:
       params, cfg = await asyncio.to_thread(load)
       if cfg != self.cfg:
@@ -156,11 +158,12 @@ class Engine:
       else:
         await self._quiet.wait()
         num_paused = sum(r.finish_reason is None for r in self._running + list(self._pending))
+      busy = sum(r.finish_reason is None for r in self._running + list(self._pending))
       self.params = params
       if version is not None:
         self.weight_version = version
       self._wake.set()
-      return num_paused
+      return num_paused, busy
 
   # ---- the loop ----------------------------------------------------------------------------------
   async def _loop(self):

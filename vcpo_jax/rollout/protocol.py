@@ -1,10 +1,10 @@
-"""SGLang /generate protocol subset: accepted keys, request and sampling-param validation, error shapes."""
+"""The SGLang wire format both ways: sampling params, versions, context limits, error shapes, /generate replies."""
 from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
-from typing import Any, Callable, Mapping, Sequence
+import re
+from typing import Any, Mapping, Optional, Sequence
 
 # Keys a real SGLang 0.5.x server accepts inside `sampling_params` (an unknown key is a 400).
 SAMPLING_PARAM_KEYS = (
@@ -12,18 +12,18 @@ SAMPLING_PARAM_KEYS = (
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
     "sampling_seed", "min_new_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
 )
-# Top-level /generate keys we understand. `stream` is served as server-sent events.
-GENERATE_KEYS = (
-    "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "rid", "stream",
-)
-# Top-level SGLang keys we do not implement but accept when they ask for nothing (null/false/empty).
-INERT_KEYS = ("return_hidden_states", "lora_path", "custom_logit_processor", "image_data", "priority",
-              "log_metrics", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-              "token_ids_logprob", "modalities", "session_params")
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the request leaves it out.
 FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
 PAUSE_MODES = ("abort", "retract", "in_place")
+FINISH_TYPES = (FINISH_LENGTH, FINISH_STOP, FINISH_ABORT)
+# SGLang 0.5.23 context limits (measured): an input of context_length - 6 tokens or more is a 400, and a
+# request is silently capped at context_length - 2 tokens in total (prompt + output), finishing "length".
+INPUT_MARGIN, TOTAL_MARGIN = 6, 2
+# Servers compute log-softmax in float32; the sampled token's logprob can round to a hair above 0.
+LOGPROB_TOLERANCE = 1e-4
+# update_weights_from_disk's 400 when the weights WERE applied but the prefix cache could not be flushed.
+CACHE_NOT_FLUSHED = "cache was not flushed"
+_VERSION_RE = re.compile(r"v([0-9]+)")
 
 
 class RequestError(ValueError):
@@ -187,109 +187,132 @@ def weight_version_spans(versions: Sequence[str]) -> list[dict]:
   return spans
 
 
+# -- versions and context limits ---------------------------------------------------------------------------
+def version_to_wire(version: int) -> str:
+  """Learner versions are ints; SGLang's weight_version is a string: 7 <-> "v7" (the one mapping)."""
+  if isinstance(version, bool) or not hasattr(version, "__index__") or version < 0:
+    raise ValueError(f"weight_version must be a non-negative int, got {version!r}")
+  return f"v{int(version)}"
+
+
+def version_from_wire(text: Any) -> int:
+  match = _VERSION_RE.fullmatch(text) if isinstance(text, str) else None
+  if match is None:
+    raise ValueError(f"weight_version must look like 'v<int>', got {text!r}")
+  return int(match.group(1))
+
+
+def max_input_len(context_length: int) -> int:
+  """The longest input (prompt, or prompt + partial output when resuming) a server accepts."""
+  return context_length - INPUT_MARGIN - 1
+
+
+def fit_max_new_tokens(input_len: int, max_new_tokens: int, context_length: Optional[int]) -> int:
+  """max_new_tokens capped so that the request fits the server's limits; 0 means it cannot be sent."""
+  if context_length is None:
+    return max_new_tokens
+  if input_len > max_input_len(context_length):
+    return 0
+  return max(0, min(max_new_tokens, context_length - TOTAL_MARGIN - input_len))
+
+
+# -- /generate replies (client side) ------------------------------------------------------------------------
+class BadResponseError(ValueError):
+  """A response that breaks the protocol; `kind` names the broken field (used as a stats key)."""
+
+  def __init__(self, kind: str, message: str):
+    super().__init__(f"bad /generate response ({kind}): {message}")
+    self.kind = kind
+
+
 @dataclasses.dataclass
-class GenerateRequest:
-  """A validated /generate request: prompts as token ids, one SamplingParams per prompt."""
-  prompts: list[list[int]]
-  params: list[SamplingParams]
-  rids: list[str]
-  single: bool  # one prompt given as a str / flat id list: answer an object, not a list (if n == 1)
-  return_logprob: bool
-  logprob_start_len: int
-  return_text_in_logprobs: bool
-  stream: bool
+class Segment:
+  """The validated content of one /generate response."""
+  output_ids: list[int]
+  logprobs: list[float]
+  versions: list[int]
+  finish_type: str
 
 
-def _as_list(value, n: int, field: str) -> list:
-  if isinstance(value, list):
-    if len(value) != n:
-      raise RequestError(f"{field} has {len(value)} entries for {n} prompts.")
-    return value
-  return [value] * n
+def generate_payload(input_ids: list[int], sampling_params: dict, rid: str) -> dict:
+  """The /generate body the client sends: token ids in, per-token logprobs and version spans out."""
+  return {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
 
 
-def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | None
-             ) -> tuple[list[list[int]], bool]:
-  """Token-id prompts from `input_ids` (wins) or `text`; and whether a single prompt was given."""
-  if body.get("input_ids") is not None:
-    ids = body["input_ids"]
-    if not isinstance(ids, list) or not ids:
-      raise RequestError("input_ids must be a non-empty list of token ids or of lists of token ids.")
-    single = not isinstance(ids[0], list)
-    prompts = [ids] if single else ids
-    for i, p in enumerate(prompts):
-      field = "input_ids" if single else f"input_ids[{i}]"
-      if not isinstance(p, list) or not p:
-        raise RequestError(f"{field} must be a non-empty list of token ids.")
-      check_token_ids(p, vocab_size, field)
-    return prompts, single
-  if body.get("text") is not None:
-    text = body["text"]
-    single = isinstance(text, str)
-    texts = [text] if single else text
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-      raise RequestError("text must be a string or a non-empty list of strings.")
-    if encode is None:
-      raise RequestError("text prompts need a tokenizer; the model directory has no tokenizer.json.")
-    prompts = []
-    for i, t in enumerate(texts):
+def _parse_versions(meta: dict, n: int, fallback: Optional[int]) -> list[int]:
+  spans = meta.get("weight_versions")
+  if spans is None:
+    # Client-side tagging for servers without spans: the older of the reported and dispatched versions.
+    candidates = [] if fallback is None else [fallback]
+    if meta.get("weight_version") is not None:
       try:
-        prompts.append(list(encode(t)))
-      except Exception as e:  # tokenizer failures are the text's fault
-        raise RequestError(f"text[{i}] cannot be tokenized: {e}") from None
-      if not prompts[-1]:
-        raise RequestError(f"text[{i}] encodes to no tokens.")
-    return prompts, single
-  raise RequestError("Either text or input_ids should be provided.")
+        candidates.append(version_from_wire(meta["weight_version"]))
+      except ValueError as e:
+        raise BadResponseError("version", str(e)) from None
+    if not candidates:
+      raise BadResponseError("version", "meta_info has neither weight_versions nor weight_version")
+    return [min(candidates)] * n
+  if not isinstance(spans, list):
+    raise BadResponseError("version", f"weight_versions must be a list, got {spans!r:.200}")
+  versions, cursor = [], 0
+  for span in spans:
+    if not isinstance(span, dict) or not all(_is_int(span.get(k)) for k in ("start", "end")):
+      raise BadResponseError("version", f"weight_versions span needs int start/end, got {span!r:.200}")
+    if span["start"] != cursor or span["end"] < span["start"]:
+      raise BadResponseError("version", f"weight_versions spans must tile [0, {n}), got {spans!r:.300}")
+    try:
+      version = version_from_wire(span.get("version"))
+    except ValueError as e:
+      raise BadResponseError("version", str(e)) from None
+    versions.extend([version] * (span["end"] - span["start"]))
+    cursor = span["end"]
+  if cursor != n:
+    raise BadResponseError("version", f"weight_versions cover {cursor} tokens, output has {n}")
+  return versions
 
 
-def parse_generate_request(body: Any, *, vocab_size: int, max_prompt_len: int, max_total_len: int,
-                           encode: Callable[[str], list[int]] | None = None) -> GenerateRequest:
-  """Validates a /generate body into token-id prompts and per-prompt params; errors name the field.
+def _parse_logprobs(entries: Any, ids: list[int]) -> list[float]:
+  n = len(ids)
+  if not isinstance(entries, list) or len(entries) != n:
+    got = len(entries) if isinstance(entries, list) else repr(entries)[:100]
+    raise BadResponseError("length", f"output_token_logprobs has {got} entries, output_ids has {n}")
+  logprobs = []
+  for i, entry in enumerate(entries):
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+      raise BadResponseError("logprob", f"output_token_logprobs[{i}]={entry!r:.100} is not [lp, id, ...]")
+    lp, tok = entry[0], entry[1]
+    if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+      raise BadResponseError("logprob", f"output_token_logprobs[{i}][0]={lp!r} is not a finite number")
+    if lp > LOGPROB_TOLERANCE:
+      raise BadResponseError("logprob", f"output_token_logprobs[{i}][0]={lp!r} is > 0")
+    if tok != ids[i]:
+      raise BadResponseError("token_mismatch", f"output_token_logprobs[{i}][1]={tok!r} != output_ids[{i}]={ids[i]}")
+    logprobs.append(min(float(lp), 0.0))
+  return logprobs
 
-  `encode` turns `text` prompts into ids (None: text prompts are refused).
-  """
+
+def parse_generate_response(body: Any, *, vocab_size: int, max_new_tokens: int,
+                            fallback_version: Optional[int] = None) -> Segment:
+  """Validates one single-prompt /generate response; raises BadResponseError naming the field."""
   if not isinstance(body, dict):
-    raise RequestError("request body must be a JSON object.")
-  for key, value in body.items():
-    if key in INERT_KEYS:
-      if value:
-        raise RequestError(f"{key} is not supported by this server, got {value!r}.")
-    elif key not in GENERATE_KEYS:
-      raise unknown_field_error(key, GENERATE_KEYS)
-  prompts, single = _prompts(body, vocab_size, encode)
-  params = [parse_sampling_params(d, vocab_size=vocab_size)
-            for d in _as_list(body.get("sampling_params"), len(prompts), "sampling_params")]
-  rids = _as_list(body.get("rid"), len(prompts), "rid")
-  rids = [uuid.uuid4().hex if r is None else r for r in rids]
-  if not all(isinstance(r, str) for r in rids):
-    raise RequestError(f"rid must be a string or a list of strings, got {body.get('rid')!r}.")
-  flags = {}
-  for key in ("return_logprob", "return_text_in_logprobs", "stream"):
-    flags[key] = body.get(key) or False
-    if not isinstance(flags[key], bool):
-      raise RequestError(f"{key} must be a boolean, got {body.get(key)!r}.")
-  start = body.get("logprob_start_len", -1)
-  start = -1 if start is None else start
-  if isinstance(start, bool) or not isinstance(start, int) or start < -1:
-    raise RequestError(f"logprob_start_len must be an integer >= -1, got {start!r}.")
-  if body.get("top_logprobs_num"):
-    raise RequestError(f"top_logprobs_num is not supported by this server, got {body['top_logprobs_num']!r}.")
-  raw_params = _as_list(body.get("sampling_params"), len(prompts), "sampling_params")
-  for i, (p, sp) in enumerate(zip(prompts, params)):
-    field = "input_ids" if single else f"prompt {i}"
-    if len(p) > max_prompt_len:
-      raise RequestError(f"{field} has {len(p)} tokens, more than max_prompt_len={max_prompt_len}.")
-    if (raw_params[i] or {}).get("max_new_tokens") is None:  # the default shrinks to fit; explicit does not
-      sp = params[i] = dataclasses.replace(sp, max_new_tokens=max(0, min(sp.max_new_tokens,
-                                                                        max_total_len - len(p))))
-    if len(p) + sp.max_new_tokens > max_total_len:
-      raise RequestError(
-          f"max_new_tokens={sp.max_new_tokens} plus {len(p)} prompt tokens exceeds the maximum context "
-          f"length max_total_len={max_total_len}.")
-    if start >= len(p):
-      raise RequestError(f"logprob_start_len={start} must be smaller than the prompt length {len(p)}.")
-  if flags["stream"] and (len(prompts) > 1 or params[0].n > 1):
-    raise RequestError("stream is supported for one prompt with n=1 only.")
-  return GenerateRequest(prompts, params, rids, single, flags["return_logprob"], start,
-                         flags["return_text_in_logprobs"], flags["stream"])
+    raise BadResponseError("shape", f"expected a JSON object, got {type(body).__name__}")
+  ids, meta = body.get("output_ids"), body.get("meta_info")
+  if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+    raise BadResponseError("shape", f"output_ids must be a list of ints, got {ids!r:.200}")
+  if not isinstance(meta, dict):
+    raise BadResponseError("shape", f"meta_info must be an object, got {meta!r:.200}")
+  n = len(ids)
+  bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+  if bad_ids:
+    raise BadResponseError("out_of_vocab", f"output_ids {bad_ids[:5]} outside [0, {vocab_size})")
+  if n > max_new_tokens:
+    raise BadResponseError("length", f"{n} output_ids but max_new_tokens was {max_new_tokens}")
+  if meta.get("completion_tokens") != n:
+    raise BadResponseError(
+        "length", f"completion_tokens={meta.get('completion_tokens')!r} but len(output_ids)={n}")
+  logprobs = _parse_logprobs(meta.get("output_token_logprobs"), ids)
+  finish = meta.get("finish_reason")
+  if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
+    raise BadResponseError("finish_reason", f"finish_reason must have type in {FINISH_TYPES}, got {finish!r:.200}")
+  versions = _parse_versions(meta, n, fallback_version)
+  return Segment(ids, logprobs, versions, finish["type"])

@@ -1,4 +1,12 @@
-"""Weight publisher: export a HF dir per version, then pause -> update_weights_from_disk -> continue on every server."""
+"""Weight publisher: export a HF dir per version, install it on every server, confirm, resync the failures.
+
+Default update (`pause_mode="abort"`): take the server out of routing, pause(abort) -> update_weights_from_disk
+(flush_cache) -> confirm /get_model_info -> continue. Aborted requests come back with their partial output
+and the client resumes them as prompt + partial output, so every token is computed by exactly the weights
+its version tag names, and the prefix cache is flushed with each update. `pause_mode="in_place"` keeps
+requests running across the update (flush_cache false; the servers need --disable-radix-cache), but the
+resumed tokens then attend to KV computed by the old weights: see README "Real SGLang servers".
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,20 +14,23 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from typing import Any, Callable, Iterable, Optional, Union
 
 import aiohttp
 
 from vcpo_jax import hf
-from vcpo_jax.rollout import client as client_lib, protocol
+from vcpo_jax.rollout import checkpoint_spec, client as client_lib, protocol
 
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
+PAUSE_MODES = ("abort", "in_place")
 _VERSION_DIR = re.compile(r"v([0-9]+)")
+log = logging.getLogger(__name__)
 
 
 class PublishError(RuntimeError):
-  """Every server rejected the new weights (a 4xx), so waiting and retrying cannot help."""
+  """The update cannot succeed: every server rejected it (a 4xx), or its shapes do not fit the model."""
 
 
 def version_dirs(root_dir: str) -> dict[int, str]:
@@ -34,7 +45,7 @@ def version_dirs(root_dir: str) -> dict[int, str]:
 
 def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int) -> str:
   """Runs export_fn into a private temporary dir, then renames it to root/v{version} (replacing one)."""
-  final = os.path.join(root_dir, client_lib.version_to_wire(version))
+  final = os.path.join(root_dir, protocol.version_to_wire(version))
   tmp = os.path.join(root_dir, f".{os.path.basename(final)}.publish-{uuid.uuid4().hex[:8]}")
   try:
     export_fn(params, tmp)
@@ -47,23 +58,31 @@ def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int
 
 
 class _Rejected(RuntimeError):
-  """A server answered the update with a 4xx."""
+  """A server answered with a 4xx."""
+
+
+class _Inconsistent(RuntimeError):
+  """A server accepted the update but does not report the version it was given."""
 
 
 class WeightPublisher:
   """Publishes learner versions to every rollout server; takes failed servers out of rotation until re-synced.
 
-  `client_or_urls` is a RolloutClient (its routing then skips out-of-sync servers and its health checks
-  keep a restarted server out until it runs the required version) or a plain list of server urls.
+  `client_or_urls` is a RolloutClient (its routing then skips updating and out-of-sync servers, its
+  liveness checks keep a restarted server out until it runs the required version, and the publisher's
+  counters appear in its stats) or a plain list of server urls.
   """
 
   def __init__(self, export_fn: ExportFn, root_dir: str,
                client_or_urls: Union[client_lib.RolloutClient, Iterable[str]], *, keep_last: int = 3,
-               timeout: float = 300.0, resync_interval: float = 5.0):
+               timeout: float = 300.0, resync_interval: float = 5.0, pause_mode: str = "abort",
+               update_attempts: int = 3):
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
       raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     if not timeout > 0 or not resync_interval > 0:
       raise ValueError(f"timeout and resync_interval must be > 0, got {timeout!r}, {resync_interval!r}")
+    if pause_mode not in PAUSE_MODES:
+      raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
     self._export, self.root_dir = export_fn, os.path.abspath(root_dir)
     os.makedirs(self.root_dir, exist_ok=True)
     if isinstance(client_or_urls, client_lib.RolloutClient):
@@ -73,27 +92,37 @@ class WeightPublisher:
     if not self.urls:
       raise ValueError("client_or_urls must name at least one server")
     self.keep_last, self.timeout, self.resync_interval = keep_last, timeout, resync_interval
+    self.pause_mode, self.update_attempts = pause_mode, update_attempts
     self.latest_version: Optional[int] = None
     self.latest_dir: Optional[str] = None
     self.out_of_sync: dict[str, str] = {}  # url -> last error
-    self.stats = {"published": 0, "server_failures": 0, "resynced": 0}
+    self.stats = {"published": 0, "server_failures": 0, "resynced": 0, "version_mismatches": 0,
+                  "cache_not_flushed_retries": 0, "refused_shapes": 0}
+    self.pause_seconds: list[float] = []  # per server and update: pause -> continue
+    self._reference: Optional[dict] = None  # the served model's shapes (checkpoint_spec.read_spec)
     self._lock = asyncio.Lock()
     self._session: Optional[aiohttp.ClientSession] = None
     self._resync_task: Optional[asyncio.Task] = None
 
+  def _count(self, key: str, n: int = 1) -> None:
+    self.stats[key] += n
+    if self.client is not None:
+      self.client.count(f"publish_{key}", n)
+
   async def publish(self, params: Any, version: int) -> dict[str, bool]:
     """Exports `version` and installs it on every server concurrently; returns {url: success}."""
-    client_lib.version_to_wire(version)  # validates
+    protocol.version_to_wire(version)  # validates
     if self.latest_version is not None and version < self.latest_version:
       raise ValueError(f"version must be >= the last published {self.latest_version}, got {version}")
     async with self._lock:
       path = await asyncio.to_thread(export_version, self._export, params, self.root_dir, version)
+      await self._check_shapes(path)
       self.latest_version, self.latest_dir = version, path
       if self.client is not None:
         self.client.required_version = version
       results = await asyncio.gather(*(self._sync(url, version, path) for url in self.urls))
       await asyncio.to_thread(self._delete_old)
-    self.stats["published"] += 1
+    self._count("published")
     if not any(ok for ok, _ in results) and all(isinstance(err, _Rejected) for _, err in results):
       raise PublishError(f"every server rejected {path}: " + "; ".join(
           f"{url}: {err}" for url, (_, err) in zip(self.urls, results)))
@@ -109,7 +138,9 @@ class WeightPublisher:
         return []
       results = await asyncio.gather(*(self._sync(u, self.latest_version, self.latest_dir) for u in urls))
     back = [u for u, (ok, _) in zip(urls, results) if ok]
-    self.stats["resynced"] += len(back)
+    if back:
+      self._count("resynced", len(back))
+      log.warning("re-synced %s to %s", back, protocol.version_to_wire(self.latest_version))
     return back
 
   async def close(self) -> None:
@@ -121,12 +152,40 @@ class WeightPublisher:
       await self._session.close()
       self._session = None
 
+  # -- shapes ------------------------------------------------------------------------------------
+  async def _check_shapes(self, path: str) -> None:
+    """Refuses, before anything is sent, an export whose shapes differ from the served model's.
+
+    SGLang accepts such an update with success: true and then serves garbage. The reference is the
+    directory a server reports as its model_path (read once); if no server's is readable here, the first
+    published export.
+    """
+    new = await asyncio.to_thread(checkpoint_spec.read_spec, path)
+    if self._reference is None:
+      self._reference = await self._served_spec() or new
+    problem = checkpoint_spec.spec_mismatch(new, self._reference)
+    if problem is not None:
+      self._count("refused_shapes")
+      raise PublishError(f"refusing to publish {path}: {problem}")
+
+  async def _served_spec(self) -> Optional[dict]:
+    for url in self.urls:
+      try:
+        info = await self._call(url, "GET", "/get_model_info")
+        model_path = info.get("model_path") if isinstance(info, dict) else None
+        if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
+          return await asyncio.to_thread(checkpoint_spec.read_spec, model_path)
+      except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError, ValueError) as e:
+        log.warning("cannot read the served model's shapes from %s: %r", url, e)
+    log.warning("no server's model_path is readable here: updates are checked against the first export")
+    return None
+
   # -- one server --------------------------------------------------------------------------------
-  async def _post(self, url: str, path: str, payload: dict) -> Any:
+  async def _call(self, url: str, method: str, path: str, payload: Optional[dict] = None) -> Any:
     if self._session is None:
       self._session = aiohttp.ClientSession()
-    async with self._session.post(url + path, json=payload,
-                                  timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+    async with self._session.request(method, url + path, json=payload,
+                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
       body = await resp.json(content_type=None)
       if 400 <= resp.status < 500:
         raise _Rejected(f"{path} answered {resp.status}: {protocol.error_message(body)}")
@@ -134,32 +193,62 @@ class WeightPublisher:
         raise RuntimeError(f"{path} answered {resp.status}: {protocol.error_message(body)}")
       return body
 
-  async def _sync(self, url: str, version: int, path: str) -> tuple[bool, Optional[Exception]]:
-    """pause(in_place) -> update_weights_from_disk -> continue; in-flight requests get two version spans."""
-    wire = client_lib.version_to_wire(version)
-    error: Optional[Exception] = None
-    try:
-      await self._post(url, "/pause_generation", {"mode": "in_place"})
+  async def _update(self, url: str, wire: str, path: str) -> None:
+    """pause -> update_weights_from_disk, retried while SGLang says the cache could not be flushed.
+
+    That 400 means the weights WERE applied while some request was still queued (e.g. one in transit when
+    the pause came); a new pause(abort) clears the queue, and the update is sent again.
+    """
+    flush = self.pause_mode == "abort"
+    for attempt in range(self.update_attempts):
+      await self._call(url, "POST", "/pause_generation", {"mode": self.pause_mode})
       try:
-        body = await self._post(url, "/update_weights_from_disk",
-                                {"model_path": path, "weight_version": wire, "abort_all_requests": False})
-        if not (isinstance(body, dict) and body.get("success") is True):
-          raise _Rejected(f"/update_weights_from_disk answered {body!r:.300}")
+        body = await self._call(url, "POST", "/update_weights_from_disk",
+                                {"model_path": path, "weight_version": wire, "abort_all_requests": False,
+                                 "flush_cache": flush})
+      except _Rejected as e:
+        if protocol.CACHE_NOT_FLUSHED not in str(e) or attempt == self.update_attempts - 1:
+          raise
+        self._count("cache_not_flushed_retries")
+        continue
+      if not (isinstance(body, dict) and body.get("success") is True):
+        raise _Rejected(f"/update_weights_from_disk answered {body!r:.300}")
+      return
+
+  async def _confirm(self, url: str, wire: str) -> None:
+    info = await self._call(url, "GET", "/get_model_info")
+    reported = info.get("weight_version") if isinstance(info, dict) else None
+    if reported != wire:
+      self._count("version_mismatches")
+      raise _Inconsistent(f"reports weight_version={reported!r} after a successful update to {wire}")
+
+  async def _sync(self, url: str, version: int, path: str) -> tuple[bool, Optional[Exception]]:
+    wire = protocol.version_to_wire(version)
+    error: Optional[Exception] = None
+    if self.client is not None and self.pause_mode == "abort":
+      self.client.set_enabled(url, False)  # resumed requests wait for (or go to) an updated server
+    t0 = time.perf_counter()
+    try:
+      try:
+        await self._update(url, wire, path)
+        await self._confirm(url, wire)
       finally:
-        await self._post(url, "/continue_generation", {})  # never leave a server paused
+        await self._call(url, "POST", "/continue_generation", {})  # never leave a server paused
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RuntimeError) as e:
       error = e
+    self.pause_seconds.append(time.perf_counter() - t0)
     if self.client is not None:
+      self.client.gauge("publish_last_pause_s", self.pause_seconds[-1])
       if error is None:
         self.client.set_server_version(url, version)
       self.client.set_enabled(url, error is None)
     if error is None:
       self.out_of_sync.pop(url, None)
       return True, None
-    self.stats["server_failures"] += 1
+    self._count("server_failures")
     self.out_of_sync[url] = repr(error)
-    logging.warning("weight publish of %s to %s failed: %r; server out of rotation until re-synced",
-                    wire, url, error)
+    log.error("weight update of %s to %s failed: %r; the server is out of rotation until re-synced",
+              url, wire, error)
     return False, error
 
   def _needs_sync(self) -> list[str]:

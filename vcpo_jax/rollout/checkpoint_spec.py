@@ -1,0 +1,49 @@
+"""What a served model's shapes are (config.json + safetensors headers), to refuse a mismatched update."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from typing import Optional
+
+# config.json fields that decide tensor shapes or how SGLang reads them.
+SHAPE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "tie_word_embeddings")
+
+
+def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
+  """Tensor name -> shape from one .safetensors file's header (8-byte length, then JSON); no data read."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+  return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def read_spec(model_dir: str) -> dict:
+  """{"config": {shape keys}, "tensors": {name: shape}} of a Hugging Face directory."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    cfg = json.load(f)
+  files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+  tensors: dict[str, tuple[int, ...]] = {}
+  for path in files:
+    tensors.update(safetensors_shapes(path))
+  return {"config": {k: cfg.get(k) for k in SHAPE_KEYS}, "tensors": tensors}
+
+
+def spec_mismatch(new: dict, served: dict) -> Optional[str]:
+  """A sentence naming the first difference between two specs, or None when they match."""
+  for key in SHAPE_KEYS:
+    if new["config"].get(key) != served["config"].get(key):
+      return f"config.json {key}={new['config'].get(key)!r}, the served model has {served['config'].get(key)!r}"
+  missing = sorted(set(served["tensors"]) - set(new["tensors"]))
+  extra = sorted(set(new["tensors"]) - set(served["tensors"]))
+  if missing or extra:
+    return f"tensors missing {missing[:3]} / unexpected {extra[:3]} compared with the served model"
+  for name, shape in new["tensors"].items():
+    if tuple(shape) != tuple(served["tensors"][name]):
+      return f"tensor {name} has shape {list(shape)}, the served model has {list(served['tensors'][name])}"
+  return None
