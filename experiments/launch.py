@@ -1,73 +1,179 @@
-"""Runs a sweep's work units locally, one `vcpo_jax.main` process each: `python -m experiments.launch
---config=configs/countdown.py --sweep=experiments/sweeps/ablation.py[:arg] --root=runs/ablation [--parallel=1]
-[--dry_run] [-- extra --config.x=y flags applied to every unit]`."""
+"""Runs a sweep's work units as local processes, one per core:
+
+    python -m experiments.launch --config=configs/countdown.py:emulate \
+        --sweep=experiments/sweeps/ablation.py:k=64,seeds=3 --root=runs/ablation [--parallel=N] [--dry_run] \
+        [-- --config.rl.steps=60 ...]   # extra flags applied to every unit
+
+Every unit gets ROOT/<name>/ with unit.json (resolved config, config hash, git SHA), the job's own files and
+log.txt. A relaunch skips finished units (result.json present and the job's config.json hashes equal) and
+resumes unfinished ones from their checkpoints; a workdir that holds a different config is an error.
+"""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
-import subprocess
+import signal
 import sys
-import time
+from typing import Awaitable, Callable
+
+from experiments import workunit
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_sweep(spec: str) -> list[dict]:
+  """`path/to/sweep.py[:arg]` -> the module's get_sweep(arg)."""
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise ValueError(f"--sweep file does not exist: {path!r}")
-  module_spec = importlib.util.spec_from_file_location("sweep", path)
+  module_spec = importlib.util.spec_from_file_location(f"sweep_{os.path.basename(path)[:-3]}", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  units = module.get_sweep(arg)
-  names = [u.get("name") for u in units]
-  if any(not n for n in names) or len(set(names)) != len(names):
-    raise ValueError(f"every work unit of {path} needs a unique 'name', got {names}")
-  return units
+  return module.get_sweep(arg)
 
 
-def unit_command(config: str, workdir: str, overrides: dict, extra: list[str]) -> list[str]:
-  flags = [f"--config.{key}={json.dumps(value) if isinstance(value, str) else value}"
-           for key, value in overrides.items() if key != "name"]
-  return [sys.executable, "-m", "vcpo_jax.main", f"--config={config}", f"--workdir={workdir}", *flags, *extra]
+def absolute_config_spec(spec: str) -> str:
+  path, sep, arg = spec.partition(":")
+  return os.path.abspath(path) + sep + arg
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--sweep", required=True)
+def prepare_sweep(config: str, sweep: str, root: str, extra: list[str], validate: bool = True):
+  """Resolved units and a status per unit; raises if a workdir holds another config."""
+  units = workunit.prepare(load_sweep(sweep), absolute_config_spec(config), root, extra, validate=validate)
+  status = {u.name: u.status() for u in units}
+  conflicts = [n for n, s in status.items() if s == "conflict"]
+  if conflicts:
+    raise ValueError(f"workdirs under {root} hold runs of a different config: {conflicts} (config.json hash "
+                     "differs); delete them or choose another --root")
+  return units, status
+
+
+def write_sweep_record(root: str, config: str, sweep: str, extra: list[str], units, launcher: str):
+  os.makedirs(root, exist_ok=True)
+  with open(os.path.join(root, "sweep.json"), "w") as f:
+    json.dump({"config": config, "sweep": sweep, "extra": extra, "launcher": launcher,
+               "units": [{"name": u.name, "labels": u.labels, "flags": u.flags, "config_hash": u.config_hash,
+                          "warm_start_key": u.warm_start_key} for u in units]}, f, indent=2)
+
+
+def warm_start_donors(units, todo) -> dict[str, workunit.WorkUnit]:
+  """For each unit to run, the unit whose warm start it copies (the first of its group; None for that one)."""
+  donors, first = {}, {}
+  for u in units:  # a finished unit with a cached warm start is the best donor: nothing to wait for
+    if u.has_warm_start():
+      first.setdefault(u.warm_start_key, u)
+  for u in todo:
+    donor = first.setdefault(u.warm_start_key, u)
+    donors[u.name] = None if donor is u else donor
+  return donors
+
+
+StartFn = Callable[[workunit.WorkUnit, int], Awaitable[int]]
+
+
+async def run_units(todo, donors, start: StartFn, *, parallel: int, poll_s: float = 1.0) -> dict[str, int]:
+  """Runs `start(unit, slot)` for every unit with at most `parallel` at once; a unit whose warm start comes
+  from a donor waits until the donor's cached warm start exists (or the donor has ended)."""
+  pending, running, free_slots, codes = list(todo), {}, list(range(parallel)), {}
+  while pending or running:
+    for unit in list(pending):
+      if not free_slots:
+        break
+      donor = donors.get(unit.name)
+      if donor is not None and not donor.has_warm_start() and donor.name not in codes:
+        continue
+      if donor is not None:
+        await asyncio.to_thread(workunit.share_warm_start, donor, unit)
+      pending.remove(unit)
+      slot = free_slots.pop(0)
+      running[asyncio.create_task(start(unit, slot))] = (unit, slot)
+    if not running:
+      await asyncio.sleep(poll_s)
+      continue
+    done, _ = await asyncio.wait(running, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+      unit, slot = running.pop(task)
+      codes[unit.name] = task.result() if task.exception() is None else -1
+      if task.exception() is not None:
+        print(f"{unit.name}: {task.exception()!r}", flush=True)
+      free_slots.append(slot)
+      print(f"finished {unit.name}: exit {codes[unit.name]}", flush=True)
+  return codes
+
+
+def cpu_for_slot(slot: int) -> int | None:
+  cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+  return cpus[slot % len(cpus)] if cpus else None
+
+
+def default_parallel() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+async def _start_local(unit: workunit.WorkUnit, slot: int) -> int:
+  cmd = workunit.run_command(unit, cpu=cpu_for_slot(slot))
+  workunit.write_record(unit, "local", cmd)
+  print(f"started {unit.name} (cpu {cpu_for_slot(slot)})", flush=True)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+  proc = await asyncio.create_subprocess_exec(*cmd, cwd=REPO, env=env, stdin=asyncio.subprocess.DEVNULL)
+  try:
+    return await proc.wait()
+  except asyncio.CancelledError:
+    proc.send_signal(signal.SIGINT)  # the job's Ctrl-C path stops its servers and checkpoints stay valid
+    await proc.wait()
+    raise
+
+
+def parse_args(argv, description: str):
+  parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawTextHelpFormatter)
+  parser.add_argument("--config", required=True, help="config file[:arg], as for vcpo_jax.main")
+  parser.add_argument("--sweep", required=True, help="sweep file[:arg] with get_sweep(arg)")
   parser.add_argument("--root", required=True, help="one workdir per unit under this directory")
-  parser.add_argument("--parallel", type=int, default=1)
-  parser.add_argument("--dry_run", action="store_true")
+  parser.add_argument("--parallel", type=int, default=default_parallel(), help="units at once (default: cores)")
+  parser.add_argument("--dry_run", action="store_true", help="resolve and validate every unit; run nothing")
+  parser.add_argument("--no_share_warm_start", action="store_true",
+                      help="every unit computes its own warm start (by default units with identical warm-start "
+                           "inputs copy the first one's)")
   args, extra = parser.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
-  units = load_sweep(args.sweep)
-  os.makedirs(args.root, exist_ok=True)
-  commands = {u["name"]: unit_command(args.config, os.path.join(args.root, u["name"]), u, extra) for u in units}
-  with open(os.path.join(args.root, "sweep.json"), "w") as f:
-    json.dump({"config": args.config, "sweep": args.sweep, "units": units, "extra": extra}, f, indent=2)
-  if args.dry_run:
-    for name, cmd in commands.items():
-      print(name, " ".join(cmd))
+  bad = [e for e in extra if not e.startswith("--config.")]
+  if bad:
+    parser.error(f"extra arguments must be --config.<field>=<value> flags, got {bad}")
+  if args.parallel < 1:
+    parser.error(f"--parallel must be >= 1, got {args.parallel}")
+  return args, extra
+
+
+def plan(args, extra, launcher: str):
+  """Shared by both launchers: units, what to run, warm-start donors; prints the plan."""
+  units, status = prepare_sweep(args.config, args.sweep, args.root, extra)
+  todo = [u for u in units if status[u.name] != "done"]
+  for u in units:
+    print(f"{status[u.name]:8s} {u.name}  [{u.config_hash}]  {' '.join(u.flags)}")
+  print(f"{len(units)} units: {len(units) - len(todo)} done, {len(todo)} to run "
+        f"({sum(status[u.name] == 'partial' for u in todo)} resume)", flush=True)
+  if not args.dry_run:
+    write_sweep_record(args.root, args.config, args.sweep, extra, units, launcher)
+  donors = {} if args.no_share_warm_start else warm_start_donors(units, todo)
+  return units, todo, donors
+
+
+def main(argv=None) -> int:
+  args, extra = parse_args(argv, __doc__)
+  try:
+    _, todo, donors = plan(args, extra, "local")
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.dry_run or not todo:
     return 0
-  pending, running, failed = list(commands.items()), {}, []
-  env = dict(os.environ, VCPO_PROGRESS="0")
-  while pending or running:
-    while pending and len(running) < args.parallel:
-      name, cmd = pending.pop(0)
-      log = open(os.path.join(args.root, f"{name}.log"), "w")
-      running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-      print(f"started {name}", flush=True)
-    for name, (proc, log) in list(running.items()):
-      if proc.poll() is not None:
-        log.close()
-        del running[name]
-        print(f"finished {name}: exit {proc.returncode}", flush=True)
-        if proc.returncode:
-          failed.append(name)
-    time.sleep(1)
+  codes = asyncio.run(run_units(todo, donors, _start_local, parallel=args.parallel))
+  failed = sorted(n for n, c in codes.items() if c)
   if failed:
-    print(f"failed units: {failed} (see their .log files in {args.root})")
+    print(f"failed units: {failed} (see log.txt in their workdirs under {args.root})")
   return 1 if failed else 0
 
 

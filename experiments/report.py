@@ -1,50 +1,281 @@
-"""Summarises a sweep root as a markdown table: base/final accuracy and the worst ESS ratio per unit."""
+"""Results page for a sweep root: `python -m experiments.report RUN_ROOT [--out DIR]` writes DIR/report.md and
+PNG plots (default DIR = RUN_ROOT/report): a table per lag and arm, curves with 95% CI bands over seeds, an
+IQM aggregate with bootstrap intervals and the ESS-drop -> collapse lead time (C1)."""
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
+import datetime
 import json
+import math
 import os
+from typing import Optional
+
+import numpy as np
+
+from experiments import analysis, workunit
+
+ACC = "eval/greedy_accuracy"
+SAMPLED = "eval/sampled_accuracy"
+# (metric, title, log scale, (lower, upper) bound of the metric: CI bands are clipped to it)
+CURVES = ((ACC, "held-out greedy accuracy", False, (0.0, 1.0)), ("ess_ratio", "ESS ratio (log)", True, (0.0, 1.0)),
+          ("grad_norm", "gradient norm before clipping (log)", True, (0.0, None)))
 
 
-def _read_jsonl(path: str) -> list[dict]:
+@dataclasses.dataclass
+class Run:
+  name: str
+  arm: str
+  lag: int
+  seed: int
+  config: dict
+  record: dict
+  result: Optional[dict]                       # None while unfinished
+  series: dict[str, dict[int, float]]          # metric -> {step: value}; ACC includes the base at step 0
+
+  def evals(self, key: str = ACC) -> tuple[list[int], list[float]]:
+    steps = sorted(self.series.get(key, {}))
+    return steps, [self.series[key][s] for s in steps]
+
+
+def _read_json(path: str) -> Optional[dict]:
   if not os.path.exists(path):
-    return []
+    return None
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    return json.load(f)
 
 
-def summarize(root: str) -> list[dict]:
-  rows = []
+def read_metrics(path: str) -> dict[str, dict[int, float]]:
+  """metrics.jsonl -> {metric: {step: value}}; a step logged twice (after a resume) keeps its last line."""
+  series: dict[str, dict[int, float]] = collections.defaultdict(dict)
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          row = json.loads(line)
+          for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+              series[key][int(row["step"])] = float(value)
+  return dict(series)
+
+
+def load_run(workdir: str) -> Optional[Run]:
+  record = _read_json(os.path.join(workdir, workunit.RECORD)) or {}
+  config = record.get("config") or _read_json(os.path.join(workdir, workunit.JOB_CONFIG))
+  if config is None:
+    return None
+  name = os.path.basename(workdir.rstrip("/"))
+  result = _read_json(os.path.join(workdir, workunit.RESULT))
+  series = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  base = result["base"] if result else (_read_json(os.path.join(workdir, workunit.WARM_START_MARKER)) or {})
+  for key in (ACC, SAMPLED):
+    if key in base:
+      series.setdefault(key, {})[0] = float(base[key])
+  return Run(name=name, arm=str(record.get("labels", {}).get("arm", name.split("-k")[0])),
+             lag=int(config["rl"]["max_lag"]), seed=int(config["seed"]), config=config, record=record,
+             result=result, series=series)
+
+
+def load_runs(root: str) -> list[Run]:
+  runs = []
   for name in sorted(os.listdir(root)):
-    unit = os.path.join(root, name)
-    if not os.path.isdir(unit):
+    path = os.path.join(root, name)
+    if os.path.isdir(path):
+      run = load_run(path)
+      if run is not None:
+        runs.append(run)
+  return runs
+
+
+def run_summary(run: Run, fraction: float, ess_threshold: float) -> dict:
+  steps, acc = run.evals()
+  ess = run.series.get("ess_ratio", {})
+  ess_steps = sorted(ess)
+  collapse = analysis.collapse_step(steps, acc, fraction) if len(steps) > 1 else None
+  drop = analysis.ess_drop_step(ess_steps, [ess[s] for s in ess_steps], ess_threshold) if ess_steps else None
+  final = run.result["final"] if run.result else {}
+  lr_scale = list(run.series.get("lr_scale", {}).values())
+  seconds = run.series.get("throughput/step_seconds", {})
+  return {"final": final.get(ACC), "final_sampled": final.get(SAMPLED), "base": run.series.get(ACC, {}).get(0),
+          "min_ess": min(ess.values()) if ess else None, "lr_scale": float(np.mean(lr_scale)) if lr_scale else None,
+          "collapse": collapse, "ess_drop": drop, "lead": analysis.lead_time(collapse, drop),
+          "rl_minutes": sum(seconds.values()) / 60 if seconds else None, "done": run.result is not None}
+
+
+def _fmt(v, spec="{:.3f}") -> str:
+  return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else spec.format(v)
+
+
+def _pm(values, scale=100.0) -> str:
+  m, h = analysis.mean_ci([v * scale for v in values if v is not None])
+  if not math.isfinite(m):
+    return "-"
+  return f"{m:.1f} ± {h:.1f}" if math.isfinite(h) else f"{m:.1f} (n=1)"
+
+
+def group_runs(runs: list[Run]) -> dict[int, dict[str, list[Run]]]:
+  out: dict[int, dict[str, list[Run]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+  for run in sorted(runs, key=lambda r: (r.lag, r.arm, r.seed)):
+    out[run.lag][run.arm].append(run)
+  return out
+
+
+def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], sync_mean: Optional[float]) -> list[str]:
+  lines = ["| arm | seeds (done) | final greedy acc % (mean ± 95% CI) | Δ vs sync k=0 (pts) | final sampled acc % "
+           "| min ESS ratio (worst seed) | mean lr scale | collapsed (step) | ESS drop step | RL min |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for arm, runs in arms.items():
+    s = [summaries[r.name] for r in runs]
+    finals = [x["final"] for x in s if x["final"] is not None]
+    delta = "-" if sync_mean is None or not finals else f"{100 * (np.mean(finals) - sync_mean):+.1f}"
+    mins = [x["min_ess"] for x in s if x["min_ess"] is not None]
+    lrs = [x["lr_scale"] for x in s if x["lr_scale"] is not None]
+    collapsed = [x["collapse"] for x in s if x["collapse"] is not None]
+    drops = [x["ess_drop"] for x in s if x["ess_drop"] is not None]
+    minutes = [x["rl_minutes"] for x in s if x["rl_minutes"] is not None]
+    lines.append(
+        f"| {arm} | {len(runs)} ({sum(x['done'] for x in s)}) | {_pm(finals)} | {delta} "
+        f"| {_pm([x['final_sampled'] for x in s])} | {_fmt(min(mins) if mins else None, '{:.3g}')} "
+        f"| {_fmt(float(np.mean(lrs)) if lrs else None)} | {len(collapsed)}/{len(s)}"
+        f"{' (' + ', '.join(map(str, collapsed)) + ')' if collapsed else ''} "
+        f"| {', '.join(map(str, drops)) or '-'} | {_fmt(float(np.mean(minutes)) if minutes else None, '{:.1f}')} |")
+  return lines
+
+
+def aggregate_rows(groups, summaries) -> list[tuple[str, int, int, float, float, float]]:
+  """Per arm over its stale runs (k > 0): (arm, lags, runs, IQM, low, high) of final accuracy in percent,
+  the interval from a bootstrap that resamples seeds within each lag."""
+  by_arm: dict[str, list[list[float]]] = collections.defaultdict(list)
+  for lag, arms in groups.items():
+    if lag == 0:
       continue
-    result = json.load(open(os.path.join(unit, "result.json"))) if os.path.exists(
-        os.path.join(unit, "result.json")) else {}
-    scalars = _read_jsonl(os.path.join(unit, "metrics.jsonl"))
-    ess = [s["ess_ratio"] for s in scalars if "ess_ratio" in s]
-    rows.append({"unit": name, "steps": result.get("steps", len(scalars)),
-                 "base_greedy": result.get("base", {}).get("eval/greedy_accuracy"),
-                 "final_greedy": result.get("final", {}).get("eval/greedy_accuracy"),
-                 "final_sampled": result.get("final", {}).get("eval/sampled_accuracy"),
-                 "min_ess_ratio": min(ess) if ess else None,
-                 "skipped_updates": scalars[-1].get("skipped_updates") if scalars else None})
+    for arm, runs in arms.items():
+      finals = [summaries[r.name]["final"] for r in runs if summaries[r.name]["final"] is not None]
+      if finals:
+        by_arm[arm].append(finals)
+  rows = []
+  for arm, per_lag in sorted(by_arm.items()):
+    point, lo, hi = analysis.bootstrap_iqm(per_lag)
+    rows.append((arm, len(per_lag), sum(map(len, per_lag)), 100 * point, 100 * lo, 100 * hi))
   return rows
 
 
-def to_markdown(rows: list[dict]) -> str:
-  cols = ["unit", "steps", "base_greedy", "final_greedy", "final_sampled", "min_ess_ratio", "skipped_updates"]
-  fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
-  return "\n".join(lines)
+def aggregate_table(rows) -> list[str]:
+  lines = ["| arm | lags | runs | IQM final greedy acc % [95% bootstrap CI] |", "|---|---|---|---|"]
+  lines += [f"| {arm} | {lags} | {n} | {_fmt(p, '{:.1f}')} [{_fmt(lo, '{:.1f}')}, {_fmt(hi, '{:.1f}')}] |"
+            for arm, lags, n, p, lo, hi in rows]
+  return lines
+
+
+def lead_table(runs: list[Run], summaries) -> list[str]:
+  lines = ["| unit | ESS drop step | collapse step | lead time (steps) |", "|---|---|---|---|"]
+  rows = [(r, summaries[r.name]) for r in runs if summaries[r.name]["collapse"] is not None
+          or summaries[r.name]["ess_drop"] is not None]
+  for r, s in rows:
+    lead = s["lead"] if s["lead"] is not None else ("no collapse" if s["collapse"] is None else "collapse, no ESS drop")
+    lines.append(f"| {r.name} | {_fmt(s['ess_drop'], '{}')} | {_fmt(s['collapse'], '{}')} | {lead} |")
+  leads = [s["lead"] for _, s in rows if s["lead"] is not None]
+  if leads:
+    m, h = analysis.mean_ci(leads)
+    lines.append(f"\nMean lead time over {len(leads)} collapsed runs with an ESS drop: {m:.1f}"
+                 + (f" ± {h:.1f} steps (95% CI)" if math.isfinite(h) else " steps (one run)"))
+  elif len(lines) == 2:
+    lines.append("| (no run has an ESS drop or a collapse) | | | |")
+  return lines
+
+
+def _settings_of(c: dict) -> dict:
+  return {"rl.steps": c["rl"]["steps"], "rl.mode": c["rl"]["mode"], "rl.prompts_per_step": c["rl"]["prompts_per_step"],
+          "rl.group_size": c["rl"]["group_size"], "rl.max_new_tokens": c["rl"]["max_new_tokens"],
+          "task": f"{c['task']['name']} {c['task']['kwargs']}", "task.eval_size": c["task"]["eval_size"],
+          "eval_every": c["eval_every"], "sft.steps": c["sft"]["steps"],
+          "model": f"{c['model']['num_layers']} layers x {c['model']['hidden_size']}"}
+
+
+def _settings(runs: list[Run]) -> list[str]:
+  """The config fields a reader needs (from the first unit); fields on which units differ are flagged."""
+  first = _settings_of(runs[0].config)
+  lines = [f"- `{k}`: {v}" for k, v in first.items()]
+  differing = sorted({k for r in runs for k, v in _settings_of(r.config).items() if v != first[k]})
+  if differing:
+    lines.append(f"- NOTE: units differ in {differing}; each unit's unit.json has its resolved config")
+  return lines
+
+
+def _provenance(runs: list[Run]) -> list[str]:
+  launches = [r.record["launches"][-1] for r in runs if r.record.get("launches")]
+  envs = [r.record["environment"] for r in runs if r.record.get("environment")]
+  lines = []
+  if launches:
+    shas = sorted({f"{l['git_sha'][:10] if l.get('git_sha') else '?'}{'+dirty' if l.get('git_dirty') else ''}"
+                   for l in launches})
+    lines.append(f"- git: {', '.join(shas)}; launcher: {', '.join(sorted({l['launcher'] for l in launches}))}")
+  if envs:
+    e = envs[0]
+    lines.append(f"- host {e.get('host')} ({e.get('cpus')} CPUs), {e.get('platform')}, Python {e.get('python')}")
+    lines.append("- " + ", ".join(f"{k} {v}" for k, v in sorted(e.get("packages", {}).items())))
+  return lines
+
+
+def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRACTION,
+                 ess_threshold: float = analysis.ESS_DROP_THRESHOLD, plots: bool = True) -> str:
+  """Writes out/report.md (+ PNGs); returns the markdown."""
+  runs = load_runs(root)
+  if not runs:
+    raise ValueError(f"no work units under {root!r} (expected <unit>/unit.json or <unit>/config.json)")
+  os.makedirs(out, exist_ok=True)
+  summaries = {r.name: run_summary(r, fraction, ess_threshold) for r in runs}
+  groups = group_runs(runs)
+  sync = [summaries[r.name]["final"] for r in groups.get(0, {}).get("sync", [])
+          if summaries[r.name]["final"] is not None]
+  sync_mean = float(np.mean(sync)) if sync else None
+  md = [f"# Results: {os.path.basename(os.path.abspath(root))}", "",
+        f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
+        f"`python -m experiments.report {root}` from {len(runs)} work units "
+        f"({sum(s['done'] for s in summaries.values())} finished).", "", "## Settings", "", *_settings(runs),
+        *_provenance(runs), "", "## Definitions", "",
+        "- Final accuracy: held-out greedy accuracy at the last step (`result.json`); mean ± 95% Student-t interval "
+        "over seeds (no interval with one seed).",
+        f"- Collapse: the first evaluation step from which held-out greedy accuracy stays below {fraction:g} x the "
+        "best accuracy of any earlier evaluation (base model included) until the end of the run.",
+        f"- ESS drop: the first step whose ESS ratio is below {ess_threshold:g} with the median over it and the next "
+        f"{analysis.ESS_DROP_WINDOW - 1} steps below it too. Lead time = collapse step - ESS drop step "
+        "(resolution: the eval interval).",
+        "- mean lr scale: the ESS step scale averaged over steps (1 without ESS scaling); the sync_lr* arms run "
+        "sync at fixed fractions of the learning rate for comparison.", ""]
+  for lag, arms in groups.items():
+    md += [f"## Lag k = {lag}", "", *lag_table(arms, summaries, sync_mean), ""]
+    if plots:
+      name = f"curves_k{lag}.png"
+      from experiments import plots as plots_lib  # noqa: PLC0415  (matplotlib only when plotting)
+      plots_lib.curves_figure(arms, CURVES, f"lag k = {lag}", os.path.join(out, name))
+      md += [f"![curves at k = {lag}]({name})", ""]
+  rows = aggregate_rows(groups, summaries)
+  md += ["## Aggregate over lags k > 0", "", *aggregate_table(rows), ""]
+  if plots and rows:
+    from experiments import plots as plots_lib  # noqa: PLC0415
+    plots_lib.aggregate_figure([(a, p, lo, hi) for a, _, _, p, lo, hi in rows], os.path.join(out, "aggregate.png"))
+    md += ["![aggregate](aggregate.png)", ""]
+  md += ["## C1: ESS drop before collapse", "", *lead_table(runs, summaries), ""]
+  text = "\n".join(md)
+  with open(os.path.join(out, "report.md"), "w") as f:
+    f.write(text)
+  return text
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("root")
+  parser.add_argument("--out", help="output directory (default ROOT/report)")
+  parser.add_argument("--collapse_fraction", type=float, default=analysis.COLLAPSE_FRACTION)
+  parser.add_argument("--ess_drop_threshold", type=float, default=analysis.ESS_DROP_THRESHOLD)
+  parser.add_argument("--no_plots", action="store_true")
   args = parser.parse_args(argv)
-  print(to_markdown(summarize(args.root)))
+  out = args.out or os.path.join(args.root, "report")
+  write_report(args.root, out, fraction=args.collapse_fraction, ess_threshold=args.ess_drop_threshold,
+               plots=not args.no_plots)
+  print(f"wrote {os.path.join(out, 'report.md')}")
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""Sweeps: each module has get_sweep() -> list of {config path: value} overrides, one per work unit."""
+"""Sweep definitions: each module has get_sweep(arg) -> list of work units (experiments/sweep.py)."""

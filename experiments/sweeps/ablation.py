@@ -1,19 +1,14 @@
-"""The paper's ablation in small: sync vs async with each stabilizer on and off (vcpo-algorithm.md §6)."""
+"""The ablation at one lag: sync, its lr controls, and every async arm (issue #15 item 2), x seeds.
+
+`--sweep=experiments/sweeps/ablation.py:k=64,seeds=3,lr=0.0002` (defaults shown; lr is the main job's
+optim.learning_rate). All units use deterministic lag emulation (rl.mode=emulate).
+"""
+from experiments.sweep import chain, fixed, parse_arg, product, seeds, sweep
+from experiments.sweeps import arms
 
 
 def get_sweep(arg: str = "") -> list[dict]:
-  """`arg` sets the lag k of the async arms (default 4); each dict is one work unit's overrides."""
-  k = int(arg) if arg else 4
-  ess_off = {"algo.ess.enabled": False}
-  return [
-      {"name": "sync_vcpo", "rl.max_lag": 0},
-      {"name": f"k{k}_seq_tis", "rl.max_lag": k, "algo.advantage": "grpo", **ess_off},
-      {"name": f"k{k}_ess_only", "rl.max_lag": k, "algo.advantage": "grpo"},
-      {"name": f"k{k}_opob_only", "rl.max_lag": k, **ess_off},
-      {"name": f"k{k}_vcpo", "rl.max_lag": k},
-      {"name": f"k{k}_token_tis", "rl.max_lag": k, "algo.advantage": "grpo", "algo.policy_loss": "token_tis",
-       **ess_off},
-      {"name": f"k{k}_gspo", "rl.max_lag": k, "algo.advantage": "grpo", "algo.policy_loss": "gspo", **ess_off},
-      {"name": f"k{k}_cispo", "rl.max_lag": k, "algo.advantage": "grpo", "algo.policy_loss": "cispo",
-       **ess_off},
-  ]
+  a = parse_arg(arg, k=64, seeds=3, lr=2e-4)
+  sync = product(chain(arms.arms(["sync"], a["lr"]), arms.lr_controls(a["lr"])), fixed({"rl.max_lag": 0}))
+  stale = product(arms.arms(arms.ASYNC_ARMS, a["lr"]), sweep("config.rl.max_lag", [a["k"]]))
+  return product(chain(sync, stale), fixed({"rl.mode": "emulate"}), seeds(a["seeds"]))

@@ -1,11 +1,14 @@
-"""Stability versus lag: VCPO and plain sequence-TIS under in-process lag emulation, k = 0 .. 128."""
+"""Stability versus lag: chosen arms at k in {0, 4, 16, 64, 128} under deterministic lag emulation, x seeds.
+
+`--sweep=experiments/sweeps/lag.py:lags=0+4+16+64+128,arms=no_correction+seq_tis+ess_only+vcpo,seeds=3`
+(defaults shown). k = 0 units of every arm are that arm run synchronously.
+"""
+from experiments.sweep import fixed, parse_arg, product, seeds, sweep
+from experiments.sweeps import arms
 
 
 def get_sweep(arg: str = "") -> list[dict]:
-  lags = [int(x) for x in arg.split(",")] if arg else [0, 2, 8, 32, 128]
-  units = []
-  for k in lags:
-    common = {"rl.mode": "emulate", "rl.max_lag": k}
-    units.append({"name": f"vcpo_k{k}", **common})
-    units.append({"name": f"seq_tis_k{k}", **common, "algo.advantage": "grpo", "algo.ess.enabled": False})
-  return units
+  a = parse_arg(arg, lags=[0, 4, 16, 64, 128], arms=["no_correction", "seq_tis", "ess_only", "vcpo"], seeds=3,
+                lr=2e-4, mode="emulate")
+  return product(arms.arms(a["arms"], a["lr"]), sweep("config.rl.max_lag", a["lags"]),
+                 fixed({"rl.mode": a["mode"]}), seeds(a["seeds"]))
