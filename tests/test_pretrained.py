@@ -205,3 +205,19 @@ def test_model_config_takes_the_architecture_from_hf_path(ckpt):
   with pytest.raises(ValueError, match="model.hidden_size=896"):
     hf.model_config({"hf_path": ckpt, "hidden_size": 896})
   assert hf.model_config({"hf_path": "", "vocab_size": 128}).vocab_size == 128
+
+
+@pytest.mark.parametrize("size,total,non_embedding", [("0.5b", 0.49e9, 0.36e9), ("1.5b", 1.54e9, 1.31e9),
+                                                      ("7b", 7.61e9, 6.53e9)])
+def test_qwen2_5_config_shapes_have_the_published_parameter_counts(size, total, non_embedding):
+  from configs import qwen2_5
+  config = qwen2_5.get_config(size)
+  cfg = hf.model_config(config.model)
+  shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+  n = model_lib.count_params(shapes)
+  embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+  # The model cards state these truncated to two decimals (the 7B has 7.6156e9).
+  assert n == pytest.approx(total, abs=0.01e9) and n - embed == pytest.approx(non_embedding, abs=0.01e9)
+  assert config.sft.steps == 0 and config.model.hf_path == ""
+  with pytest.raises(ValueError, match="unknown Qwen2.5 size"):
+    qwen2_5.get_config("3b")

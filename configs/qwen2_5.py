@@ -1,0 +1,53 @@
+"""Qwen2.5 shapes (0.5B, 1.5B, 7B) on the paper's Countdown; start from a checkpoint with model.hf_path=DIR.
+
+  python -m vcpo_jax.main --config=configs/qwen2_5.py:0.5b --workdir=runs/q05 \
+      --config.model.hf_path=/models/Qwen2.5-0.5B-Instruct
+
+`arg` is "<size>" or "<size>,<variant>" with size in 0.5b | 1.5b | 7b and variant in sync | emulate (as in
+configs/countdown.py). With hf_path the architecture comes from the directory's config.json (the variant's
+shape must match it), the tokenizer and chat template from its tokenizer files; max_seq_len, dtypes and
+matmul precision stay as set here. Without hf_path the model starts from random weights (benchmarks).
+"""
+import ml_collections
+
+from configs import countdown
+
+# Numbers from the released Qwen2.5 config.json files.
+SHAPES = {
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                 num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                 num_kv_heads=2, head_dim=128, tie_word_embeddings=True),
+    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+               num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
+  size, _, variant = (arg or "0.5b").partition(",")
+  if size not in SHAPES:
+    raise ValueError(f"unknown Qwen2.5 size {size!r}; known: {sorted(SHAPES)} (e.g. configs/qwen2_5.py:0.5b)")
+  c = countdown.get_config(variant)
+  c.model = ml_collections.ConfigDict(dict(
+      **SHAPES[size],
+      rope_theta=1000000.0,
+      rms_norm_eps=1e-6,
+      max_seq_len=640,             # chat-template prompt (~110 tokens with the default system turn) + 512
+      param_dtype="float32",
+      # float32 compute at "highest" keeps learner and sampler log-probs within 1e-4 per token (the IS
+      # ratios); the 7B uses bfloat16 compute to fit (see README for bf16's measured mismatch).
+      dtype="bfloat16" if size == "7b" else "float32",
+      matmul_precision="default" if size == "7b" else "highest",
+      hf_path="",                  # a local Hugging Face Qwen2/Qwen2.5 directory; "" = random init
+  ))
+  c.mesh.update(data=1, fsdp=-1, tensor=1)   # parameters and optimizer state sharded over every device
+  # The paper's Countdown: 3-4 numbers in [1, 99].
+  c.task.kwargs = ml_collections.ConfigDict(dict(min_numbers=3, max_numbers=4, max_number=99))
+  c.task.eval_size = 256
+  c.sft.steps = 0                  # a pretrained (instruct) model needs no warm start
+  c.rl.update(steps=200, prompts_per_step=16, group_size=8, max_new_tokens=512)
+  c.algo.micro_batch_size = 8      # one prompt group per learner micro-batch: bounds [tokens, vocab] logits
+  c.optim.update(learning_rate=1e-6, weight_decay=0.0)
+  c.eval_every = 25
+  c.checkpoint_every = 25
+  return c
