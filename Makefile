@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdir/countdown
 PYTEST_ARGS ?=
 
-.PHONY: train test test-sglang bench install-gpu clean-venv
+.PHONY: train test test-sglang bench install-gpu reproduce-quick clean-venv
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,18 @@ test-sglang: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks.run
+
+# The results pipeline end to end in <= 15 min on 2 cores (experiments/sweeps/quick.py: 1 seed, 3 arms,
+# k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.
+QUICK_ROOT ?= workdir/quick
+$(VENV)/.report: $(VENV)/.runtime pyproject.toml
+	$(PY) -m pip install -q -e '.[report]'
+	touch $@
+
+reproduce-quick: $(VENV)/.report
+	$(PY) -m experiments.launch --config=configs/countdown.py:emulate --sweep=experiments/sweeps/quick.py \
+	  --root=$(QUICK_ROOT)
+	$(PY) -m experiments.report $(QUICK_ROOT) --out $(QUICK_ROOT)/report
 
 clean-venv:
 	rm -rf $(VENV)
