@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdir/countdown
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: train test test-sglang bench install-gpu reproduce-quick clean-venv
 
@@ -35,7 +36,7 @@ test-sglang: $(VENV)/.dev
 	  $(PY) -m pytest -q -s -m sglang $(PYTEST_ARGS) tests/sglang
 
 bench: $(VENV)/.dev
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 # The results pipeline end to end in <= 15 min on 2 cores (experiments/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.

@@ -35,6 +35,7 @@ class AsyncSetup:
   skip: int                     # first steps left out of the rate (compilation, pipeline fill)
   budget_s: float               # all runs together; each gets an equal share of what is left
   overrides: tuple[str, ...]    # extra --config.* flags shared by every run
+  config: str = "configs/countdown.py"
 
 
 FULL = AsyncSetup(lags=(0, 2, 4), measured_steps=6, skip=2, budget_s=400,
@@ -43,6 +44,20 @@ QUICK = AsyncSetup(lags=(0, 2), measured_steps=3, skip=2, budget_s=260,
                    overrides=("sft.steps=5", "eval_every=100000", "checkpoint_every=100000",
                               "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=16", "task.eval_size=8",
                               "algo.micro_batch_size=8"))
+# The Qwen2.5-0.5B shape from random weights (--model qwen2.5-0.5b): no warm start, bf16 compute, short
+# generations so a run's steps are learner + rollout time of a real-size model, not of 512 random tokens.
+_QWEN_OVERRIDES = ("sft.steps=0", "eval_every=100000", "checkpoint_every=100000", "task.eval_size=8",
+                   "model.dtype=bfloat16", "model.matmul_precision=default", "model.max_seq_len=256")
+QWEN = AsyncSetup(lags=(0, 2, 4), measured_steps=6, skip=2, budget_s=400, config="configs/qwen2_5.py:0.5b",
+                  overrides=_QWEN_OVERRIDES + ("rl.max_new_tokens=128",))
+QWEN_QUICK = AsyncSetup(lags=(0, 2), measured_steps=3, skip=2, budget_s=260, config="configs/qwen2_5.py:0.5b",
+                        overrides=_QWEN_OVERRIDES + ("rl.max_new_tokens=32", "rl.prompts_per_step=2"))
+
+
+def setup_for(quick: bool) -> AsyncSetup:
+  if common.resolve_model() == "main":
+    return QUICK if quick else FULL
+  return QWEN_QUICK if quick else QWEN
 
 
 def read_steps(path: str) -> list[int]:
@@ -69,9 +84,15 @@ def _steady_steps(times: dict[int, float], skip: int) -> list[int]:
 
 
 def step_intervals(times: dict[int, float], skip: int) -> list[float]:
-  """Seconds per step between consecutive steady-state logged steps."""
+  """Seconds per step between consecutive steady-state logged steps. Steps first seen in the same poll share
+  a stamp (fast steps on an accelerator); such a group counts once, at its last step, so every interval
+  spans real time (a zero interval would be an infinite rate)."""
   steps = _steady_steps(times, skip)
-  return [(times[b] - times[a]) / (b - a) for a, b in zip(steps, steps[1:])]
+  last_of_stamp = {}
+  for step in steps:
+    last_of_stamp[times[step]] = step
+  marks = sorted(last_of_stamp.values())
+  return [(times[b] - times[a]) / (b - a) for a, b in zip(marks, marks[1:])]
 
 
 def steps_per_hour(times: dict[int, float], skip: int) -> float:
@@ -83,13 +104,14 @@ def steps_per_hour(times: dict[int, float], skip: int) -> float:
   return 3600.0 * (steps[-1] - steps[0]) / span
 
 
-def train_command(workdir: str, max_lag: int, overrides: Sequence[str], steps: int = MAX_STEPS) -> list[str]:
+def train_command(workdir: str, max_lag: int, overrides: Sequence[str], steps: int = MAX_STEPS,
+                  config: str = "configs/countdown.py") -> list[str]:
   flags = [f"--config.rl.max_lag={max_lag}", f"--config.rl.steps={steps}"] + [f"--config.{o}" for o in overrides]
-  return [sys.executable, "-m", "vcpo_jax.main", "--config=configs/countdown.py", f"--workdir={workdir}"] + flags
+  return [sys.executable, "-m", "vcpo_jax.main", f"--config={config}", f"--workdir={workdir}"] + flags
 
 
 def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_limit_s: float,
-                   poll_s: float = 0.2) -> tuple[dict[int, float], str]:
+                   poll_s: float = 0.05) -> tuple[dict[int, float], str]:
   """Runs `cmd`, stamping each new metrics.jsonl step with time.monotonic(); stops the process tree when
   `want_steps` steps are in, the time limit passes, or it exits. Returns (times, how it ended)."""
   os.makedirs(workdir, exist_ok=True)
@@ -97,10 +119,8 @@ def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_li
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   times: dict[int, float] = {}
   with open(log_path, "w") as log:
-    # On one accelerator the learner and its embedded servers are separate JAX processes: none may grab
-    # most of the device memory up front (no effect on CPU).
+    # Device memory is the job's own business (rollout.*_memory_fraction): what is timed is what it does.
     env = dict(os.environ, VCPO_PROGRESS="0")
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + time_limit_s
@@ -127,7 +147,7 @@ def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_li
 
 
 def produce(quick: bool) -> list[dict]:
-  return common.run_figure("async_speedup", TITLE, lambda: _measure(QUICK if quick else FULL), goal=GOAL)
+  return common.run_figure("async_speedup", TITLE, lambda: _measure(setup_for(quick)), goal=GOAL)
 
 
 def _one_run(tmp: str, k: int, base: str | None, setup: AsyncSetup, time_limit_s: float) -> tuple[float, dict]:
@@ -135,7 +155,8 @@ def _one_run(tmp: str, k: int, base: str | None, setup: AsyncSetup, time_limit_s
   if base is not None:  # reuse the first run's warm start (SFT) instead of redoing it
     shutil.copytree(base, os.path.join(workdir, "base"))
   want = setup.skip + setup.measured_steps + 1
-  times, ended = watch_training(train_command(workdir, k, setup.overrides), workdir, want_steps=want,
+  times, ended = watch_training(train_command(workdir, k, setup.overrides, config=setup.config), workdir,
+                                want_steps=want,
                                 time_limit_s=time_limit_s)
   info = {"ended": ended, "logged_steps": len(times), "time_limit_s": round(time_limit_s)}
   try:
@@ -152,6 +173,7 @@ def _measure(setup: AsyncSetup) -> list[dict]:
     raise ValueError(f"lags must start with 0 (the sync reference), got lags={setup.lags}")
   rates, errors = {}, {}
   details = {"measured_steps": setup.measured_steps, "skip": setup.skip, "overrides": list(setup.overrides),
+             "config": setup.config,
              "timed": "wall time at which each step's metrics.jsonl line appeared (steady state)"}
   # The suite's runner says how long this job may take; keep a margin for start-up and writing results.
   budget_s = min(setup.budget_s, float(os.environ.get("BENCH_JOB_LIMIT_S", "inf")) - 40)

@@ -10,7 +10,7 @@ import numpy as np
 
 from benchmarks import common
 
-TITLE = "decode tokens/s: ours / HF generate (CPU torch)"
+TITLE = "decode tokens/s: ours / HF generate"
 GOAL = ">= 3"
 
 
@@ -32,13 +32,22 @@ def _main_job_new_tokens() -> int:
 FULL = DecodeSetup(batches=(64, 16), prompt_len=58, new_tokens=_main_job_new_tokens(), warmup=1, repeats=5,
                    no_cache_repeats=2)
 QUICK = DecodeSetup(batches=(8,), prompt_len=16, new_tokens=16, warmup=1, repeats=2, no_cache_repeats=1)
+# The Qwen2.5-0.5B shape (an accelerator's figure): bf16 weights, longer prompts and generations.
+QWEN = DecodeSetup(batches=(64, 256), prompt_len=128, new_tokens=256, warmup=1, repeats=3, no_cache_repeats=1)
+QWEN_QUICK = DecodeSetup(batches=(8,), prompt_len=32, new_tokens=32, warmup=1, repeats=2, no_cache_repeats=1)
 
 
 def main_job_model_config():
-  """The model of the main job (configs/countdown.py), so the figure describes what training runs."""
-  from configs import countdown
-  from vcpo_jax import model as model_lib
-  return model_lib.ModelConfig.from_dict(countdown.get_config().model)
+  """The model of the measured job (configs/countdown.py, or the 0.5B shape with bf16 weights: --model)."""
+  import dataclasses
+  cfg = common.model_config()
+  return cfg if common.resolve_model() == "main" else dataclasses.replace(cfg, param_dtype="bfloat16")
+
+
+def setup_for(quick: bool) -> DecodeSetup:
+  if common.resolve_model() == "main":
+    return QUICK if quick else FULL
+  return QWEN_QUICK if quick else QWEN
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -47,21 +56,27 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
   return rng.integers(1, vocab, size=(batch, length)).tolist()
 
 
-def load_hf_model(model_dir: str):
+def torch_device() -> str:
+  """HF runs where torch can run fastest: a CUDA device when this torch build has one, else the CPU."""
+  import torch
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_hf_model(model_dir: str, dtype: str = "float32"):
   import torch
   import transformers
-  hf_model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-  return hf_model.eval()
+  hf_model = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+  return hf_model.to(torch_device()).eval()
 
 
 def hf_greedy(hf_model, prompts: list[list[int]], new_tokens: int) -> np.ndarray:
   """Greedy HF generation of exactly `new_tokens` tokens per row; returns the new token ids."""
   import torch
-  input_ids = torch.tensor(prompts, dtype=torch.long)
+  input_ids = torch.tensor(prompts, dtype=torch.long, device=hf_model.device)
   with torch.inference_mode():
     out = hf_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-  return out[:, input_ids.shape[1]:].numpy()
+  return out[:, input_ids.shape[1]:].cpu().numpy()
 
 
 def hf_thread_counts() -> list[int]:
@@ -101,7 +116,7 @@ def ours_greedy(params, cfg, prompts, new_tokens: int, use_cache: bool = True) -
 
 
 def produce(quick: bool) -> list[dict]:
-  return common.run_figure("decode", TITLE, lambda: _measure(QUICK if quick else FULL), goal=GOAL)
+  return common.run_figure("decode", TITLE, lambda: _measure(setup_for(quick)), goal=GOAL)
 
 
 def _measure(setup: DecodeSetup) -> list[dict]:
@@ -112,7 +127,7 @@ def _measure(setup: DecodeSetup) -> list[dict]:
   cfg = main_job_model_config()
   params = model_lib.init_params(cfg, jax.random.key(0))
   with tempfile.TemporaryDirectory() as tmp:
-    hf_model = load_hf_model(hf.export_hf(params, cfg, os.path.join(tmp, "hf")))
+    hf_model = load_hf_model(hf.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
   figures = []
   for i, batch in enumerate(setup.batches):
     figures += common.run_figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}",
@@ -148,6 +163,7 @@ def _measure_batch(setup: DecodeSetup, batch: int, headline: bool, params, cfg, 
       "batch": batch, "prompt_len": setup.prompt_len, "new_tokens": n, "tokens_per_call": tokens,
       "model": cfg.to_dict(), "num_params": model_lib.count_params(params),
       "hf_baseline": f"per round, the faster of torch thread counts {hf_thread_counts()}",
+      "hf_device": torch_device(), "model_name": common.resolve_model(),
       "tokens_per_s": tok_s, "seconds": common.timing_details(times),
       "approx_matmul_gflop_per_s": gflop_s, "approx_flops_per_call": flops,
       # Random-init logits are nearly flat, so greedy paths may part on float near-ties.

@@ -42,23 +42,24 @@ def compiled_flops(compiled) -> float | None:
   return flops if flops > 0 else None
 
 
-def matmul_thunk(n: int):
-  """A no-argument call of a jitted float32 n x n matmul on fixed random inputs."""
+def matmul_thunk(n: int, dtype: str = "float32", precision: str = "default"):
+  """A no-argument call of a jitted n x n matmul (the model's compute dtype and precision) on fixed inputs."""
   import jax
   import jax.numpy as jnp
   ka, kb = jax.random.split(jax.random.key(n))
-  a = jax.random.normal(ka, (n, n), jnp.float32)
-  b = jax.random.normal(kb, (n, n), jnp.float32)
-  matmul = jax.jit(lambda x, y: x @ y)
+  a = jax.random.normal(ka, (n, n), dtype)
+  b = jax.random.normal(kb, (n, n), dtype)
+  matmul = jax.jit(lambda x, y: jnp.matmul(x, y, precision=precision, preferred_element_type=jnp.float32))
   return lambda: matmul(a, b)
 
 
-def matmul_peak(setup: FlopsSetup) -> tuple[list[int], dict]:
+def matmul_peak(setup: FlopsSetup, dtype: str = "float32", precision: str = "default") -> tuple[list[int], dict]:
   """Sweeps square float32 matmul sizes; returns the (up to) two best sizes among calls long enough
   (>= 10 ms) for dispatch not to matter, or the two largest if none is, plus the sweep."""
   per_size = {}
   for n in setup.sizes:
-    times = common.time_calls({"mm": matmul_thunk(n)}, warmup=setup.warmup, repeats=setup.repeats)["mm"]
+    times = common.time_calls({"mm": matmul_thunk(n, dtype, precision)}, warmup=setup.warmup,
+                              repeats=setup.repeats)["mm"]
     st = common.summarize(times)
     per_size[n] = {"seconds": st.to_dict(), "flop_per_s": matmul_flops(n) / st.median}
     if st.median >= setup.min_call_seconds:
@@ -66,7 +67,7 @@ def matmul_peak(setup: FlopsSetup) -> tuple[list[int], dict]:
   long_enough = [n for n in per_size if per_size[n]["seconds"]["median"] >= 0.01] or sorted(per_size)[-2:]
   best = sorted(long_enough, key=lambda n: per_size[n]["flop_per_s"])[-2:]
   return best, {"candidate_sizes": best, "sweep": per_size,
-                "precision": "jax default matmul precision, float32 inputs"}
+                "precision": f"{dtype} inputs, matmul precision {precision!r} (the model's)"}
 
 
 @dataclasses.dataclass
@@ -82,8 +83,8 @@ class LearnerBench:
 
 
 def main_job_config():
-  from configs import countdown
-  return countdown.get_config()
+  """The job whose model and learner are measured: the main CPU job, or the Qwen2.5-0.5B shape (--model)."""
+  return common.job_config()
 
 
 def synthetic_batch(batch: int, seq_len: int, group_size: int, vocab: int, seed: int = 0):
@@ -124,15 +125,18 @@ def _flat(params) -> dict:
 def build_learner_bench(*, quick: bool, analyze: bool = True) -> LearnerBench:
   """The main job's model, learner (make_rl_step, unsharded) and batch shape, on synthetic data."""
   import jax
-  from vcpo_jax import learner, model as model_lib, train
+  from vcpo_jax import configuration, hf, learner, model as model_lib
   config = main_job_config()
-  model_cfg = model_lib.ModelConfig.from_dict(config.model)
-  # The main job's learner batch: prompts_per_step * group_size rows padded to model.max_seq_len.
-  B, T = (16, 32) if quick else (config.rl.prompts_per_step * config.rl.group_size, model_cfg.max_seq_len)
+  model_cfg = hf.model_config(config.model)
+  if common.resolve_model() == "main":
+    # The main job's learner batch: prompts_per_step * group_size rows padded to model.max_seq_len.
+    B, T = (16, 32) if quick else (config.rl.prompts_per_step * config.rl.group_size, model_cfg.max_seq_len)
+  else:  # the 0.5B shape: 4,096 tokens (its [tokens, vocab] logits bound the batch, see bench_step)
+    B, T = (8, 64) if quick else (16, 256)
   G = min(config.rl.group_size, B)
-  # Exactly the main job's learner: its LearnerConfig (micro-batching included) and optimizer chain.
-  lc = train.learner_config(config)
-  optimizer = train.build_optimizer(config)
+  # Exactly the job's learner: its LearnerConfig (micro-batching included) and optimizer chain.
+  lc = configuration.learner_config(config)
+  optimizer = configuration.build_optimizer(config)
   batch = synthetic_batch(B, T, G, model_cfg.vocab_size)
   state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
   # FLOPs come from the same step without micro-batching (identical arithmetic): XLA's cost_analysis()
@@ -160,11 +164,12 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(quick: bool) -> list[dict]:
   setup = QUICK if quick else FULL
-  sizes, peak_details = matmul_peak(setup)
   bench = build_learner_bench(quick=quick)
+  model = bench.describe["model"]
+  sizes, peak_details = matmul_peak(setup, model["dtype"], model["matmul_precision"])
   # Side by side: each round times the candidate peak matmuls and the learner step back to back (the
   # machine is shared); the round's peak is its best matmul rate.
-  thunks = {f"matmul_{n}": matmul_thunk(n) for n in sizes}
+  thunks = {f"matmul_{n}": matmul_thunk(n, model["dtype"], model["matmul_precision"]) for n in sizes}
   thunks["step"] = bench.step
   times = common.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
   peak_B = [max(matmul_flops(n) / times[f"matmul_{n}"][i] for n in sizes) for i in range(setup.repeats)]

@@ -14,10 +14,22 @@ from vcpo_jax import model as M
 from vcpo_jax import optimizer as O
 from vcpo_jax import oracle, vcpo
 
-# The main CPU job's model (configs/countdown.py); B = 8 prompts x 8 samples.
+# The main CPU job's model (configs/countdown.py) at max_seq_len 256; B = 8 prompts x 8 samples.
 MODEL = M.ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=32, max_seq_len=256)
 GROUP = 8
+# (B, T, micro-batch rows) per model and mode. On the 0.5B shape a whole-batch step holds [B*T, 151936]
+# float32 logits and their gradients (~4.6 kB per token per copy), so its batch stays at 4,096 tokens.
+SIZES = {("main", False): (64, 128, 8), ("main", True): (16, 64, 8),
+         ("qwen2.5-0.5b", False): (16, 256, 8), ("qwen2.5-0.5b", True): (8, 64, 8)}
+
+
+def bench_model(name: str) -> M.ModelConfig:
+  if name == "main":
+    return MODEL
+  import dataclasses
+  cfg = common.model_config(name)
+  return dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, 256))
 
 
 def make_batch(cfg: M.ModelConfig, params, b: int, t: int, seed: int = 0) -> Lr.RLBatch:
@@ -86,8 +98,10 @@ class _Runner:
 
 
 def produce(quick: bool) -> list[dict]:
-  b, t, repeats, micro = (16, 64, 2, 8) if quick else (64, 128, 4, 8)
-  cfg = MODEL
+  name = common.resolve_model()
+  b, t, micro = SIZES[(name, quick)]
+  repeats = 2 if quick else 4
+  cfg = bench_model(name)
   opt = O.build_optimizer(learning_rate=1e-5)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
   batch = jax.device_put(make_batch(cfg, params, b, t))
@@ -117,7 +131,7 @@ def produce(quick: bool) -> list[dict]:
   times = common.time_calls(runners, warmup=1, repeats=repeats)
   ratio = lambda a, c: common.summarize(common.ratio_samples(times[a], times[c]))
   shape = {"B": b, "T": t, "params": M.count_params(params), "group": GROUP, "micro_batch_size": micro,
-           "backend": jax.default_backend()}
+           "backend": jax.default_backend(), "model": name, "dtype": cfg.dtype}
   peak = lambda name: memory[name].get("peak_estimate_bytes")
   mem_ratio = peak("vcpo") / peak("grpo") if peak("vcpo") and peak("grpo") else None
   return [

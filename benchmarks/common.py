@@ -21,7 +21,43 @@ from typing import Any, Callable, Mapping, Sequence
 # calls timed back to back (A, B, A, B, ...), which cancels slow drifts in load better than timing
 # all of A and then all of B.
 
-VERSION_PACKAGES = ("jax", "jaxlib", "flax", "optax", "torch", "transformers")
+VERSION_PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "torch", "transformers")
+
+# Which model the figures use: "main" is the main CPU job's model (configs/countdown.py); "qwen2.5-0.5b" is the
+# Qwen2.5-0.5B shape (configs/qwen2_5.py:0.5b, random weights, bfloat16 compute as real-model runs use);
+# "auto" picks main on CPU and the 0.5B shape on an accelerator. Children read it from BENCH_MODEL.
+MODELS = ("auto", "main", "qwen2.5-0.5b")
+MODEL_ENV = "BENCH_MODEL"
+
+
+def resolve_model(choice: str | None = None, backend: str | None = None) -> str:
+  """'main' or 'qwen2.5-0.5b' for a --model choice (default: $BENCH_MODEL, else auto) on `backend`."""
+  choice = choice or os.environ.get(MODEL_ENV) or "auto"
+  if choice not in MODELS:
+    raise ValueError(f"--model must be one of {MODELS}, got {choice!r}")
+  if choice != "auto":
+    return choice
+  if backend is None:
+    import jax
+    backend = jax.default_backend()
+  return "main" if backend == "cpu" else "qwen2.5-0.5b"
+
+
+def job_config(name: str | None = None):
+  """The training job config whose model and learner the figures use (see MODELS)."""
+  name = resolve_model(name)
+  if name == "main":
+    from configs import countdown
+    return countdown.get_config()
+  from configs import qwen2_5
+  config = qwen2_5.get_config("0.5b")
+  config.model.update(dtype="bfloat16", matmul_precision="default")
+  return config
+
+
+def model_config(name: str | None = None):
+  from vcpo_jax import hf
+  return hf.model_config(job_config(name).model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +256,7 @@ def environment() -> dict:
   import jax
   devices = jax.devices()
   return {
+      "model": resolve_model(backend=jax.default_backend()),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
       "cpu_model": cpu_model(),
       "cpu_cores": os.cpu_count(),
@@ -269,7 +306,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
     lines += [f"- date: {env.get('date_utc')}",
               f"- machine: {env.get('cpu_model')}, {env.get('cpu_cores')} cores; {env.get('platform')}",
-              f"- backend: {env.get('backend')} ({env.get('devices')})",
+              f"- backend: {env.get('backend')} ({env.get('devices')}); model: {env.get('model', 'main')}",
               f"- versions: python {env.get('python')}, {versions}"]
   for key in ("mode", "wall_seconds", "note"):
     if key in results:
@@ -309,7 +346,10 @@ def module_main(produce: Callable[[bool], list[dict]], description: str, argv=No
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
   parser.add_argument("--json", default=None, help="write the figures as a JSON list to this path")
+  parser.add_argument("--model", default=None, choices=MODELS, help=f"default ${MODEL_ENV} or auto")
   args = parser.parse_args(argv)
+  if args.model:
+    os.environ[MODEL_ENV] = args.model
   figures = produce(args.quick)
   text = json.dumps(figures, indent=2, default=float)
   if args.json:

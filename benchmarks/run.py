@@ -142,11 +142,20 @@ def main(argv=None) -> dict:
                       help=f"default {DEFAULT_OUT_DIR} (full) or {QUICK_OUT_DIR} (--quick)")
   parser.add_argument("--budget-s", type=float, default=SUITE_BUDGET_S,
                       help="wall-clock budget of the whole suite; a job's limit shrinks to what is left")
+  parser.add_argument("--model", default=None, choices=common.MODELS,
+                      help="model of the figures: main (the main CPU job's), qwen2.5-0.5b (the Qwen2.5-0.5B "
+                           "shape), auto (default: main on CPU, qwen2.5-0.5b on an accelerator)")
   args = parser.parse_args(argv)
+  if args.model:
+    os.environ[common.MODEL_ENV] = args.model  # the environment probe and every figure's child read it
   jobs = select_jobs(args.only)
   out_dir = args.out_dir or (QUICK_OUT_DIR if args.quick else DEFAULT_OUT_DIR)
   start = time.perf_counter()
-  results = {"environment": probe_environment(), "mode": "quick" if args.quick else "full", "figures": []}
+  env = probe_environment()
+  # The children resolve "auto" the same way from the probed backend; fixing it here keeps them in step.
+  if env.get("model"):
+    os.environ[common.MODEL_ENV] = env["model"]
+  results = {"environment": env, "mode": "quick" if args.quick else "full", "figures": []}
   for job in jobs:
     left = args.budget_s - (time.perf_counter() - start)
     print(f"[bench] {job.name}: python -m {job.module} ({left:.0f} s of the suite budget left)", flush=True)

@@ -150,6 +150,7 @@ def test_run_job_isolates_failures(fake_modules):
 
 
 def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tmp_path, monkeypatch):
+  monkeypatch.setenv(common.MODEL_ENV, "auto")  # run.main fixes the resolved model in the environment
   monkeypatch.setattr(run, "JOBS", (run.Job("ok", "fake_bench_ok", "ok", 30, 30),
                                     run.Job("crash", "fake_bench_crash", "crash", 30, 30)))
   out = tmp_path / "out"
@@ -159,6 +160,7 @@ def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tm
   assert results["figures"][1]["error"] and results["mode"] == "quick"
   import jax
   assert results["environment"].get("backend") == jax.default_backend(), results["environment"]
+  assert results["environment"]["model"] == common.resolve_model(backend=jax.default_backend())
   md = (out / "results.md").read_text()
   assert "fake figure" in md and "not measured" in md
 
@@ -231,3 +233,35 @@ def test_async_speedup_figures_pair_steps_and_report_failed_runs():
   assert figs[0]["stats"] == {"median": 2.0, "min": 1.0, "max": 2.0, "n": 3} and figs[0]["goal_met"] is True
   assert "1.67x" in figs[0]["note"]
   assert figs[1]["error"] == "k=4: RuntimeError: boom" and figs[1]["value"] is None
+
+
+def test_async_steps_seen_in_one_poll_count_once():
+  """Fast steps (an accelerator) can appear in the same poll: no zero-length interval ("den must be
+  positive" before), the group is timed at its last step."""
+  from benchmarks import bench_async
+  times = {1: 0.0, 2: 5.0, 3: 5.0, 4: 9.0, 5: 9.0, 6: 9.0}
+  assert bench_async.step_intervals(times, skip=0) == pytest.approx([5.0 / 2, 4.0 / 3])
+  assert all(i > 0 for i in bench_async.step_intervals(times, skip=1))
+  setup = bench_async.AsyncSetup(lags=(0, 2), measured_steps=2, skip=0, budget_s=1, overrides=())
+  details = {"k0": {"intervals_s": bench_async.step_intervals(times, 0)},
+             "k2": {"intervals_s": bench_async.step_intervals(times, 0)}}
+  [fig] = bench_async.speedup_figures(setup, {0: 1.0, 2: 1.0}, {}, details)
+  assert fig["value"] == 1.0
+
+
+def test_model_option_resolves_by_backend_and_picks_the_job(monkeypatch):
+  assert common.resolve_model("auto", backend="cpu") == "main"
+  assert common.resolve_model("auto", backend="gpu") == "qwen2.5-0.5b"
+  assert common.resolve_model("main", backend="gpu") == "main"
+  with pytest.raises(ValueError, match="--model"):
+    common.resolve_model("7b", backend="cpu")
+  monkeypatch.setenv(common.MODEL_ENV, "qwen2.5-0.5b")
+  cfg = common.model_config()
+  assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.dtype) == (896, 24, 151936, "bfloat16")
+  from benchmarks import bench_async, bench_decode
+  assert bench_async.setup_for(quick=True).config == "configs/qwen2_5.py:0.5b"
+  assert bench_decode.main_job_model_config().param_dtype == "bfloat16"
+  monkeypatch.setenv(common.MODEL_ENV, "main")
+  assert common.model_config().hidden_size == 128 and bench_async.setup_for(quick=False) is bench_async.FULL
+  cmd = bench_async.train_command("/w", 0, [], config="configs/qwen2_5.py:0.5b")
+  assert "--config=configs/qwen2_5.py:0.5b" in cmd
