@@ -1,6 +1,8 @@
 """Main CPU job: SFT warm start, then asynchronous VCPO on Countdown with embedded rollout servers."""
 import ml_collections
 
+from vcpo_jax import configuration, losses
+
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
   """`arg` picks a variant: '' (the main job), 'sync' (k = 0), 'emulate' (in-process lag emulation)."""
@@ -57,22 +59,43 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   ))
 
   c.algo = ml_collections.ConfigDict(dict(
-      advantage="opob",        # grpo | rloo | dr_grpo | reinforce | opob
-      policy_loss="vcpo",      # see vcpo_jax/losses.py for the registry
-      aggregation="seq-mean-token-mean",
+      advantage="opob",        # a registered estimator: grpo | rloo | dr_grpo | reinforce | opob (advantages.py)
+      # One sub-dict per registered estimator with its options (fields and defaults from its options
+      # dataclass); only the chosen one's is read, e.g. --config.algo.advantage_options.opob.aggregation=median.
+      # opob (the authors' defaults): scope group|minibatch, is_weight none|truncated|raw|reference,
+      # normalize_by_length, aggregation mean|median|winsorized_mean, norm_by_std, winsor_quantiles.
+      advantage_options=configuration.options_config(losses.ADVANTAGE_ESTIMATORS),
+      policy_loss="vcpo",      # a registered loss (policy_losses.py): vcpo | pg | ppo | dual_clip_ppo | ...
+      # Likewise per loss, e.g. --config.algo.policy_loss=ppo --config.algo.policy_loss_options.ppo.clip_eps_low=0.1
+      # (the tau of vcpo / seq_tis is algo.tis_threshold).
+      policy_loss_options=configuration.options_config(losses.POLICY_LOSSES),
+      aggregation="seq-mean-token-mean",   # | token-mean | seq-mean-token-sum-norm (Dr.GRPO)
       tis_threshold=8.0,       # tau for truncated sequence IS weights
-      opob=ml_collections.ConfigDict(dict(
-          scope="group", is_weight="raw", normalize_by_length=False, aggregation="mean", norm_by_std=True)),
       ess=ml_collections.ConfigDict(dict(
-          enabled=True, base_ess_ratio=1.0, rule="sqrt", trigger=0.0, min_ess_floor=0.0, min_ess_factor=0.5)),
-      kl_beta=0.0,
-      # Rows per learner micro-batch (whole prompt groups; 0 = the whole batch at once). Exact for group-local
-      # advantages; the step's memory shrinks with it and on CPU it is also faster.
-      micro_batch_size=32,
+          enabled=True,        # scale each step by rule(min(1, ESS ratio / base))
+          # A number, or "auto" (the first step's ESS ratio); both work on the command line.
+          base_ess_ratio=ml_collections.FieldReference(1.0, field_type=object),
+          rule="sqrt",         # sqrt | linear
+          trigger=0.0,         # > 0: full step unless ratio / base < trigger
+          min_ess_floor=0.0,   # > 0: multiply the step by min_ess_factor when ESS <= this floor (or NaN)
+          min_ess_factor=0.5)),
+      kl_beta=0.0,             # > 0: + beta * k3 KL to the frozen warm-start policy (computed in the step)
+      grad_path="auto",        # auto (one backward for per-sequence-coefficient losses) | two_pass
+      grad_norm_mode="auto",   # per-sequence grad norms: auto | ghost | explicit
+      # Rows per learner micro-batch (whole prompt groups, a scan): -1 = auto (whole groups up to
+      # micro_batch_max_rows when the registered facts allow it, else 0), 0 = the whole batch at once.
+      # Exact for group-local statistics; the step's memory shrinks with it and on CPU it is also faster.
+      micro_batch_size=-1,
+      micro_batch_max_rows=32,
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=2e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0))
+      learning_rate=2e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
+      # RL learning-rate schedule: constant | warmup_constant | cosine | linear (warmup, then decay to
+      # final_lr_fraction * learning_rate at decay_steps; 0 = rl.steps).
+      schedule=ml_collections.ConfigDict(dict(name="constant", warmup_steps=0, decay_steps=0,
+                                              final_lr_fraction=0.0)),
+  ))
 
   c.rollout = ml_collections.ConfigDict(dict(
       num_servers=1,           # embedded servers started by the job (ignored when server_urls is set)

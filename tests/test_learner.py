@@ -9,6 +9,7 @@ import pytest
 
 from conftest import skip_if_not_enough_devices
 from vcpo_jax import grad_norms as G
+from vcpo_jax import losses as L
 from vcpo_jax import learner as Lr
 from vcpo_jax import model as M
 from vcpo_jax import optimizer as O
@@ -207,7 +208,7 @@ def test_bad_config_and_batch_name_the_field():
   with pytest.raises(ValueError, match="tis_threshold"):
     Lr.LearnerConfig(tis_threshold=0.0)
   with pytest.raises(ValueError, match="scope"):
-    Lr.LearnerConfig(opob=dict(scope="batch"))
+    Lr.LearnerConfig(advantage_options=dict(scope="batch"))
   with pytest.raises(ValueError, match="grad_path"):
     Lr.LearnerConfig(grad_path="three_pass")
   batch = _batch()
@@ -241,14 +242,15 @@ def test_micro_batch_misuse_names_the_field():
   with pytest.raises(ValueError, match="micro_batch_size"):
     Lr.LearnerConfig(advantage="reinforce", micro_batch_size=4)
   with pytest.raises(ValueError, match="micro_batch_size"):
-    Lr.LearnerConfig(opob=dict(scope="minibatch"), micro_batch_size=4)
+    Lr.LearnerConfig(advantage_options=dict(scope="minibatch"), micro_batch_size=4)
   with pytest.raises(ValueError, match="splits prompt group"):
     Lr.check_chunks(_batch(), micro_batch_size=2)  # groups of 4 in chunks of 2
   with pytest.raises(ValueError, match="micro_batch_size"):
     Lr.check_chunks(_batch(), micro_batch_size=3)
 
 
-@pytest.mark.parametrize("name", Lr.SEQ_SCALAR_LOSSES)
+@pytest.mark.parametrize("name", [n for n in L.POLICY_LOSSES
+                                  if L.POLICY_LOSSES.get(n).fact("seq_coefficient")])
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
 def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
   """The book-keeping path assumes d loss / d logp_t is one constant per sequence on its response tokens."""

@@ -176,3 +176,20 @@ def test_learning_rate_schedules():
     upd, state = tx.update({'x': jnp.ones(())}, state, params, ess_ratio=0.25)
   # Adam's normalised step for a constant gradient is ~1, so update ~ -lr(t=2) * sqrt(0.25).
   assert float(upd['x']) == pytest.approx(-2e-3 * 2 / 4 * 0.5, rel=1e-4)
+
+
+def test_bfloat16_params_get_float32_state_and_small_steps_accumulate():
+  """bf16 params at lr 1e-6: one Adam step (~1e-6) is below half a bf16 ulp of 7e-4 (1.9e-6), so without a
+  float32 master copy every step rounds away and the params never move; the moments must be float32."""
+  params = {'w': jnp.full((4,), 7e-4, jnp.bfloat16)}
+  tx = optimizer.build_optimizer(learning_rate=1e-6, weight_decay=0.0, max_grad_norm=None, ess_scaling=False)
+  state = tx.init(params)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating))
+  start = np.asarray(params['w'], np.float64)
+  for _ in range(3):
+    updates, state = tx.update({'w': jnp.ones((4,), jnp.bfloat16)}, state, params)
+    params = optax.apply_updates(params, updates)
+  assert params['w'].dtype == jnp.bfloat16
+  moved = np.asarray(params['w'], np.float64) - start
+  assert np.all(moved < 0), moved   # three accumulated steps of ~-1e-6 cross the rounding boundary
+  np.testing.assert_allclose(moved, -3e-6, atol=2e-6)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 
 RULES = ('sqrt', 'linear')
-SCHEDULES = ('constant', 'warmup_constant', 'cosine')
+SCHEDULES = ('constant', 'warmup_constant', 'cosine', 'linear')
 
 
 class ScaleByESSState(NamedTuple):
@@ -97,7 +97,8 @@ def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', tr
 
 def learning_rate_schedule(kind: str = 'constant', *, peak_value: float, warmup_steps: int = 0,
                            decay_steps: Optional[int] = None, end_value: float = 0.0) -> optax.Schedule:
-  """'constant', 'warmup_constant' (linear 0 -> peak over warmup_steps) or 'cosine' (warmup then cosine)."""
+  """'constant', 'warmup_constant' (linear 0 -> peak over warmup_steps), 'cosine' or 'linear' (warmup, then
+  cosine or linear decay to end_value at decay_steps, constant after)."""
   if kind not in SCHEDULES:
     raise ValueError(f'kind must be one of {SCHEDULES}, got kind={kind!r}')
   if warmup_steps < 0:
@@ -110,8 +111,53 @@ def learning_rate_schedule(kind: str = 'constant', *, peak_value: float, warmup_
     return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps),
                                  optax.constant_schedule(peak_value)], [warmup_steps])
   if decay_steps is None or decay_steps <= warmup_steps:
-    raise ValueError(f'cosine needs decay_steps > warmup_steps, got decay_steps={decay_steps!r}')
-  return optax.warmup_cosine_decay_schedule(0.0, peak_value, warmup_steps, decay_steps, end_value)
+    raise ValueError(f'{kind} needs decay_steps > warmup_steps, got decay_steps={decay_steps!r}, '
+                     f'warmup_steps={warmup_steps!r}')
+  if kind == 'cosine':
+    return optax.warmup_cosine_decay_schedule(0.0, peak_value, warmup_steps, decay_steps, end_value)
+  decay = optax.linear_schedule(peak_value, end_value, decay_steps - warmup_steps)
+  if warmup_steps == 0:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps), decay], [warmup_steps])
+
+
+class Float32MasterState(NamedTuple):
+  master: Any   # float32 copy of the params when some are lower precision (bfloat16); None otherwise
+  inner: Any    # the wrapped transform's state (float32 moments when master is set)
+
+
+def _low_precision(params) -> bool:
+  return any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4
+             for x in jax.tree.leaves(params))
+
+
+def float32_master(inner: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+  """Runs `inner` in float32 on a float32 master copy of low-precision params (a no-op for float32 ones).
+
+  With bfloat16 params an lr-1e-6 Adam step is far below half an ulp and rounds away: the moments and the
+  accumulated params live in float32 here, and the returned updates move each param to its master's
+  rounding (apply_updates adds them in float32, so the result is exactly that rounding).
+  """
+  def init_fn(params):
+    if not _low_precision(params):
+      return Float32MasterState(master=None, inner=inner.init(params))
+    master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    return Float32MasterState(master=master, inner=inner.init(master))
+
+  def update_fn(updates, state, params=None, **extra):
+    if state.master is None:
+      updates, inner_state = inner.update(updates, state.inner, params, **extra)
+      return updates, Float32MasterState(master=None, inner=inner_state)
+    if params is None:
+      raise ValueError('float32_master.update needs params (the low-precision params being trained)')
+    grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
+    steps, inner_state = inner.update(grads, state.inner, state.master, **extra)
+    master = optax.apply_updates(state.master, steps)
+    updates = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32),
+                           master, params)
+    return updates, Float32MasterState(master=master, inner=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
@@ -120,7 +166,8 @@ def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 
                     base_ess_ratio: Union[float, str] = 1.0, ess_rule: str = 'sqrt',
                     ess_trigger: Optional[float] = None,
                     min_ess_brake: Optional[Tuple[float, float]] = None) -> optax.GradientTransformationExtraArgs:
-  """clip_by_global_norm -> scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> scale_by_ess.
+  """clip_by_global_norm -> scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> scale_by_ess,
+  run in float32 on a master copy when the params are lower precision (float32_master).
 
   Call update(grads, state, params, ess_ratio=rho, ess=ess). With ess_scaling=False the ESS arguments are
   accepted and ignored. max_grad_norm None or 0 disables clipping.
@@ -138,7 +185,7 @@ def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 
   parts.append(optax.scale_by_learning_rate(learning_rate))
   if ess_scaling:
     parts.append(scale_by_ess(base_ess_ratio, ess_rule, ess_trigger, min_ess_brake))
-  return optax.chain(*parts)
+  return float32_master(optax.chain(*parts))
 
 
 def last_ess_scale(opt_state) -> Optional[jax.Array]:

@@ -1,0 +1,100 @@
+"""Named choices (advantage estimators, policy losses) registered with their facts and a typed options dataclass."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Union
+
+# A fact is a bool, or a function of the (typed) options when it depends on them (OPOB's scope).
+Fact = Union[bool, Callable[[Any], bool]]
+FACTS = {
+    "seq_coefficient": "d loss / d log pi_t is one stop-gradient constant per sequence on its response tokens, "
+                       "so the book-keeping path gives norms and the gradient from one backward",
+    "batch_global": "a statistic over the whole batch (not exact in micro-batches)",
+    "group_local": "a statistic over each prompt group (needs >= 2 samples per group; chunks of whole groups "
+                   "are exact)",
+    "needs_grad_norms": "needs per-sequence squared gradient norms (the learner's extra pass)",
+    "uses_tau": "its option 'tau' defaults to the shared truncation threshold (algo.tis_threshold)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  """For choices without options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One registered choice: its function, options dataclass and facts."""
+  kind: str
+  name: str
+  fn: Callable
+  options: type
+  facts: Mapping[str, Fact]
+
+  def fact(self, name: str, options: Any = None) -> bool:
+    """The fact's value (evaluated on `options`, default options when None, if it depends on them)."""
+    if name not in FACTS:
+      raise ValueError(f"unknown fact {name!r}; known facts: {sorted(FACTS)}")
+    value = self.facts.get(name, False)
+    if callable(value):
+      return bool(value(self.options() if options is None else options))
+    return bool(value)
+
+  def option_names(self) -> list[str]:
+    return [f.name for f in dataclasses.fields(self.options)]
+
+  def make_options(self, options: Union[Mapping[str, Any], Any, None] = None, **defaults):
+    """Typed options from a mapping (unknown keys are errors listing the known ones); `defaults` fill keys
+    the mapping leaves out. An instance of the options class passes through."""
+    if isinstance(options, self.options):
+      return options
+    given = dict(options or {})
+    known = self.option_names()
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+      raise ValueError(f"{self.kind} {self.name!r} got unknown option(s) {unknown}; known options: {known}")
+    for key, value in defaults.items():
+      if key in known:
+        given.setdefault(key, value)
+    # Lists (from JSON or a ConfigDict) become the tuples the frozen, hashable dataclasses hold.
+    return self.options(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+
+
+class Registry:
+  """name -> Entry, filled by the `register` decorator where each choice is defined."""
+
+  def __init__(self, kind: str):
+    self.kind = kind
+    self._entries: dict[str, Entry] = {}
+
+  def register(self, name: str, *, options: type = NoOptions, **facts: Fact) -> Callable:
+    unknown = sorted(set(facts) - set(FACTS))
+    if unknown:
+      raise ValueError(f"{self.kind} {name!r}: unknown fact(s) {unknown}; known facts: {sorted(FACTS)}")
+    if not dataclasses.is_dataclass(options):
+      raise TypeError(f"{self.kind} {name!r}: options must be a dataclass, got {options!r}")
+
+    def decorate(fn: Callable) -> Callable:
+      if name in self._entries:
+        raise ValueError(f"{self.kind} {name!r} is registered twice")
+      self._entries[name] = Entry(self.kind, name, fn, options, dict(facts))
+      return fn
+    return decorate
+
+  def alias(self, name: str, existing: str):
+    """`name` is another name for a registered choice (same function, options and facts)."""
+    self._entries[name] = dataclasses.replace(self.get(existing), name=name)
+
+  def get(self, name: str) -> Entry:
+    if name not in self._entries:
+      raise ValueError(f"unknown {self.kind} name={name!r}; known names: {sorted(self._entries)}")
+    return self._entries[name]
+
+  def names(self) -> list[str]:
+    return sorted(self._entries)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._entries
+
+  def __iter__(self):
+    return iter(self.names())
