@@ -223,6 +223,31 @@ def test_kl_k3_term_is_composable():
     losses.get_policy_loss('vcpo')(_j(logp), _j(mu), _j(mask), _j(adv), kl_beta=0.1)
 
 
+def test_kl_k3_is_masked_before_it_is_formed():
+  """A NaN reference log-prob off the mask (padding, prompt) must give neither a NaN loss nor a NaN gradient."""
+  logp, mu, _, ref, mask, adv = _batch(9)
+  ref = np.where(mask > 0, ref, np.nan)
+  fn = losses.get_policy_loss('vcpo')
+  total = lambda lp: jnp.sum(fn(lp, _j(mu), _j(mask), _j(adv), ref_logp_BxT=_j(ref), kl_beta=0.05)[0])
+  grad = np.asarray(jax.grad(total)(_j(logp)))
+  assert np.all(np.isfinite(grad)) and np.isfinite(float(total(_j(logp))))
+  k3_grad = 0.05 * (1 - np.exp(np.nan_to_num(ref) - logp)) * mask
+  np.testing.assert_allclose(grad, -(np.minimum(np.exp(np.clip(np.nansum((logp - mu) * mask, -1), -20, 20)), 8.0)
+                                     * adv)[:, None] * mask + k3_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_dr_grpo_divides_by_longest_response_not_row_width():
+  """'seq-mean-token-sum-norm' (Dr.GRPO): token sums / L_max, L_max the longest response (prompt excluded)."""
+  rng = np.random.default_rng(14)
+  x = rng.normal(size=(B, T))
+  _, _, _, _, mask, _ = _batch(14)      # responses start after a prompt of 1-3 tokens
+  longest = mask.sum(-1).max()
+  assert longest < T
+  seqs = [i for i in range(B) if mask[i].sum() > 0]
+  np.testing.assert_allclose(float(losses.aggregate(_j(x), _j(mask), 'seq-mean-token-sum-norm')),
+                             np.mean([(x[i] * mask[i]).sum() / longest for i in seqs]), rtol=1e-5)
+
+
 def test_all_losses_jit_and_stay_finite_for_extreme_ratios():
   logp, mu, prox, _, mask, adv = _batch(10)
   mu = np.where(mask > 0, mu - 1e4 * (np.arange(B)[:, None] % 2), mu)  # log-ratios of ~1e4

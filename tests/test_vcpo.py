@@ -319,6 +319,24 @@ def test_invalid_rows_are_ignored():
   np.testing.assert_allclose(base[keep], base_sub, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('scope,aggregation', [('group', 'mean'), ('group', 'median'),
+                                               ('group', 'winsorized_mean'), ('minibatch', 'mean')])
+def test_nan_on_invalid_rows_does_not_reach_valid_rows(scope, aggregation):
+  """Padding rows may carry garbage (NaN reward, norm, log-weight): 0 x NaN must not poison the baseline."""
+  rng = np.random.default_rng(11)
+  group, rewards, sq_norms, logw, lengths = random_batch(rng, [4, 4, 6, 2])
+  valid = np.ones(16, bool)
+  valid[[1, 5]] = False
+  clean, clean_base = _opob(group, np.where(valid, rewards, 0.0), sq_norms, logw, lengths, valid=valid,
+                            scope=scope, aggregation=aggregation)
+  rewards, sq_norms, logw = rewards.copy(), sq_norms.copy(), logw.copy()
+  rewards[1], sq_norms[5], logw[5] = np.nan, np.nan, np.nan
+  adv, base = _opob(group, rewards, sq_norms, logw, lengths, valid=valid, scope=scope, aggregation=aggregation)
+  assert np.all(np.isfinite(adv)) and np.all(np.isfinite(base)), (adv, base)
+  np.testing.assert_allclose(adv, clean, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(base, clean_base, rtol=1e-6, atol=1e-7)
+
+
 def test_bad_options_raise_value_error_naming_field():
   args = [jnp.ones(4), jnp.zeros(4, jnp.int32), jnp.ones(4), jnp.zeros(4), jnp.ones(4), jnp.ones(4)]
   for field, value in (('scope', 'batch'), ('is_weight', 'clipped'), ('aggregation', 'mode')):

@@ -324,8 +324,9 @@ def opob_advantages(rewards_B: jax.Array, group_B: jax.Array, sq_norms_B: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=('opts',))
 def _opob_advantages(rewards_B, group_B, sq_norms_B, logw_B, wt_B, lengths_B, valid_B, opts: OPOBOptions):
-  rewards_B = rewards_B.astype(jnp.float32)
   valid_B = _valid_or_ones(valid_B, rewards_B)
+  # Invalid rows carry no weight, but 0 x NaN is NaN: their (garbage) rewards must not enter the sums at all.
+  rewards_B = jnp.where(valid_B, rewards_B.astype(jnp.float32), 0.0)
   logW_B = opob_log_weights(sq_norms_B, logw_B, wt_B, lengths_B, is_weight=opts.is_weight,
                             normalize_by_length=opts.normalize_by_length)
   seg_B = dense_group_ids(group_B)
