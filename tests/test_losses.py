@@ -210,6 +210,87 @@ def test_cispo_and_topr():
   np.testing.assert_allclose(loss, -(alpha * adv)[:, None] * logp * mask, rtol=1e-5, atol=1e-6)
 
 
+def test_pg_is_plain_reinforce_without_off_policy_correction():
+  """'pg': l_t = -A_i log pi_t whatever the sampler's log-probs (stale samples treated as on-policy)."""
+  logp, mu, prox, _, mask, adv = _batch(15)
+  loss, lmask, aux, grad = _run('pg', logp, mu, mask, adv, prox)
+  np.testing.assert_allclose(loss, -adv[:, None] * logp * mask, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(grad, -adv[:, None] * mask, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(lmask, mask)
+  far, _, _, far_grad = _run('pg', logp, mu - 50.0, mask, adv)   # a very stale sampler changes nothing
+  np.testing.assert_array_equal(far, loss)
+  np.testing.assert_array_equal(far_grad, grad)
+  assert aux == {}
+
+
+def np_dual_clip_obj(log_r, adv, lo, hi, c):
+  obj = np_ppo_obj(log_r, adv, lo, hi)
+  return np.where(adv < 0, np.maximum(obj, c * adv), obj)
+
+
+def test_dual_clip_ppo():
+  """Dual-clip PPO: for A < 0 the objective is max(PPO, c A), so a huge ratio cannot blow up the loss."""
+  logp, mu, prox, _, mask, adv = _batch(16, prox_scale=0.3)
+  logp = np.where(np.arange(T)[None, :] % 3 == 0, logp + 2.0, logp)   # some ratios far above 1 + eps
+  log_r = (logp - prox) * mask
+  for c in (3.0, 1.5):
+    loss, _, aux, grad = _run('dual_clip_ppo', logp, mu, mask, adv, prox, clip_c=c)
+    obj = np_dual_clip_obj(log_r, adv[:, None], 0.2, 0.2, c)
+    dual = (adv[:, None] < 0) & (np_ppo_obj(log_r, adv[:, None], 0.2, 0.2) < c * adv[:, None]) & (mask > 0)
+    assert dual.any() and not dual[mask > 0].all()
+    np.testing.assert_allclose(loss, -obj * mask, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad, -np.where(dual, 0.0, np_ppo_grad(log_r, adv[:, None], 0.2, 0.2)) * mask,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(aux['dual_clip_frac']), dual.sum() / mask.sum(), rtol=1e-5)
+  with pytest.raises(ValueError, match='clip_c'):
+    _run('dual_clip_ppo', logp, mu, mask, adv, prox, clip_c=0.5)
+
+
+def test_registry_facts_and_option_errors():
+  facts = lambda reg, fact, **o: sorted(n for n in reg if reg.get(n).fact(fact, reg.get(n).make_options(o)))
+  assert facts(losses.POLICY_LOSSES, 'seq_coefficient') == ['pg', 'seq_tis', 'topr', 'vcpo']
+  assert facts(losses.POLICY_LOSSES, 'batch_global') == ['m2po']
+  assert facts(losses.POLICY_LOSSES, 'uses_tau') == ['seq_tis', 'vcpo']
+  assert facts(losses.ADVANTAGE_ESTIMATORS, 'group_local') == ['dr_grpo', 'grpo', 'opob', 'rloo']
+  assert facts(losses.ADVANTAGE_ESTIMATORS, 'batch_global') == ['reinforce']
+  assert facts(losses.ADVANTAGE_ESTIMATORS, 'needs_grad_norms') == ['opob']
+  opob = losses.ADVANTAGE_ESTIMATORS.get('opob')   # facts may depend on the options
+  assert opob.fact('batch_global', opob.make_options({'scope': 'minibatch'}))
+  assert not opob.fact('group_local', opob.make_options({'scope': 'minibatch'}))
+  reinforce = losses.ADVANTAGE_ESTIMATORS.get('reinforce')
+  assert not reinforce.fact('batch_global', reinforce.make_options({'baseline': False}))
+  # Unknown options name the option and list the known ones.
+  with pytest.raises(ValueError, match=r"'clip_eps_lo'.*known options: \['clip_eps_low', 'clip_eps_high'"):
+    losses.POLICY_LOSSES.get('ppo').make_options({'clip_eps_lo': 0.1})
+  with pytest.raises(ValueError, match=r"\['baselin'\].*\['baseline'\]"):
+    losses.get_advantage_fn('reinforce')(losses.AdvantageInputs(rewards_B=_j(np.zeros(2)), group_B=jnp.zeros(2)),
+                                         baselin=True)
+  with pytest.raises(ValueError, match='fact'):
+    losses.POLICY_LOSSES.register('x', batch_globl=True)
+
+
+def test_a_new_loss_is_one_function_and_its_registration():
+  """What a new loss needs: an options dataclass, a function, a registration with its facts."""
+  import dataclasses
+  from vcpo_jax import registry
+
+  reg = registry.Registry('policy loss')
+
+  @dataclasses.dataclass(frozen=True)
+  class ScaledOptions:
+    scale: float = 2.0
+
+  @reg.register('scaled_pg', options=ScaledOptions, seq_coefficient=True)
+  def scaled_pg(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o):
+    return -o.scale * adv_B[:, None] * logp_BxT * mask_BxT, mask_BxT, {}
+
+  entry = reg.get('scaled_pg')
+  assert entry.fact('seq_coefficient') and not entry.fact('batch_global') and entry.option_names() == ['scale']
+  logp, mu, _, _, mask, adv = _batch(17)
+  out, _, _ = entry.fn(_j(logp), _j(mu), _j(mask), _j(adv), None, entry.make_options({'scale': 3.0}))
+  np.testing.assert_allclose(np.asarray(out), -3.0 * adv[:, None] * logp * mask, rtol=1e-6)
+
+
 def test_kl_k3_term_is_composable():
   logp, mu, _, ref, mask, adv = _batch(9)
   base, _, _, gbase = _run('vcpo', logp, mu, mask, adv)
