@@ -1,9 +1,9 @@
-"""CPU-only stand-in for sgl_kernel: importable, every kernel raises when called (see install_sglang_cpu.sh)."""
-# SGLang's CPU engine imports sgl_kernel at start-up, but the compiled CPU kernels are not on PyPI. A dense Qwen2
-# served with --attention-backend torch_native and --sampling-backend pytorch never calls them: the packed-weight
-# (AMX) paths are switched off when `convert_weight_packed` is missing, which a module-level __getattr__ that
-# raises AttributeError for it would say; here it returns a callable that raises, and SGLang probes with hasattr
-# on the ops namespace instead, so both paths stay on torch. Any real call fails loudly, never silently.
+"""CPU-only stand-in for sgl_kernel: importable, and every kernel raises when called (install_sglang_cpu.sh)."""
+# SGLang's CPU engine imports sgl_kernel at start-up, but its compiled CPU kernels are not on PyPI. SGLang
+# decides whether to use them with `hasattr(torch.ops.sgl_kernel, "convert_weight_packed")`
+# (sglang/srt/utils/common.py, _is_intel_amx_backend_available): this module registers no torch ops, so that is
+# False and a dense Qwen2 served with --attention-backend torch_native --sampling-backend pytorch stays on
+# plain torch. Any kernel that is called anyway fails loudly, never silently.
 __version__ = "0.0.0+vcpo-cpu-stub"
 
 
