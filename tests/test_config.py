@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from configs import countdown
-from vcpo_jax import configuration, model as model_lib
+from vcpo_jax import configuration, losses, model as model_lib
 
 
 _LOADER = """
@@ -90,3 +90,84 @@ def test_micro_batch_must_hold_whole_groups():
   config.algo.micro_batch_size = 12
   with pytest.raises(ValueError, match=r"algo\.micro_batch_size=12"):
     configuration.validate_config(config)
+
+
+def test_base_ess_ratio_number_or_auto_on_the_command_line():
+  for arg, want in (("auto", "auto"), ("0.5", 0.5), ("1", 1)):
+    config = _load(["--config=configs/countdown.py", f"--config.algo.ess.base_ess_ratio={arg}"])
+    assert config.algo.ess.base_ess_ratio == want
+    assert configuration.base_ess_ratio(config.algo.ess.base_ess_ratio) == want
+  config = countdown.get_config()
+  config.algo.ess.base_ess_ratio = "half"
+  with pytest.raises(ValueError, match=r"algo\.ess\.base_ess_ratio='half'"):
+    configuration.validate_config(config)
+
+
+def test_every_registered_option_is_settable_from_the_command_line():
+  config = _load(["--config=configs/countdown.py", "--config.algo.policy_loss=ppo",
+                  "--config.algo.policy_loss_options.ppo.clip_eps_low=0.1",
+                  "--config.algo.policy_loss_options.ppo.rollout_is=token",
+                  "--config.algo.policy_loss_options.ppo_decoupled.behav_weight_cap=3",   # None default
+                  "--config.algo.advantage=grpo", "--config.algo.advantage_options.grpo.norm_by_std=false",
+                  "--config.algo.grad_path=two_pass", "--config.algo.grad_norm_mode=explicit",
+                  "--config.optim.schedule.name=cosine", "--config.optim.schedule.warmup_steps=5"])
+  lc = configuration.learner_config(config)
+  assert lc.loss_options() == losses.POLICY_LOSSES.get("ppo").options(clip_eps_low=0.1, rollout_is="token")
+  assert lc.estimator_options().norm_by_std is False
+  assert (lc.grad_path, lc.grad_norm_mode) == ("two_pass", "explicit")
+  assert config.algo.policy_loss_options.ppo_decoupled.behav_weight_cap == 3.0
+  schedule = configuration.learning_rate(config)
+  assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(config.optim.learning_rate)
+  assert float(schedule(config.rl.steps)) == pytest.approx(0.0, abs=1e-12)
+  # Every registered name has a sub-dict holding exactly its options (a shared knob's tau excepted).
+  defaults = countdown.get_config().algo
+  for registry, options in ((losses.POLICY_LOSSES, defaults.policy_loss_options),
+                            (losses.ADVANTAGE_ESTIMATORS, defaults.advantage_options)):
+    for name in registry:
+      entry = registry.get(name)
+      want = [n for n in entry.option_names() if not (n == "tau" and entry.fact("uses_tau"))]
+      assert sorted(options[name].keys()) == sorted(want), name
+
+
+def test_linear_schedule_and_bad_schedule_name_the_field():
+  config = countdown.get_config()
+  config.optim.schedule.update(name="linear", warmup_steps=0, decay_steps=10, final_lr_fraction=0.1)
+  lr = config.optim.learning_rate
+  schedule = configuration.learning_rate(config)
+  assert [float(schedule(t)) for t in (0, 5, 10, 20)] == pytest.approx([lr, lr * 0.55, lr * 0.1, lr * 0.1])
+  config.optim.schedule.update(name="cosine", warmup_steps=200, decay_steps=0)
+  with pytest.raises(ValueError, match=r"optim\.schedule"):
+    configuration.validate_config(config)
+
+
+@pytest.mark.parametrize("overrides,micro", [
+    ({}, 32),                                                    # the main job: 4 groups of 8
+    ({"algo.policy_loss": "m2po"}, 0),                           # batch-global loss: off
+    ({"algo.advantage": "reinforce"}, 0),                        # batch-mean baseline: off
+    ({"algo.advantage": "grpo", "algo.policy_loss": "pg"}, 32),
+    ({"rl.group_size": 16, "rl.prompts_per_step": 4}, 32),
+    ({"rl.group_size": 48, "rl.prompts_per_step": 2}, 48),       # one group is larger than the budget
+    ({"rl.group_size": 8, "rl.prompts_per_step": 3}, 0),         # 24 rows: one chunk would be the batch
+])
+def test_auto_micro_batching_follows_the_registered_facts(overrides, micro):
+  config = countdown.get_config()
+  for path, value in overrides.items():
+    section, key = path.split(".")
+    config[section][key] = value
+  configuration.validate_config(config)
+  assert configuration.learner_config(config).micro_batch_size == micro
+
+
+def test_impossible_micro_batching_fails_at_validation():
+  config = countdown.get_config()
+  config.algo.policy_loss = "m2po"
+  config.algo.micro_batch_size = 32
+  with pytest.raises(ValueError, match=r"micro_batch_size=32.*m2po"):
+    configuration.validate_config(config)
+  config = countdown.get_config()
+  config.algo.advantage_options.opob.scope = "minibatch"
+  config.algo.micro_batch_size = 32
+  with pytest.raises(ValueError, match="micro_batch_size=32.*batch-global"):
+    configuration.validate_config(config)
+  config.algo.micro_batch_size = -1   # auto: off for the minibatch-scope baseline, and it runs
+  assert configuration.learner_config(config).micro_batch_size == 0
