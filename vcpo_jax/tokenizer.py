@@ -182,6 +182,11 @@ def load_pretrained(model_dir: str | os.PathLike) -> Tokenizer:
   return Tokenizer(tokenizers.Tokenizer.from_file(file), pretrained_dir=model_dir)
 
 
+def for_model(hf_path: str | os.PathLike | None) -> Tokenizer:
+  """The job's tokenizer: the pretrained checkpoint's (model.hf_path) or, without one, the project's own."""
+  return load_pretrained(hf_path) if hf_path else build_tokenizer()
+
+
 def load(path: str | os.PathLike) -> Tokenizer:
   """Loads from a directory holding tokenizer.json (or from the tokenizer.json file itself)."""
   path = os.fspath(path)
