@@ -1,7 +1,8 @@
-"""Rollout groups -> learner arrays: alignment of tokens, masks, log-probs, versions; bad input rejected."""
+"""Rollout groups -> the learner's RLBatch: alignment of tokens, masks, log-probs, versions; bad input rejected."""
 import numpy as np
 import pytest
 
+from vcpo_jax.batch import RLBatch, check_batch
 from vcpo_jax.rollout import batching, types
 
 
@@ -18,9 +19,9 @@ def _group(index, prompt, outputs, versions, lag):
 
 def test_rows_are_aligned_and_padded():
   groups = [_group(7, [1, 2, 3], [[4, 5], [6]], [[0, 1], [1]], 1), _group(9, [8], [[9, 9, 9], [5]], [[2, 2, 2], [2]], 0)]
-  arr = batching.groups_to_arrays(groups, seq_len=6, pad_id=0, decode=lambda ids: "".join(map(str, ids)),
-                                  reward_fn=lambda ex, text: float(len(text) == ex["want"]), num_rows=6,
-                                  vocab_size=10)
+  for g in groups:
+    types.score_group(g, lambda ex, ids: (float(len("".join(map(str, ids))) == ex["want"]), str(ids)))
+  arr = batching.groups_to_batch(groups, seq_len=6, pad_id=0, num_rows=6, vocab_size=10)
   np.testing.assert_array_equal(arr.tokens_BxT[0], [1, 2, 3, 4, 5, 0])
   np.testing.assert_array_equal(arr.mask_BxT[0], [0, 0, 0, 1, 1, 0])
   np.testing.assert_array_equal(arr.sampler_logp_BxT[0], [0, 0, 0, -1, -2, 0])
@@ -31,16 +32,31 @@ def test_rows_are_aligned_and_padded():
   np.testing.assert_array_equal(arr.lag_B[:4], [1, 1, 0, 0])
   # Padding rows never share a group id with real rows or with each other.
   assert len(set(arr.group_B.tolist())) == 4 and arr.group_B[0] == arr.group_B[1] != arr.group_B[2]
-  assert arr.indices == [7, 9]
+  assert [g.index for g in groups] == [7, 9]  # prompt indices travel on the groups, not in the batch
 
 
 def test_bad_rows_are_rejected_with_the_reason():
-  kw = dict(seq_len=6, pad_id=0, decode=str, reward_fn=lambda e, t: 0.0, vocab_size=10)
+  kw = dict(seq_len=6, pad_id=0, vocab_size=10)
+  scored = lambda g: types.score_group(g, lambda e, ids: (0.0, ""))  # noqa: E731
   with pytest.raises(ValueError, match="token id 12"):
-    batching.groups_to_arrays([_group(0, [1], [[12]], [[0]], 0)], **kw)
-  bad = _group(3, [1], [[2, 3]], [[0, 0]], 0)
+    batching.groups_to_batch([scored(_group(0, [1], [[12]], [[0]], 0))], **kw)
+  bad = scored(_group(3, [1], [[2, 3]], [[0, 0]], 0))
   bad.samples[0].output_logprobs[1] = np.nan
   with pytest.raises(ValueError, match="group 3.*non-finite"):
-    batching.groups_to_arrays([bad], **kw)
+    batching.groups_to_batch([bad], **kw)
   with pytest.raises(ValueError, match="seq_len=6"):
-    batching.groups_to_arrays([_group(0, [1, 2, 3, 4], [[5, 6, 7]], [[0, 0, 0]], 0)], **kw)
+    batching.groups_to_batch([scored(_group(0, [1, 2, 3, 4], [[5, 6, 7]], [[0, 0, 0]], 0))], **kw)
+
+
+def test_unscored_groups_are_rejected():
+  """Rewards are the backend's job (scored as each group completes); batch assembly never calls a reward."""
+  with pytest.raises(ValueError, match="group 4 is not scored"):
+    batching.groups_to_batch([_group(4, [1], [[2]], [[0]], 0)], seq_len=6, pad_id=0)
+
+
+def test_batch_is_the_learners_type():
+  g = types.score_group(_group(0, [1], [[2]], [[0]], 0), lambda e, ids: (1.0, ""))
+  batch = batching.groups_to_batch([g], seq_len=4, pad_id=0, num_rows=2)
+  assert isinstance(batch, RLBatch)
+  check_batch(batch)
+  assert batch.lag_B.dtype == np.float32 and batch.version_BxT.dtype == np.int32

@@ -195,6 +195,38 @@ def test_generation_failure_and_bad_arguments_are_reported():
       sched_lib.RolloutScheduler(failing, _prompts(1), **args)
 
 
+def test_groups_are_scored_as_they_complete_while_the_trainer_is_busy():
+  """on_complete (the backends' reward scoring) runs when a group's samples arrive, not when the trainer asks:
+  with lag 1 the next batch is generated and scored during the current step."""
+  servers = SimulatedServers(random.Random(0), max_tokens=2, max_token_turns=2)
+  scored = []
+
+  async def run():
+    sched = sched_lib.RolloutScheduler(servers.generate, _prompts(20), sampling_params={"max_new_tokens": 2},
+                                       group_size=2, batch_groups=2, max_lag=1,
+                                       on_complete=lambda g: scored.append(g.index))
+    await sched.next_batch(0)
+    await _yield(200)  # the trainer's step 0
+    scored_before_asking = list(scored)
+    batch = await sched.next_batch(1)
+    await sched.close()
+    return scored_before_asking, batch
+
+  scored_before_asking, batch = asyncio.run(run())
+  assert {g.index for g in batch} <= set(scored_before_asking)
+
+  async def failing_score():
+    def boom(group):
+      raise KeyError("no verifier")
+    sched = sched_lib.RolloutScheduler(servers.generate, _prompts(4), sampling_params={"max_new_tokens": 2},
+                                       group_size=1, batch_groups=1, max_lag=0, on_complete=boom)
+    with pytest.raises(RuntimeError, match="no verifier"):
+      await sched.next_batch(0)
+    await sched.close()
+
+  asyncio.run(failing_score())
+
+
 @dataclasses.dataclass
 class _Row:
   output_ids: list
@@ -225,3 +257,34 @@ def test_lag_emulator_generates_step_t_with_the_params_of_step_t_minus_k(k):
   assert all(seeds == seeds_by_step[0] for seeds in seeds_by_step)  # per-example streams, stable over steps
   with pytest.raises(ValueError, match="in order"):
     emu.push(10, 10)
+
+
+def test_emulated_backend_scores_groups_where_it_generates():
+  from vcpo_jax.rollout import backend, emulation
+  scored = []
+
+  def score(example, output_ids):
+    scored.append(example["index"])
+    return float(output_ids[0] % 2), str(output_ids)
+
+  def generate(params, prompts, seeds):
+    return [_Row([params % 50, seed % 7], [-0.5, -0.25]) for seed in seeds]
+
+  ctx = backend.RolloutContext(model_cfg=None, tokenizer=None, prompts=iter(
+      {"prompt_ids": [1, 2], "index": i} for i in range(100)), score=score, workdir="", batch_rows=4)
+  rollouts = emulation.EmulatedBackend(emulation.LagEmulator(generate, max_lag=1, group_size=2, seed=0), ctx,
+                                       batch_groups=2)
+
+  async def run():
+    await rollouts.start(0, 0)
+    first = await rollouts.next_groups(0)
+    await rollouts.publish(1, 1)
+    second = await rollouts.next_groups(1)
+    await rollouts.close()
+    return first, second
+
+  first, second = asyncio.run(run())
+  assert scored == [0, 0, 1, 1, 2, 2, 3, 3]  # every sample scored inside next_groups, as generated
+  for g in first + second:
+    assert g.rewards == [float(s.output_ids[0] % 2) for s in g.samples]
+  assert [g.sample_lags for g in second] == [[1, 1], [1, 1]]

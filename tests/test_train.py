@@ -1,5 +1,6 @@
 """The main job end to end on a tiny config: async with a real embedded server, lag emulation, resume after
-SIGKILL with the same data order, invalid config before anything starts, failed checkpoint writes."""
+SIGKILL with the same data order, invalid config before anything starts, failed checkpoint writes, and the
+RL loop driven by a third (test-only) rollout backend."""
 import json
 import os
 import signal
@@ -8,10 +9,14 @@ import sys
 import time
 import urllib.request
 
+import asyncio
+
+import numpy as np
 import pytest
 
 from configs import tiny
 from vcpo_jax import train
+from vcpo_jax.rollout import backend, types
 
 pytestmark = [pytest.mark.slow]
 
@@ -148,3 +153,89 @@ def test_async_run_against_server_urls(tmp_path):
       assert json.load(r)["weight_version"] == "v2"
   finally:
     server.stop()
+
+
+class FixedBackend(backend.RolloutBackend):
+  """A test double behind the seam: every step, the next prompts with the same made-up, pre-scored outputs."""
+
+  def __init__(self, ctx, groups_per_step, group_size, rewards):
+    self.ctx, self.groups_per_step, self.group_size, self.rewards = ctx, groups_per_step, group_size, rewards
+    self.calls, self.served = [], 0
+
+  async def start(self, version, params):
+    self.calls.append(("start", version))
+
+  async def next_groups(self, version):
+    groups = []
+    for _ in range(self.groups_per_step):
+      example = next(self.ctx.prompts)
+      samples = [types.Sample(prompt_ids=list(example["prompt_ids"]), output_ids=[5, 6, 7],
+                              output_logprobs=np.full((3,), -1.0, np.float32),
+                              token_versions=np.full((3,), version, np.int64), finish_reason="length",
+                              server_url="fixed") for _ in range(self.group_size)]
+      groups.append(types.Group(index=example["index"], example=example, start_version=version, deadline=version,
+                                samples=samples, consumed_version=version, sample_lags=[0] * self.group_size,
+                                rewards=list(self.rewards), completions=[""] * self.group_size))
+    self.served += len(groups)
+    self.calls.append(("next_groups", version))
+    return groups
+
+  async def publish(self, version, params):
+    self.calls.append(("publish", version))
+
+  def stats(self):
+    return {"rollout/fixed_groups_served": float(self.served)}
+
+  def state_dict(self):
+    return {"served": self.served}
+
+  async def close(self):
+    self.calls.append(("close",))
+
+
+class CountingTask:
+  """The real task, counting reward calls."""
+
+  def __init__(self, task):
+    self.task, self.reward_calls = task, 0
+
+  def reward(self, example, text):
+    self.reward_calls += 1
+    return self.task.reward(example, text)
+
+  def __getattr__(self, name):
+    return getattr(self.task, name)
+
+
+def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
+  """The seam: a backend train.py has never heard of runs the whole loop (publish, stats, checkpoint state),
+  and the learner trains on the rewards the backend scored; the loop itself never calls task.reward."""
+  import jax
+  from vcpo_jax import checkpointing, hf, model as model_lib, tasks, tokenizer
+  config = tiny_config(**{"rl.steps": 2, "eval_every": 100})
+  cfg = model_lib.ModelConfig.from_dict(config.model)
+  tok = tokenizer.build_tokenizer()
+  base_dir = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "base"), tok)
+  task = CountingTask(tasks.get_task(config.task.name, **config.task.kwargs))
+  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  run = train.RLRun(config, str(tmp_path), cfg, tok, task, base_dir, eval_examples,
+                    {"eval/greedy_accuracy": 0.0, "eval/sampled_accuracy": 0.0})
+  rewards = [0.25, 0.75]  # no countdown verifier gives these
+  rollouts = FixedBackend(run.rollout_context(), config.rl.prompts_per_step, config.rl.group_size, rewards)
+  try:
+    asyncio.run(train.rl_loop(run, rollouts))
+  finally:
+    run.close()
+  assert rollouts.calls == [("start", 0), ("next_groups", 0), ("publish", 1), ("next_groups", 1), ("publish", 2),
+                            ("close",)]
+  scalars = _jsonl(tmp_path / "metrics.jsonl")
+  assert [s["step"] for s in scalars] == [1, 2]
+  for s in scalars:
+    assert s["reward/mean"] == pytest.approx(np.mean(rewards))
+  assert scalars[-1]["rollout/fixed_groups_served"] == 2 * config.rl.prompts_per_step
+  # Only the final evaluation scored anything (greedy + sampled over the eval set): not the learner path.
+  assert task.reward_calls == 2 * len(eval_examples)
+  ckpt = checkpointing.Checkpointer(str(tmp_path / "checkpoints"))
+  _, _, host = ckpt.restore(checkpointing.abstract_like(run.state))
+  ckpt.close()
+  assert host["rollout"] == {"served": 2 * config.rl.prompts_per_step}

@@ -1,12 +1,15 @@
 """In-process lag emulation: rollouts for learner step t come from the params of step t - k (ring buffer)."""
 from __future__ import annotations
 
+import asyncio
 import collections
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
+import ml_collections
 import numpy as np
 
-from vcpo_jax.rollout import types
+from vcpo_jax import sampling
+from vcpo_jax.rollout import backend, types
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult)
 LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
@@ -61,3 +64,35 @@ class LagEmulator:
       group.sample_lags = [types.sample_lag(s, step, version) for s in samples]
       groups.append(group)
     return groups
+
+
+class EmulatedBackend(backend.RolloutBackend):
+  """The lag emulator behind the backend seam: step t draws rl.prompts_per_step prompts and trains on groups
+  sampled (and scored, right where they are generated) with the params of step t - k. No servers.
+
+  The ring buffer is not checkpointed (k+1 copies of the params): after a resume the lag ramps up again.
+  """
+
+  def __init__(self, emulator: LagEmulator, ctx: backend.RolloutContext, *, batch_groups: int):
+    self.emulator, self.ctx, self.batch_groups = emulator, ctx, batch_groups
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "EmulatedBackend":
+    rl = config.rl
+    generate = lambda params, prompts, seeds: sampling.generate(  # noqa: E731
+        params, ctx.model_cfg, prompts, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+        stop_token_ids=ctx.tokenizer.stop_ids, seeds=seeds)
+    emulator = LagEmulator(generate, max_lag=rl.max_lag, group_size=rl.group_size, seed=config.seed)
+    return cls(emulator, ctx, batch_groups=rl.prompts_per_step)
+
+  async def start(self, version: int, params: Any) -> None:
+    self.emulator.push(version, params)
+
+  async def next_groups(self, version: int) -> list[types.Group]:
+    examples = [next(self.ctx.prompts) for _ in range(self.batch_groups)]
+    # In a worker thread, so the event loop (and Ctrl-C) stays responsive during generation.
+    groups = await asyncio.to_thread(self.emulator.rollout, version, examples)
+    return [types.score_group(g, self.ctx.score) for g in groups]
+
+  async def publish(self, version: int, params: Any) -> None:
+    self.emulator.push(version, params)

@@ -45,11 +45,14 @@ class RolloutScheduler:
   when the prompts are exhausted). With a `sampling_seed` in sampling_params, group i uses
   seed + i * group_size (the client adds the sample index), so runs are reproducible per group.
   `max_inflight_groups` optionally caps the groups started but not yet consumed below B * (k + 1).
+  `on_complete(group)` runs as each group's samples arrive (e.g. scoring it), while the trainer is busy
+  elsewhere; an error there fails the next batch like a generation error.
   """
 
   def __init__(self, generate_fn: GenerateFn, prompts: Iterator[dict], *, sampling_params: dict,
                group_size: int, batch_groups: int, max_lag: int,
-               max_inflight_groups: Optional[int] = None):
+               max_inflight_groups: Optional[int] = None,
+               on_complete: Optional[Callable[[Group], Any]] = None):
     self.group_size = _positive_int("group_size", group_size)
     self.batch_groups = _positive_int("batch_groups", batch_groups)
     self.max_lag = _positive_int("max_lag", max_lag, minimum=0)
@@ -59,6 +62,7 @@ class RolloutScheduler:
       raise ValueError(f"sampling_params must be a dict, got {sampling_params!r}")
     self._generate, self._prompts, self._params = generate_fn, iter(prompts), dict(sampling_params)
     self._max_inflight = max_inflight_groups
+    self._on_complete = on_complete
     self._groups: dict[int, Group] = {}  # unconsumed (in flight or ready), by admission index
     self._ready: set[int] = set()
     self._tasks: dict[int, asyncio.Task] = {}
@@ -101,6 +105,8 @@ class RolloutScheduler:
       if len(samples) != self.group_size:
         raise RuntimeError(f"generate returned {len(samples)} samples, group_size is {self.group_size}")
       group.samples = list(samples)
+      if self._on_complete is not None:
+        self._on_complete(group)
       self._ready.add(group.index)
     except asyncio.CancelledError:
       raise

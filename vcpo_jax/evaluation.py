@@ -1,0 +1,45 @@
+"""Rewards for generated token ids (the rollout score function) and held-out greedy/sampled accuracy."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from vcpo_jax import sampling
+
+
+def completion_text(tok, ids) -> str:
+  """Response text for the reward: special tokens dropped; ids of the model's padded vocabulary rows that
+  the tokenizer lacks become U+FFFD, which no task accepts (so they score 0 instead of crashing)."""
+  out, run = [], []
+  for i in ids:
+    i = int(i)
+    if i in tok.special_ids:
+      continue
+    if 0 <= i < tok.vocab_size:
+      run.append(i)
+      continue
+    out.append(tok.decode(run) + "\ufffd")
+    run = []
+  return "".join(out) + tok.decode(run)
+
+
+def make_score_fn(task, tok) -> Callable[[dict, list[int]], tuple[float, str]]:
+  """(example, output_ids) -> (reward, decoded response): what rollout backends apply to each sample."""
+  def score(example: dict, output_ids) -> tuple[float, str]:
+    text = completion_text(tok, output_ids)
+    return float(task.reward(example, text)), text
+  return score
+
+
+def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, seed: int) -> dict[str, float]:
+  """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process."""
+  prompts = [tok.encode(e["prompt"]) for e in examples]
+  score = make_score_fn(task, tok)
+  out = {}
+  for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+    results = sampling.generate(params, model_cfg, prompts, max_new_tokens=max_new_tokens,
+                                temperature=temperature, stop_token_ids=tok.stop_ids, rng=seed)
+    rewards = [score(e, r.output_ids)[0] for e, r in zip(examples, results)]
+    out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
+  return out

@@ -1,0 +1,90 @@
+"""The rollout-backend seam: what the RL loop asks of rollouts, and the registry that picks one from config.
+
+Why the interface is async: the loop in train.py is a coroutine and every backend method is one. The HTTP
+backend is asyncio by nature (aiohttp client, scheduler tasks admitting and completing groups); because the
+loop runs on the same event loop and puts the learner step in a worker thread (asyncio.to_thread), those
+tasks keep generating and scoring while the learner computes: the async overlap. An in-process backend (the
+lag emulator, a test double) simply does its work inside the coroutine. The alternative, a backend running
+its own event loop in a thread, would need cross-thread futures on every call and a second shutdown path
+for Ctrl-C; one event loop owned by the job keeps cancellation and cleanup in one `finally`.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import ml_collections
+
+from vcpo_jax.rollout.types import Group, ScoreFn
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+  """What the job hands a backend besides its config."""
+  model_cfg: Any  # model.ModelConfig: vocab size, exports
+  tokenizer: Any  # stop/pad ids, exported with the weights
+  prompts: Iterator[dict]  # the job's prompt iterator; checkpointed with the backend's state_dict
+  score: ScoreFn  # (example, output_ids) -> (reward, text); backends apply it as each group completes
+  workdir: str  # weights, server logs, caches go under it
+  batch_rows: int  # learner rows per step (servers batch at least this many)
+
+
+class RolloutBackend(abc.ABC):
+  """Produces completed, scored groups for each learner version and takes each new version's weights.
+
+  Call order: load_state_dict (on resume) -> start(v0, params) -> [next_groups(v) -> publish(v + 1, params)]*
+  -> close(). close() must be safe after a failed or partial start (it runs in the loop's `finally`).
+  """
+
+  @abc.abstractmethod
+  async def start(self, version: int, params: Any) -> None:
+    """Brings rollouts up serving learner version `version` with these (host) params."""
+
+  @abc.abstractmethod
+  async def next_groups(self, version: int) -> list[Group]:
+    """rl.prompts_per_step groups to train learner version `version` on: samples generated within the
+    staleness bound, consumed (consumed_version, sample_lags set) and scored (rewards set)."""
+
+  @abc.abstractmethod
+  async def publish(self, version: int, params: Any) -> None:
+    """Makes learner version `version` the one new generation uses."""
+
+  def stats(self) -> dict[str, float]:
+    """Flat numeric metrics logged with every step (TensorBoard names)."""
+    return {}
+
+  def state_dict(self) -> dict:
+    """JSON-able state saved in each checkpoint, taken at the same moment as the prompt iterator's."""
+    return {}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores state_dict() output; called before start()."""
+
+  async def close(self) -> None:
+    """Stops generation and frees servers, tasks and connections."""
+
+
+BackendFactory = Callable[[ml_collections.ConfigDict, RolloutContext], RolloutBackend]
+
+
+# The implementations import this module, so they are imported when chosen, not at import time.
+def _http(config: ml_collections.ConfigDict, ctx: RolloutContext) -> RolloutBackend:
+  from vcpo_jax.rollout import http_backend  # noqa: PLC0415
+  return http_backend.HttpBackend.from_config(config, ctx)
+
+
+def _emulate(config: ml_collections.ConfigDict, ctx: RolloutContext) -> RolloutBackend:
+  from vcpo_jax.rollout import emulation  # noqa: PLC0415
+  return emulation.EmulatedBackend.from_config(config, ctx)
+
+
+# rl.mode -> backend. "async": SGLang-protocol servers (embedded, or rollout.server_urls); "emulate": the
+# deterministic in-process lag emulator.
+BACKENDS: dict[str, BackendFactory] = {"async": _http, "emulate": _emulate}
+
+
+def make_backend(config: ml_collections.ConfigDict, ctx: RolloutContext) -> RolloutBackend:
+  if config.rl.mode not in BACKENDS:
+    raise ValueError(f"invalid config: rl.mode={config.rl.mode!r}: must be one of {sorted(BACKENDS)}")
+  return BACKENDS[config.rl.mode](config, ctx)

@@ -1,0 +1,118 @@
+"""The SGLang-protocol rollout backend: servers (embedded, or rollout.server_urls), client, scheduler, publisher."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from typing import Any, Optional
+
+import ml_collections
+
+from vcpo_jax import hf
+from vcpo_jax.rollout import backend, client as client_lib, launcher, publisher as publisher_lib
+from vcpo_jax.rollout import scheduler as scheduler_lib, types
+
+
+def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:
+  """Numeric stats as flat TensorBoard names (server URLs become legal name parts); one level of nesting."""
+  out = {}
+  for key, value in stats.items():
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      out[f"{prefix}{key}"] = float(value)
+    elif isinstance(value, dict):
+      for sub, v in value.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+          out[f"{prefix}{key}/{re.sub(r'[^A-Za-z0-9_.-]+', '_', str(sub))}"] = float(v)
+  return out
+
+
+class HttpBackend(backend.RolloutBackend):
+  """Servers generate with version v while the learner computes v+1; the scheduler keeps lag <= k.
+
+  Embedded servers start from the exported starting weights; external servers (server_urls) get them
+  published. Each group is scored in the scheduler's completion hook, as soon as its samples arrive.
+  """
+
+  def __init__(self, ctx: backend.RolloutContext, rollout: ml_collections.ConfigDict, *, sampling_params: dict,
+               group_size: int, batch_groups: int, max_lag: int):
+    self.ctx, self.cfg = ctx, rollout
+    self.sampling_params, self.group_size = sampling_params, group_size
+    self.batch_groups, self.max_lag = batch_groups, max_lag
+    self.urls = [u.strip() for u in rollout.server_urls.split(",") if u.strip()]
+    self.weights_root = os.path.join(ctx.workdir, "weights")
+    self._servers: list = []  # embedded servers this backend started (and stops)
+    self._client: Optional[client_lib.RolloutClient] = None
+    self._publisher: Optional[publisher_lib.WeightPublisher] = None
+    self._sched: Optional[scheduler_lib.RolloutScheduler] = None
+    self._restored: Optional[dict] = None
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
+    rl = config.rl
+    params = {"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature,
+              "stop_token_ids": list(ctx.tokenizer.stop_ids), "no_stop_trim": True,
+              "sampling_seed": config.seed}
+    return cls(ctx, config.rollout, sampling_params=params, group_size=rl.group_size,
+               batch_groups=rl.prompts_per_step, max_lag=rl.max_lag)
+
+  def _export(self, params: Any, out_dir: str) -> None:
+    hf.export_hf(params, self.ctx.model_cfg, out_dir, self.ctx.tokenizer)
+
+  async def _start_embedded(self, version: int, params: Any) -> list[str]:
+    """Embedded servers start directly from the current version's directory."""
+    first_dir = os.path.join(self.weights_root, f"v{version}")
+    await asyncio.to_thread(self._export, params, first_dir)
+    workdir = self.ctx.workdir
+    self._servers = await asyncio.to_thread(
+        launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
+        base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
+        weight_version=f"v{version}",
+        extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
+                    "--compilation-cache-dir", os.path.join(workdir, "jax_cache")))
+    return [s.url for s in self._servers]
+
+  async def start(self, version: int, params: Any) -> None:
+    os.makedirs(self.weights_root, exist_ok=True)
+    urls = self.urls or await self._start_embedded(version, params)
+    self._client = client_lib.RolloutClient(urls, vocab_size=self.ctx.model_cfg.vocab_size,
+                                            request_timeout=self.cfg.request_timeout,
+                                            max_retries=self.cfg.max_retries)
+    await self._client.start()
+    self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
+                                                    keep_last=self.cfg.keep_versions)
+    if self.urls:  # external servers: load the starting weights explicitly
+      await self._publisher.publish(params, version)
+    self._sched = scheduler_lib.RolloutScheduler(
+        self._client.generate, self.ctx.prompts, sampling_params=self.sampling_params,
+        group_size=self.group_size, batch_groups=self.batch_groups, max_lag=self.max_lag,
+        on_complete=lambda group: types.score_group(group, self.ctx.score))
+    if self._restored is not None:
+      self._sched.load_state_dict(self._restored)
+
+  async def next_groups(self, version: int) -> list[types.Group]:
+    return await self._sched.next_batch(version)
+
+  async def publish(self, version: int, params: Any) -> None:
+    await self._publisher.publish(params, version)
+
+  def stats(self) -> dict[str, float]:
+    out = flat_metrics(self._client.stats) if self._client is not None else {}
+    return {**out, **(flat_metrics(self._sched.stats) if self._sched is not None else {})}
+
+  def state_dict(self) -> dict:
+    return {"scheduler": self._sched.state_dict()} if self._sched is not None else {}
+
+  def load_state_dict(self, state: dict) -> None:
+    self._restored = state.get("scheduler")
+
+  async def close(self) -> None:
+    try:
+      if self._sched is not None:
+        await self._sched.close()
+      if self._publisher is not None:
+        await self._publisher.close()
+      if self._client is not None:
+        await self._client.close()
+    finally:
+      launcher.stop_servers(self._servers)
+      self._servers = []
