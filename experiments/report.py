@@ -121,14 +121,15 @@ def group_runs(runs: list[Run]) -> dict[int, dict[str, list[Run]]]:
   return out
 
 
-def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], sync_mean: Optional[float]) -> list[str]:
-  lines = ["| arm | seeds (done) | final greedy acc % (mean ± 95% CI) | Δ vs sync k=0 (pts) | final sampled acc % "
-           "| min ESS ratio (worst seed) | mean lr scale | collapsed (step) | ESS drop step | RL min |",
+def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], references: dict[str, float]) -> list[str]:
+  lines = ["| arm | seeds (done) | final greedy acc % (mean ± 95% CI) | Δ vs k=0 (pts) | final sampled acc % "
+           "| min ESS ratio (worst seed) | mean lr scale | collapsed (step) | ESS drop step | RL step min |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for arm, runs in arms.items():
     s = [summaries[r.name] for r in runs]
     finals = [x["final"] for x in s if x["final"] is not None]
-    delta = "-" if sync_mean is None or not finals else f"{100 * (np.mean(finals) - sync_mean):+.1f}"
+    ref = references.get(arm, references.get("sync"))
+    delta = "-" if ref is None or not finals else f"{100 * (np.mean(finals) - ref):+.1f}"
     mins = [x["min_ess"] for x in s if x["min_ess"] is not None]
     lrs = [x["lr_scale"] for x in s if x["lr_scale"] is not None]
     collapsed = [x["collapse"] for x in s if x["collapse"] is not None]
@@ -227,16 +228,19 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
   os.makedirs(out, exist_ok=True)
   summaries = {r.name: run_summary(r, fraction, ess_threshold) for r in runs}
   groups = group_runs(runs)
-  sync = [summaries[r.name]["final"] for r in groups.get(0, {}).get("sync", [])
-          if summaries[r.name]["final"] is not None]
-  sync_mean = float(np.mean(sync)) if sync else None
+  references = {}  # mean final accuracy of each arm's k = 0 runs
+  for arm, arm_runs in groups.get(0, {}).items():
+    finals = [summaries[r.name]["final"] for r in arm_runs if summaries[r.name]["final"] is not None]
+    if finals:
+      references[arm] = float(np.mean(finals))
   md = [f"# Results: {os.path.basename(os.path.abspath(root))}", "",
         f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC by "
         f"`python -m experiments.report {root}` from {len(runs)} work units "
         f"({sum(s['done'] for s in summaries.values())} finished).", "", "## Settings", "", *_settings(runs),
         *_provenance(runs), "", "## Definitions", "",
         "- Final accuracy: held-out greedy accuracy at the last step (`result.json`); mean ± 95% Student-t interval "
-        "over seeds (no interval with one seed).",
+        "over seeds (no interval with one seed). Δ vs k=0: against the same arm's k = 0 runs, or the `sync` arm's "
+        "when the arm has none. RL step min: summed step times (rollout + update, no evaluation).",
         f"- Collapse: the first evaluation step from which held-out greedy accuracy stays below {fraction:g} x the "
         "best accuracy of any earlier evaluation (base model included) until the end of the run.",
         f"- ESS drop: the first step whose ESS ratio is below {ess_threshold:g} with the median over it and the next "
@@ -245,7 +249,7 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
         "- mean lr scale: the ESS step scale averaged over steps (1 without ESS scaling); the sync_lr* arms run "
         "sync at fixed fractions of the learning rate for comparison.", ""]
   for lag, arms in groups.items():
-    md += [f"## Lag k = {lag}", "", *lag_table(arms, summaries, sync_mean), ""]
+    md += [f"## Lag k = {lag}", "", *lag_table(arms, summaries, references), ""]
     if plots:
       name = f"curves_k{lag}.png"
       from experiments import plots as plots_lib  # noqa: PLC0415  (matplotlib only when plotting)

@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from scipy import stats
 
 from experiments import analysis, launch, report, workunit
 from experiments.sweep import arm, chain, fixed, name_units, parse_arg, product, seeds, sweep, zipit
@@ -159,6 +161,10 @@ def test_mean_ci_and_iqm_bootstrap():
   assert m == 2.0 and h == pytest.approx(4.302653 * 1.0 / math.sqrt(3), rel=1e-5)  # t_{0.975, 2} = 4.3027
   assert math.isnan(analysis.mean_ci([1.0])[1])
   assert analysis.iqm([0, 1, 2, 3, 4, 5, 6, 100]) == pytest.approx(3.5)
+  rng = np.random.default_rng(0)
+  for n in range(1, 10):
+    x = rng.normal(size=n)
+    assert analysis.iqm(x) == pytest.approx(stats.trim_mean(x, 0.25))
   point, lo, hi = analysis.bootstrap_iqm([[0.1, 0.2, 0.3], [0.5, 0.6, 0.7]])
   assert lo <= point <= hi and (point, lo, hi) == analysis.bootstrap_iqm([[0.1, 0.2, 0.3], [0.5, 0.6, 0.7]])
 

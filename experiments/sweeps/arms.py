@@ -27,8 +27,7 @@ def overrides(lr: float) -> dict[str, dict]:
       "token_tis": baseline("token_tis"),
       "seq_mis": baseline("seq_mis"),
       "ppo_decoupled": baseline("ppo_decoupled"),
-      # M2PO's token mask is batch-global: the learner refuses micro-batches for it (whole batch at once).
-      "m2po": {**baseline("m2po"), "algo.micro_batch_size": 0},
+      "m2po": baseline("m2po"),
       "gspo": baseline("gspo"),
       "cispo": baseline("cispo"),
       # VCPO's two components alone and together (sequence TIS, tau = 8, in all three).
