@@ -98,3 +98,22 @@ def test_invalid_config_names_field(field, value):
 def test_from_dict_rejects_unknown_key():
   with pytest.raises(ValueError, match="num_layerz"):
     M.ModelConfig.from_dict({**CFG.to_dict(), "num_layerz": 2})
+
+
+@pytest.mark.parametrize("precision", ["highest", "high", "default"])
+def test_every_dot_runs_at_the_configured_precision(precision):
+  """Forward and backward: the learner's log-probs and their gradient use model.matmul_precision."""
+  import re
+  cfg = M.ModelConfig(matmul_precision=precision, tie_word_embeddings=True)
+  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  loss = lambda p: jnp.sum(M.token_logprobs(p, cfg, tokens, jnp.ones((1, 4))))
+  text = str(jax.make_jaxpr(jax.grad(loss))(params))
+  found = re.findall(r"precision=\(?Precision\.(\w+)", text)
+  assert text.count("dot_general") > 8 and "precision=None" not in text
+  assert set(found) == {precision.upper()}
+
+
+def test_matmul_precision_is_validated():
+  with pytest.raises(ValueError, match="model.matmul_precision"):
+    M.ModelConfig(matmul_precision="tf32")

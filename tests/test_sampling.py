@@ -165,3 +165,15 @@ def test_bad_rows_raise_naming_the_field(params):
     sampling.start_batch(params, CFG, [sampling.RowSpec(prompt=(1, 64), max_new_tokens=2)])
   with pytest.raises(ValueError, match="max_seq_len"):
     sampling.start_batch(params, CFG, [sampling.RowSpec(prompt=(1, 2), max_new_tokens=63)])
+
+
+def test_sampler_dots_run_at_the_model_precision():
+  """The sampler's log-probs are computed like the learner's: same model.matmul_precision on every dot."""
+  import re
+  cfg = model.ModelConfig(matmul_precision="high")
+  params = model.init_params(cfg, jax.random.PRNGKey(0))
+  rows = [sampling.RowSpec(prompt=(1, 2, 3), max_new_tokens=4)]
+  st, tokens, positions, seeds = sampling._initial_state(rows, cfg, 1, 4, 4, 4)
+  text = str(jax.make_jaxpr(lambda p: sampling._prefill(p, jnp.asarray(tokens), jnp.asarray(positions),
+                                                          jnp.asarray(seeds), st, cfg=cfg, num_new=4))(params))
+  assert text.count("dot_general") > 4 and set(re.findall(r"precision=\(?Precision\.(\w+)", text)) == {"HIGH"}
