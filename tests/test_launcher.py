@@ -150,3 +150,12 @@ def test_server_environment_never_preallocates_and_takes_the_plan(tmp_path, monk
   server._log.close()
   import json
   assert json.loads(server.output()) == {"CUDA_VISIBLE_DEVICES": "1", P: "false", F: None}
+
+
+def test_rollout_plan_matches_the_job_plan():
+  from configs import countdown
+  c = countdown.get_config()
+  c.rollout.num_servers = 2
+  env = {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+  assert launcher.rollout_plan(c.rollout, 2, env) == launcher.config_plan(c, env)
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in launcher.rollout_plan(c.rollout, 2, env).server_envs] == ["1", "2"]

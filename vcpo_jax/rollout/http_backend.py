@@ -66,7 +66,7 @@ class HttpBackend(backend.RolloutBackend):
     self._servers = await asyncio.to_thread(
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
         base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
-        weight_version=f"v{version}",
+        weight_version=f"v{version}", envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     "--compilation-cache-dir", os.path.join(workdir, "jax_cache")))
     return [s.url for s in self._servers]

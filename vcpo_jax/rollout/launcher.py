@@ -106,14 +106,19 @@ def plan_devices(gpus: Sequence[str], num_servers: int, *, server_devices: str =
   return DevicePlan(learner_env, learner_devices, server_envs)
 
 
+def rollout_plan(rollout, num_servers: int, environ: Mapping[str, str] | None = None) -> DevicePlan:
+  """The plan for `num_servers` embedded servers from a job's `rollout` config section."""
+  return plan_devices(visible_gpus(os.environ if environ is None else environ), num_servers,
+                      server_devices=rollout.get("server_devices", ""),
+                      learner_memory_fraction=rollout.get("learner_memory_fraction", 0.0),
+                      server_memory_fraction=rollout.get("server_memory_fraction", 0.0))
+
+
 def config_plan(config, environ: Mapping[str, str] | None = None) -> DevicePlan:
   """The plan for a job config: embedded servers only in async mode without rollout.server_urls."""
   r = config.rollout
   embedded = config.rl.mode == "async" and not r.server_urls
-  return plan_devices(visible_gpus(os.environ if environ is None else environ),
-                      r.num_servers if embedded else 0, server_devices=r.get("server_devices", ""),
-                      learner_memory_fraction=r.get("learner_memory_fraction", 0.0),
-                      server_memory_fraction=r.get("server_memory_fraction", 0.0))
+  return rollout_plan(r, r.num_servers if embedded else 0, environ)
 
 
 def apply_env(env: dict, updates: Mapping[str, str | None]) -> dict:
