@@ -9,7 +9,7 @@ from typing import Any, Optional
 import ml_collections
 
 from vcpo_jax import hf
-from vcpo_jax.rollout import backend, client as client_lib, launcher, publisher as publisher_lib
+from vcpo_jax.rollout import backend, client as client_lib, launcher, protocol, publisher as publisher_lib
 from vcpo_jax.rollout import scheduler as scheduler_lib, types
 
 
@@ -60,13 +60,14 @@ class HttpBackend(backend.RolloutBackend):
 
   async def _start_embedded(self, version: int, params: Any) -> list[str]:
     """Embedded servers start directly from the current version's directory."""
-    first_dir = os.path.join(self.weights_root, f"v{version}")
+    wire = protocol.version_to_wire(version)
+    first_dir = os.path.join(self.weights_root, wire)
     await asyncio.to_thread(self._export, params, first_dir)
     workdir = self.ctx.workdir
     self._servers = await asyncio.to_thread(
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
         base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
-        weight_version=f"v{version}", envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
+        weight_version=wire, envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     "--compilation-cache-dir", os.path.join(workdir, "jax_cache")))
     return [s.url for s in self._servers]
