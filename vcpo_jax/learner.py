@@ -10,7 +10,8 @@ from vcpo_jax import grad_norms, losses, model as M, sharding, vcpo
 from vcpo_jax.batch import RLBatch, check_batch  # noqa: F401  (re-exported for callers of learner.RLBatch)
 from vcpo_jax.learner_config import GRAD_PATHS, LearnerConfig, check_chunks, chunk_order  # noqa: F401
 from vcpo_jax.train_state import (TrainState, apply_update, batch_rows, create_train_state,  # noqa: F401
-                                  jit_step, make_sft_step, sft_step, state_shardings, with_reference)
+                                  jit_step, make_sft_step, sft_step, state_shardings, with_params,
+                                  with_reference)
 
 
 def _valid(batch: RLBatch):

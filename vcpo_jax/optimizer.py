@@ -160,6 +160,17 @@ def float32_master(inner: optax.GradientTransformationExtraArgs) -> optax.Gradie
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def reset_master(opt_state, params):
+  """opt_state with every float32 master copy replaced by `params` in float32 (after params are swapped in,
+  e.g. the warm-start weights loaded into a freshly initialised state)."""
+  def reset(s):
+    if isinstance(s, Float32MasterState) and s.master is not None:
+      return s._replace(master=jax.tree.map(lambda p, m: jnp.asarray(p, jnp.float32).astype(m.dtype), params,
+                                            s.master))
+    return s
+  return jax.tree.map(reset, opt_state, is_leaf=lambda x: isinstance(x, Float32MasterState))
+
+
 def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
                     eps: float = 1e-8, weight_decay: float = 0.1, max_grad_norm: Optional[float] = 1.0,
                     weight_decay_mask: Any = None, ess_scaling: bool = True,

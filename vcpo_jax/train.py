@@ -71,8 +71,10 @@ class RLRun:
     base_params, _ = hf.import_hf(base_dir)
     state = learner.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
                                        mesh=self.mesh)
-    self.state = state.replace(params=jax.tree_util.tree_map(
+    self.state = learner.with_params(state, jax.tree_util.tree_map(
         lambda x, like: jax.device_put(jnp.asarray(x, like.dtype), like.sharding), base_params, state.params))
+    if config.algo.kl_beta > 0:  # the frozen warm-start policy is the KL reference (checkpointed with the state)
+      self.state = learner.with_reference(self.state)
     self.prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok)
     self.ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
     self.writer = metrics_lib.MetricsWriter(os.path.join(workdir, "tensorboard"),

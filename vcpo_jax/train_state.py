@@ -49,6 +49,11 @@ def with_reference(state: TrainState) -> TrainState:
   return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
 
 
+def with_params(state: TrainState, params) -> TrainState:
+  """The state with `params` swapped in (e.g. the warm start's), the optimizer's float32 master copy too."""
+  return state.replace(params=params, opt_state=optimizer_lib.reset_master(state.opt_state, params))
+
+
 def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
