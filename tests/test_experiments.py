@@ -233,7 +233,9 @@ def _launch(tmp_path, module, python=sys.executable, timeout=600):
   sweep_file.write_text(TINY_SWEEP)
   cmd = [python, "-m", module, "--config=configs/tiny.py:emulate", f"--sweep={sweep_file}",
          f"--root={tmp_path / 'runs'}", "--parallel=2"]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+  # Units run as a user's would: without the suite's 8 fake devices (conftest.py sets XLA_FLAGS).
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _check_finished(root):
