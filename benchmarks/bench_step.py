@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks import common
+from benchmarks import common, oracle
 from vcpo_jax import learner as Lr
 from vcpo_jax import model as M
 from vcpo_jax import optimizer as O
-from vcpo_jax import oracle, vcpo
+from vcpo_jax import vcpo
 
 # The main CPU job's model (configs/countdown.py) at max_seq_len 256; B = 8 prompts x 8 samples.
 MODEL = M.ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,

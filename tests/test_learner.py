@@ -13,7 +13,8 @@ from vcpo_jax import losses as L
 from vcpo_jax import learner as Lr
 from vcpo_jax import model as M
 from vcpo_jax import optimizer as O
-from vcpo_jax import oracle, sharding
+from benchmarks import oracle
+from vcpo_jax import sharding
 from vcpo_jax.batch import RLBatch
 
 CFG = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,

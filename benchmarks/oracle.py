@@ -1,4 +1,5 @@
-"""Micro-batch-1 VCPO gradient (one backward per sequence, reference-style buffers): a test oracle, not for training."""
+"""Micro-batch-1 VCPO gradient (one backward per sequence, reference-style buffers): the float64 test oracle and
+the benchmark baseline (kept out of the installed package)."""
 from __future__ import annotations
 
 import jax
