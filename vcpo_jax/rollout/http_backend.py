@@ -75,7 +75,9 @@ class HttpBackend(backend.RolloutBackend):
   async def start(self, version: int, params: Any) -> None:
     os.makedirs(self.weights_root, exist_ok=True)
     urls = self.urls or await self._start_embedded(version, params)
+    # Servers take their context length from the exported config (max_position_embeddings = max_seq_len).
     self._client = client_lib.RolloutClient(urls, vocab_size=self.ctx.model_cfg.vocab_size,
+                                            context_length=self.ctx.model_cfg.max_seq_len,
                                             request_timeout=self.cfg.request_timeout,
                                             max_retries=self.cfg.max_retries)
     await self._client.start()
@@ -83,6 +85,8 @@ class HttpBackend(backend.RolloutBackend):
                                                     keep_last=self.cfg.keep_versions)
     if self.urls:  # external servers: load the starting weights explicitly
       await self._publisher.publish(params, version)
+    if self.sampling_params["temperature"] != 1.0:  # SGLang's log-probs are scaled unless told otherwise
+      await self._client.check_raw_logprobs(self.sampling_params["temperature"], list(range(1, 9)))
     self._sched = scheduler_lib.RolloutScheduler(
         self._client.generate, self.ctx.prompts, sampling_params=self.sampling_params,
         group_size=self.group_size, batch_groups=self.batch_groups, max_lag=self.max_lag,
