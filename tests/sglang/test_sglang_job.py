@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.sglang import verify_tags
 from tests.sglang.conftest import REPO, requires_sglang, start_servers
 
 pytestmark = [pytest.mark.sglang, requires_sglang]
@@ -17,16 +18,18 @@ SMALL = ["--config.rl.prompts_per_step=4", "--config.rl.group_size=4", "--config
          "--config.checkpoint_every=1000", "--config.rl.max_lag=2"]
 
 
-def _env():
+def _env(workdir):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env.update(JAX_PLATFORMS="cpu", VCPO_PROGRESS="0")
+  # Every completed sample is logged, to recompute its tokens under the weights its tags name.
+  env.update(JAX_PLATFORMS="cpu", VCPO_PROGRESS="0", VCPO_ROLLOUT_SAMPLE_LOG=os.path.join(workdir, "samples.jsonl"))
   return env
 
 
 def _run(module, workdir, *flags, timeout=1200, wait=True):
-  argv = [sys.executable, "-m", module, "--config=configs/countdown.py", f"--workdir={workdir}", *SMALL, *flags]
+  argv = [sys.executable, "-m", module, "--config=configs/countdown.py", f"--workdir={workdir}", *SMALL,
+          "--config.rollout.keep_versions=100", *flags]
   log = open(os.path.join(str(workdir) + ".log"), "w")
-  proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+  proc = subprocess.Popen(argv, cwd=REPO, env=_env(str(workdir)), stdout=log, stderr=subprocess.STDOUT)
   if wait:
     rc = proc.wait(timeout)
     assert rc == 0, open(str(workdir) + ".log").read()[-5000:]
@@ -51,6 +54,9 @@ def _check_run(workdir, steps):
   assert lags and max(lags) <= 2
   with open(os.path.join(workdir, "result.json")) as f:
     assert json.load(f)["steps"] == steps
+  tags = verify_tags.worst_gap(os.path.join(workdir, "samples.jsonl"), os.path.join(workdir, "weights"))
+  print(f"\n{workdir}: lag hist {[r.get('lag/max') for r in rows]}, tags {tags}")
+  assert tags["worst"] < 1e-4  # every token is what the weights its version tag names give (float32)
   return rows
 
 

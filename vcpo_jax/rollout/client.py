@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from typing import Any, Iterable, Optional
 
@@ -50,10 +51,13 @@ class RolloutClient(ServerPool):
   Use as `async with RolloutClient(urls, vocab_size=V) as client: samples = await client.generate(...)`.
   `context_length` (the servers' context length, default: no limit known) caps every request, first or
   resumed, to what SGLang accepts; a sample that cannot continue within it finishes as "length".
+  `sample_log` (default: $VCPO_ROLLOUT_SAMPLE_LOG) appends every completed sample as a JSON line (ids,
+  log-probs, versions): an audit trail to recompute against the exported weights of each version.
   """
 
   def __init__(self, urls: Iterable[str], *, vocab_size: int, max_prompt_len: Optional[int] = None,
-               context_length: Optional[int] = None, max_retries: int = 4, max_resumes: int = 64, **pool_kwargs):
+               context_length: Optional[int] = None, max_retries: int = 4, max_resumes: int = 64,
+               sample_log: Optional[str] = None, **pool_kwargs):
     super().__init__(urls, **pool_kwargs)
     for name, value in (("vocab_size", vocab_size), ("max_retries", max_retries + 1),
                         ("max_prompt_len", 1 if max_prompt_len is None else max_prompt_len),
@@ -63,6 +67,7 @@ class RolloutClient(ServerPool):
                          f"got {value!r}")
     self.vocab_size, self.max_prompt_len, self.context_length = vocab_size, max_prompt_len, context_length
     self.max_retries, self.max_resumes = max_retries, max_resumes
+    self.sample_log = sample_log or os.environ.get("VCPO_ROLLOUT_SAMPLE_LOG") or None
 
   # -- generation --------------------------------------------------------------------------------
   def _check_prompt(self, prompt_ids: Any) -> list[int]:
@@ -130,6 +135,10 @@ class RolloutClient(ServerPool):
       if not seg.output_ids:  # a server that aborts at once is probably paused: don't spin
         await asyncio.sleep(self._backoff(min(resumes, 6)))
     self._counts["samples_completed"] += 1
+    if self.sample_log:
+      with open(self.sample_log, "a") as f:
+        f.write(json.dumps({"prompt_ids": prompt_ids, "output_ids": out_ids, "logprobs": out_lp,
+                            "versions": out_ver, "finish": finish, "resumes": resumes, "url": url}) + "\n")
     return Sample(prompt_ids=list(prompt_ids), output_ids=out_ids,
                   output_logprobs=np.asarray(out_lp, np.float32),
                   token_versions=np.asarray(out_ver, np.int64), finish_reason=finish,
