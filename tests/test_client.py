@@ -213,6 +213,22 @@ def test_connection_dropped_on_reuse_is_retried_not_a_dead_server(fake_pair):
 
 
 @pytest.mark.integration
+def test_sample_log_records_every_completed_sample(fake_pair, tmp_path):
+  _, good = fake_pair
+  log = tmp_path / "samples.jsonl"
+
+  async def run():
+    async with client_lib.RolloutClient([good], vocab_size=VOCAB, sample_log=str(log)) as client:
+      return await client.generate([4, 2], {"max_new_tokens": 3}, n=2)
+
+  samples = asyncio.run(run())
+  rows = [json.loads(line) for line in log.read_text().splitlines()]
+  assert [r["output_ids"] for r in rows] == [s.output_ids for s in samples]
+  assert rows[0]["versions"] == [2, 2, 2] and rows[0]["prompt_ids"] == [4, 2]
+  np.testing.assert_allclose(rows[0]["logprobs"], samples[0].output_logprobs, atol=1e-6)
+
+
+@pytest.mark.integration
 def test_resumed_requests_stay_inside_the_context_limits(tmp_path):
   """prompt + partial output can exceed SGLang's input limit although the prompt fit: the client caps every
   segment's max_new_tokens and ends a sample that cannot continue as "length" (never a 400)."""
