@@ -161,9 +161,16 @@ class FixedBackend(backend.RolloutBackend):
   def __init__(self, ctx, groups_per_step, group_size, rewards):
     self.ctx, self.groups_per_step, self.group_size, self.rewards = ctx, groups_per_step, group_size, rewards
     self.calls, self.served = [], 0
+    self.ticks, self.ticks_at = 0, {}  # event-loop turns of a background task, seen at each call
+
+  async def _tick(self):  # stands in for a server's generation work on the event loop
+    while True:
+      self.ticks += 1
+      await asyncio.sleep(0.005)
 
   async def start(self, version, params):
     self.calls.append(("start", version))
+    self._ticker = asyncio.create_task(self._tick())
 
   async def next_groups(self, version):
     groups = []
@@ -178,10 +185,12 @@ class FixedBackend(backend.RolloutBackend):
                                 rewards=list(self.rewards), completions=[""] * self.group_size))
     self.served += len(groups)
     self.calls.append(("next_groups", version))
+    self.ticks_at[("next_groups", version)] = self.ticks
     return groups
 
   async def publish(self, version, params):
     self.calls.append(("publish", version))
+    self.ticks_at[("publish", version)] = self.ticks
 
   def stats(self):
     return {"rollout/fixed_groups_served": float(self.served)}
@@ -190,6 +199,7 @@ class FixedBackend(backend.RolloutBackend):
     return {"served": self.served}
 
   async def close(self):
+    self._ticker.cancel()
     self.calls.append(("close",))
 
 
@@ -209,7 +219,8 @@ class CountingTask:
 
 def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   """The seam: a backend train.py has never heard of runs the whole loop (publish, stats, checkpoint state),
-  and the learner trains on the rewards the backend scored; the loop itself never calls task.reward."""
+  the learner trains on the rewards the backend scored (the loop itself never calls task.reward), and the
+  backend's event-loop work goes on while the learner step runs (the async overlap)."""
   import jax
   from vcpo_jax import checkpointing, hf, model as model_lib, tasks, tokenizer
   config = tiny_config(**{"rl.steps": 2, "eval_every": 100})
@@ -228,6 +239,8 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
     run.close()
   assert rollouts.calls == [("start", 0), ("next_groups", 0), ("publish", 1), ("next_groups", 1), ("publish", 2),
                             ("close",)]
+  # The first step compiles for seconds: a learner blocking the event loop would leave the ticker still.
+  assert rollouts.ticks_at[("publish", 1)] - rollouts.ticks_at[("next_groups", 0)] >= 10
   scalars = _jsonl(tmp_path / "metrics.jsonl")
   assert [s["step"] for s in scalars] == [1, 2]
   for s in scalars:
