@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 
-from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout import protocol, server_protocol
 from vcpo_jax.rollout.launcher import free_port  # noqa: F401  (re-exported for the rollout tests)
 
 MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_length", "oov_ids",
@@ -160,7 +160,7 @@ class FakeServer:
     entries = [[lp, t, None] for lp, t in zip(lps, out)]
     meta = {"id": body.get("rid", "x"), "finish_reason": finish, "prompt_tokens": len(ids),
             "completion_tokens": len(out), "cached_tokens": 0, "weight_version": self.version,
-            "weight_versions": protocol.weight_version_spans(versions), "output_token_logprobs": entries, "e2e_latency": 0.0}
+            "weight_versions": server_protocol.weight_version_spans(versions), "output_token_logprobs": entries, "e2e_latency": 0.0}
     start = body.get("logprob_start_len", -1)
     if start is not None and start >= 0:  # the raw model's log-probs of the prompt tokens
       meta["input_token_logprobs"] = [[None if i == 0 else next_token(ids[:i], self.vocab_size)[1], ids[i], None]

@@ -94,6 +94,6 @@ def test_error_message_reads_every_shape():
 
 
 def test_weight_version_spans():
-  assert P.weight_version_spans([]) == []
-  assert P.weight_version_spans(["v1", "v1", "v2"]) == [{"version": "v1", "start": 0, "end": 2},
+  assert server_protocol.weight_version_spans([]) == []
+  assert server_protocol.weight_version_spans(["v1", "v1", "v2"]) == [{"version": "v1", "start": 0, "end": 2},
                                                          {"version": "v2", "start": 2, "end": 3}]

@@ -176,17 +176,6 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "input_ids
       raise RequestError(f"{field}[{i}]={t} is out of range [0, {vocab_size}).")
 
 
-def weight_version_spans(versions: Sequence[str]) -> list[dict]:
-  """Run-length spans [{version, start, end}] of the per-token policy versions."""
-  spans: list[dict] = []
-  for i, v in enumerate(versions):
-    if spans and spans[-1]["version"] == v:
-      spans[-1]["end"] = i + 1
-    else:
-      spans.append({"version": v, "start": i, "end": i + 1})
-  return spans
-
-
 # -- versions and context limits ---------------------------------------------------------------------------
 def version_to_wire(version: int) -> str:
   """Learner versions are ints; SGLang's weight_version is a string: 7 <-> "v7" (the one mapping)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from vcpo_jax.rollout.protocol import (INPUT_MARGIN, TOTAL_MARGIN, RequestError, SamplingParams,
                                        check_token_ids, parse_sampling_params, unknown_field_error)
@@ -17,6 +17,17 @@ GENERATE_KEYS = (
 INERT_KEYS = ("return_hidden_states", "lora_path", "custom_logit_processor", "image_data", "priority",
               "log_metrics", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
               "token_ids_logprob", "modalities", "session_params")
+
+
+def weight_version_spans(versions: Sequence[str]) -> list[dict]:
+  """Run-length spans [{version, start, end}] of the per-token policy versions."""
+  spans: list[dict] = []
+  for i, v in enumerate(versions):
+    if spans and spans[-1]["version"] == v:
+      spans[-1]["end"] = i + 1
+    else:
+      spans.append({"version": v, "start": i, "end": i + 1})
+  return spans
 
 
 @dataclasses.dataclass

@@ -97,7 +97,7 @@ def row_response(row: Row, sp: protocol.SamplingParams, req: SP.GenerateRequest,
       "completion_tokens": len(ids),
       "cached_tokens": 0,
       "weight_version": row.versions[-1] if row.versions else st.engine.weight_version,
-      "weight_versions": P.weight_version_spans(row.versions),
+      "weight_versions": SP.weight_version_spans(row.versions),
       "e2e_latency": end - row.created,
   }
   if req.return_logprob:
