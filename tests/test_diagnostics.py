@@ -55,3 +55,35 @@ def test_mismatch_metrics_without_lagged_rows_are_zero_with_zero_count():
   assert float(got["mismatch/lagged/num_seqs"]) == 0.0 and float(got["mismatch/lagged/seq_logw_mean"]) == 0.0
   assert float(got["mismatch/lag0/num_seqs"]) == valid.sum() - 1  # minus the empty row
   assert np.isfinite([float(v) for v in got.values()]).all()
+
+
+@pytest.mark.parametrize("lc_kwargs", [{}, {"micro_batch_size": 4}, {"advantage": "grpo", "policy_loss": "ppo"}])
+def test_learner_step_reports_mismatch_apart_from_lag(lc_kwargs):
+  """In the job's metrics: lag-0 rows scored by the sampler with the learner's own weights show ~0, lagged
+  rows show exactly their perturbation (bookkeeping, micro-batched and plain autodiff paths)."""
+  from vcpo_jax import learner, model, optimizer
+  from vcpo_jax.batch import RLBatch
+  cfg = model.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                          num_kv_heads=1, head_dim=8, max_seq_len=16)
+  b, t = 8, 12
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, cfg.vocab_size, (b, t)).astype(np.int32)
+  mask = np.zeros((b, t), np.float32)
+  mask[:, 4:4 + 6] = 1.0
+  opt = optimizer.build_optimizer(learning_rate=1e-3)
+  state = learner.create_train_state(cfg, opt, jax.random.PRNGKey(0))
+  logp = np.asarray(model.token_logprobs(state.params, cfg, jnp.asarray(tokens), jnp.asarray(mask)))
+  lag = np.array([0, 1, 0, 2, 0, 1, 0, 1], np.float32)
+  shift = rng.normal(0.0, 0.2, (b, t)).astype(np.float32) * mask * (lag > 0)[:, None]
+  batch = RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=(logp - shift) * mask,
+                  rewards_B=rng.integers(0, 2, b).astype(np.float32), group_B=np.repeat(np.arange(2), 4),
+                  lag_B=lag, valid_B=np.ones(b, np.float32))
+  step = learner.make_rl_step(cfg, learner.LearnerConfig(**lc_kwargs), opt)
+  _, metrics = step(state, batch)
+  metrics = jax.device_get(metrics)
+  assert metrics["mismatch/lag0/token_abs_mean"] < 1e-6 and metrics["mismatch/lag0/num_seqs"] == 4
+  lagged = (lag > 0)
+  np.testing.assert_allclose(metrics["mismatch/lagged/token_abs_mean"],
+                             np.abs(shift[lagged]).sum() / mask[lagged].sum(), rtol=1e-4)
+  np.testing.assert_allclose(metrics["mismatch/lagged/seq_logw_mean"], shift[lagged].sum(1).mean(), rtol=1e-4,
+                             atol=1e-6)

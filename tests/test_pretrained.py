@@ -221,3 +221,25 @@ def test_qwen2_5_config_shapes_have_the_published_parameter_counts(size, total, 
   assert config.sft.steps == 0 and config.model.hf_path == ""
   with pytest.raises(ValueError, match="unknown Qwen2.5 size"):
     qwen2_5.get_config("3b")
+@pytest.mark.slow
+def test_job_runs_three_rl_steps_from_the_checkpoint(ckpt, tmp_path):
+  """emulate mode, sft.steps=0: the job evaluates and exports the checkpoint as its base, then 3 RL steps."""
+  import ml_collections
+  from configs import tiny
+  from vcpo_jax import train
+  config = tiny.get_config("emulate")
+  config.model = ml_collections.ConfigDict(dict(hf_path=ckpt, max_seq_len=160, param_dtype="float32",
+                                                dtype="float32", matmul_precision="highest"))
+  config.sft.steps = 0
+  config.rl.update(steps=3, max_new_tokens=8)
+  config.eval_every = 3
+  result = train.train_and_evaluate(config, str(tmp_path / "w"))
+  assert result["steps"] == 3
+  base = tmp_path / "w" / "base"
+  assert (base / "tokenizer.json").read_bytes() == open(os.path.join(ckpt, "tokenizer.json"), "rb").read()
+  assert (base / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+  # The base is the checkpoint itself (no warm start): same log-probs.
+  tokens = _tokens(MODEL_VOCAB, seed=2)
+  np.testing.assert_allclose(hf_logprobs(str(base), tokens), hf_logprobs(ckpt, tokens), atol=1e-6)
+  lines = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
+  assert [line["step"] for line in lines] == [1, 2, 3]

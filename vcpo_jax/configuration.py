@@ -9,7 +9,7 @@ from typing import Any
 import ml_collections
 
 from vcpo_jax import learner_config as learner_config_lib, losses, model as model_lib
-from vcpo_jax import optimizer as optimizer_lib, tasks, tokenizer as tokenizer_lib
+from vcpo_jax import hf, optimizer as optimizer_lib, tasks, tokenizer as tokenizer_lib
 
 MODES = ("async", "emulate")
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
@@ -127,8 +127,8 @@ def _validate_algo(config):
 
 def validate_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
   """Checks every field the job depends on before anything starts; errors name the field and value."""
-  model_cfg = model_lib.ModelConfig.from_dict(config.model)
-  tok = tokenizer_lib.build_tokenizer()
+  model_cfg = hf.model_config(config.model)  # with model.hf_path: the checkpoint's architecture
+  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
   if model_cfg.vocab_size < tok.vocab_size:
     _fail("model.vocab_size", model_cfg.vocab_size, f"smaller than the tokenizer's {tok.vocab_size} ids")
   rl = config.rl

@@ -14,23 +14,33 @@ def _masked_mean(x, w):
   return jnp.where(total > 0, jnp.sum(x * w) / jnp.maximum(total, 1.0), 0.0)
 
 
-def mismatch_metrics(logp_BxT, sampler_logp_BxT, mask_BxT, lag_B, valid_B) -> dict:
-  """Per-token |delta| and per-sequence sum of delta (delta = learner - sampler log-prob) on lag-0 rows,
-  next to the same quantities on lag > 0 rows. Means over an empty set are 0 (the counts say so)."""
+def mismatch_rows(logp_BxT, sampler_logp_BxT, mask_BxT) -> dict:
+  """Per-row sums behind the metrics (so a micro-batched learner can collect them chunk by chunk)."""
   f32 = jnp.float32
   mask_BxT = mask_BxT.astype(f32)
   delta_BxT = (logp_BxT.astype(f32) - sampler_logp_BxT.astype(f32)) * mask_BxT
-  logw_B = jnp.sum(delta_BxT, axis=1)
-  valid_B = valid_B.astype(f32) * (jnp.sum(mask_BxT, axis=1) > 0)
-  lag0_B = valid_B * (lag_B == 0)
-  lagged_B = valid_B * (lag_B > 0)
   abs_BxT = jnp.abs(delta_BxT)
+  return {"abs_sum_B": jnp.sum(abs_BxT, axis=1), "abs_max_B": jnp.max(abs_BxT, axis=1, initial=0.0),
+          "tokens_B": jnp.sum(mask_BxT, axis=1), "logw_B": jnp.sum(delta_BxT, axis=1)}
+
+
+def mismatch_from_rows(rows: dict, lag_B, valid_B) -> dict:
+  """The metrics from mismatch_rows' per-row sums, split into lag-0 rows and lag > 0 rows."""
+  f32 = jnp.float32
+  valid_B = valid_B.astype(f32) * (rows["tokens_B"] > 0)
   out = {}
-  for name, rows_B in (("mismatch/lag0", lag0_B), ("mismatch/lagged", lagged_B)):
-    tokens_BxT = mask_BxT * rows_B[:, None]
-    out[f"{name}/token_abs_mean"] = _masked_mean(abs_BxT, tokens_BxT)
-    out[f"{name}/token_abs_max"] = jnp.max(abs_BxT * tokens_BxT, initial=0.0)
-    out[f"{name}/seq_logw_mean"] = _masked_mean(logw_B, rows_B)
-    out[f"{name}/seq_logw_abs_mean"] = _masked_mean(jnp.abs(logw_B), rows_B)
+  for name, rows_B in (("mismatch/lag0", valid_B * (lag_B == 0)), ("mismatch/lagged", valid_B * (lag_B > 0))):
+    tokens = jnp.sum(rows["tokens_B"] * rows_B)
+    out[f"{name}/token_abs_mean"] = jnp.where(tokens > 0, jnp.sum(rows["abs_sum_B"] * rows_B) /
+                                              jnp.maximum(tokens, 1.0), 0.0)
+    out[f"{name}/token_abs_max"] = jnp.max(rows["abs_max_B"] * rows_B, initial=0.0)
+    out[f"{name}/seq_logw_mean"] = _masked_mean(rows["logw_B"], rows_B)
+    out[f"{name}/seq_logw_abs_mean"] = _masked_mean(jnp.abs(rows["logw_B"]), rows_B)
     out[f"{name}/num_seqs"] = jnp.sum(rows_B)
   return out
+
+
+def mismatch_metrics(logp_BxT, sampler_logp_BxT, mask_BxT, lag_B, valid_B) -> dict:
+  """Per-token |delta| and per-sequence sum of delta (delta = learner - sampler log-prob) on lag-0 rows,
+  next to the same quantities on lag > 0 rows. Means over an empty set are 0 (the counts say so)."""
+  return mismatch_from_rows(mismatch_rows(logp_BxT, sampler_logp_BxT, mask_BxT), lag_B, valid_B)

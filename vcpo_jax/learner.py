@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vcpo_jax import grad_norms, losses, model as M, sharding, vcpo
+from vcpo_jax import diagnostics, grad_norms, losses, model as M, sharding, vcpo
 from vcpo_jax.batch import RLBatch, check_batch  # noqa: F401  (re-exported for callers of learner.RLBatch)
 from vcpo_jax.learner_config import GRAD_PATHS, LearnerConfig, check_chunks, chunk_order  # noqa: F401
 from vcpo_jax.train_state import (TrainState, apply_update, batch_rows, create_train_state,  # noqa: F401
@@ -33,7 +33,8 @@ def _sample_stats(logp_BxT, batch: RLBatch, mask_BxT, valid_B, sq_norms_B, lc: L
                                   logw_B=logw_B, wt_B=wt_B, lengths_B=jnp.sum(mask_BxT, axis=-1),
                                   sq_norms_B=sq_norms_B, valid_B=valid_B)
   adv_B, extras = losses.compute_advantages(lc.advantage, inputs, lc.estimator_options())
-  return {**extras, "logw_B": logw_B, "wt_B": wt_B, "adv_B": adv_B}
+  return {**extras, "logw_B": logw_B, "wt_B": wt_B, "adv_B": adv_B,  # + numerics apart from lag:
+          "mismatch": diagnostics.mismatch_rows(logp_BxT, batch.sampler_logp_BxT, mask_BxT)}
 
 
 def _policy_loss(logp_BxT, batch: RLBatch, mask_BxT, adv_B, lc: LearnerConfig, max_len=None):
@@ -160,6 +161,7 @@ def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B
   if "kl_k3" in aux:
     metrics["kl/mean"] = aux["kl_k3"]  # k3 estimate of KL(pi || ref), token mean over the loss mask
   metrics.update({f"loss/{k}": v for k, v in aux.items()})
+  metrics.update(diagnostics.mismatch_from_rows(stats["mismatch"], lag_B, valid_B))  # see README
   return metrics
 
 

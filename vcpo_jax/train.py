@@ -30,6 +30,9 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
       return base_dir, json.load(f)
   optimizer = build_optimizer(config, sft=True)
   state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
+  if config.model.get("hf_path", ""):  # start from the checkpoint, each parameter read into its sharding
+    state = learner.with_params(state, hf.import_hf(config.model.hf_path, cfg=model_cfg, shardings=jax.tree.map(
+        lambda x: x.sharding, state.params))[0])
   sft_step = learner.make_sft_step(model_cfg, optimizer)
   it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
                               seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate)
@@ -68,11 +71,12 @@ class RLRun:
     self.batch_rows = -(-rl.prompts_per_step * rl.group_size // shards) * shards
     self.optimizer = build_optimizer(config)
     self.step_fn = learner.make_rl_step(model_cfg, learner_config(config), self.optimizer, mesh=self.mesh)
-    base_params, _ = hf.import_hf(base_dir)
     state = learner.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
                                        mesh=self.mesh)
-    self.state = learner.with_params(state, jax.tree_util.tree_map(
-        lambda x, like: jax.device_put(jnp.asarray(x, like.dtype), like.sharding), base_params, state.params))
+    # Each parameter is read from disk straight into its sharding (no whole-model host copy).
+    base_params, _ = hf.import_hf(base_dir, cfg=model_cfg, shardings=jax.tree.map(lambda x: x.sharding,
+                                                                                 state.params))
+    self.state = learner.with_params(state, base_params)
     if config.algo.kl_beta > 0:  # the frozen warm-start policy is the KL reference (checkpointed with the state)
       self.state = learner.with_reference(self.state)
     self.prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok)
@@ -179,8 +183,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  tok = tokenizer_lib.build_tokenizer()
-  task = tasks.get_task(config.task.name, **config.task.kwargs)
+  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))  # a pretrained model's own, else ours
+  task = tasks.get_task(config.task.name, render_prompt=tok.chat_prompt, **config.task.kwargs)
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
   base_dir, base_info = warm_start(config, workdir, model_cfg, tok, task, eval_examples)
   logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",
