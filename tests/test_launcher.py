@@ -74,8 +74,11 @@ def test_visible_gpus_reads_the_environment(environ, expected, tmp_path):
 def test_visible_gpus_counts_driver_entries(tmp_path):
   for name in ("0000:01:00.0", "0000:02:00.0"):
     (tmp_path / name).mkdir()
-  assert launcher.visible_gpus({}, str(tmp_path)) == ["0", "1"]
-  assert launcher.visible_gpus({}, str(tmp_path / "missing")) == []
+  no_smi = ("vcpo-test-no-such-nvidia-smi",)
+  assert launcher.visible_gpus({}, str(tmp_path), smi=no_smi) == ["0", "1"]
+  assert launcher.visible_gpus({}, str(tmp_path / "missing"), smi=no_smi) == []
+  smi = (sys.executable, "-c", "print('GPU 0: A (UUID: x)'); print('GPU 1: B (UUID: y)'); print('GPU 2: C')")
+  assert launcher.visible_gpus({}, str(tmp_path / "missing"), smi=smi) == ["0", "1", "2"]
 
 
 @pytest.mark.parametrize("server_fraction", [0.0, 0.3])

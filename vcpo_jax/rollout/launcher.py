@@ -26,7 +26,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def visible_gpus(environ: Mapping[str, str], proc_gpus_dir: str = _PROC_GPUS) -> list[str]:
+def visible_gpus(environ: Mapping[str, str], proc_gpus_dir: str = _PROC_GPUS,
+                 smi: Sequence[str] = ("nvidia-smi", "-L")) -> list[str]:
   """CUDA device ids this process may use (as CUDA_VISIBLE_DEVICES names them); [] on a CPU machine or
   when JAX_PLATFORMS rules out CUDA."""
   platforms = environ.get("JAX_PLATFORMS", "")
@@ -37,6 +38,11 @@ def visible_gpus(environ: Mapping[str, str], proc_gpus_dir: str = _PROC_GPUS) ->
     ids = [d.strip() for d in visible.split(",") if d.strip()]
     # CUDA stops at the first invalid entry; "-1" is the usual way to hide every device.
     return [] if not ids or ids[0] == "-1" else ids
+  try:  # the driver's own list (in a container: the GPUs it was given)
+    out = subprocess.run(list(smi), capture_output=True, text=True, timeout=20, check=True).stdout
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
+  except (OSError, subprocess.SubprocessError):
+    pass
   try:
     return [str(i) for i in range(len(os.listdir(proc_gpus_dir)))]
   except OSError:
