@@ -122,9 +122,30 @@ async def _start_local(unit: workunit.WorkUnit, slot: int) -> int:
   try:
     return await proc.wait()
   except asyncio.CancelledError:
-    proc.send_signal(signal.SIGINT)  # the job's Ctrl-C path stops its servers and checkpoints stay valid
-    await proc.wait()
+    await stop_process(proc)
     raise
+
+
+async def stop_process(proc, grace_s: float = 30.0) -> None:
+  """Ctrl-C first (the job stops its servers; checkpoints stay valid), SIGKILL if it has not ended in time."""
+  if proc.returncode is None:
+    proc.send_signal(signal.SIGINT)
+    try:
+      await asyncio.wait_for(proc.wait(), grace_s)
+    except asyncio.TimeoutError:
+      proc.kill()
+      await proc.wait()
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_on_signals() -> None:
+  """Ctrl-C and SIGTERM stop the launch and its units, also when started in the background (where SIGINT
+  arrives ignored)."""
+  signal.signal(signal.SIGINT, _raise_interrupt)
+  signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def parse_args(argv, description: str):
@@ -170,7 +191,12 @@ def main(argv=None) -> int:
     return 2
   if args.dry_run or not todo:
     return 0
-  codes = asyncio.run(run_units(todo, donors, _start_local, parallel=args.parallel))
+  stop_on_signals()
+  try:
+    codes = asyncio.run(run_units(todo, donors, _start_local, parallel=args.parallel))
+  except KeyboardInterrupt:
+    print("stopped; running units were interrupted (relaunch the same command to resume them)", flush=True)
+    return 130
   failed = sorted(n for n, c in codes.items() if c)
   if failed:
     print(f"failed units: {failed} (see log.txt in their workdirs under {args.root})")

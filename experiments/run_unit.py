@@ -7,6 +7,7 @@ a unit behaves the same under the plain local launcher and under XManager.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from experiments import workunit
@@ -43,6 +44,9 @@ def split_args(argv: list[str]) -> tuple[int | None, str, list[str]]:
 
 def main(argv: list[str]) -> None:
   cpu, workdir, job_args = split_args(argv)
+  # A launcher started in the background inherits an ignored SIGINT; the job must still stop on Ctrl-C
+  # (the launcher's way to stop it cleanly), so it gets the default disposition across exec.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
   os.makedirs(workdir, exist_ok=True)
   if cpu is not None and hasattr(os, "sched_setaffinity"):
     os.sched_setaffinity(0, {cpu})  # inherited by the job and every thread it starts

@@ -90,7 +90,12 @@ def main(argv=None) -> int:
   if not any(a.startswith("--xm_db_yaml_config_path") for a in xm_flags):
     xm_flags.append(f"--xm_db_yaml_config_path={db_config(args.root)}")
   flags.FLAGS([sys.argv[0], *xm_flags])
-  codes = asyncio.run(_run(args, todo, donors))
+  launch.stop_on_signals()
+  try:
+    codes = asyncio.run(_run(args, todo, donors))
+  except KeyboardInterrupt:
+    print("stopped; running units were interrupted (relaunch the same command to resume them)", flush=True)
+    return 130
   failed = sorted(n for n, c in codes.items() if c)
   if failed:
     print(f"failed units: {failed} (see log.txt in their workdirs under {args.root})")
