@@ -243,3 +243,6 @@ def test_job_runs_three_rl_steps_from_the_checkpoint(ckpt, tmp_path):
   np.testing.assert_allclose(hf_logprobs(str(base), tokens), hf_logprobs(ckpt, tokens), atol=1e-6)
   lines = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
   assert [line["step"] for line in lines] == [1, 2, 3]
+  # Step 1's rows are lag 0: the float32 sampler and learner agree within 1e-4 per token (numerics alone).
+  assert lines[0]["mismatch/lag0/num_seqs"] > 0 and lines[0]["mismatch/lag0/token_abs_max"] < 1e-4
+  assert all("mismatch/lagged/seq_logw_mean" in line for line in lines)
