@@ -25,8 +25,8 @@ MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_len
          "drop_connection", "scaled_logprobs")
 # What /update_weights_from_disk does (POST /fake/update {"mode": m, "count": c}): apply and report the new
 # version; answer SGLang's "cache was not flushed" 400 (weights live, version not reported); or say success
-# while /get_model_info keeps the old version.
-UPDATE_MODES = ("good", "not_flushed", "stale_info")
+# while /get_model_info keeps the old version; or drop the connection unanswered.
+UPDATE_MODES = ("good", "not_flushed", "stale_info", "drop_connection")
 
 
 def next_token(context: list[int], vocab_size: int) -> tuple[int, float]:
@@ -203,6 +203,9 @@ class FakeServer:
     mode = "good"
     if self.update_count:
       mode, self.update_count = self.update_mode, self.update_count - 1
+    if mode == "drop_connection":  # as a keep-alive connection SGLang closed while idle: nothing happened
+      request.transport.close()
+      return web.Response(status=500)
     self.version = body.get("weight_version", self.version)
     if mode == "not_flushed":
       return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "

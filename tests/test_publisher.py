@@ -241,9 +241,12 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
       pub = publisher_lib.WeightPublisher(export, str(tmp_path / "w"), client, resync_interval=0.2)
       try:
         assert await pub.publish(None, 1) == {u: True for u in urls}
+        _fake_update_mode(urls[0], "drop_connection")
+        _fake_update_mode(urls[1], "drop_connection")
+        assert await pub.publish(None, 2) == {u: True for u in urls}  # retried, not a failed server
         _fake_update_mode(urls[0], "stale_info")
         _fake_update_mode(urls[1], "not_flushed")
-        result = await pub.publish(None, 2)
+        result = await pub.publish(None, 3)
         out_of_rotation = client.available_urls
         deadline = time.monotonic() + 30
         while len(client.available_urls) < 2 and time.monotonic() < deadline:
@@ -260,5 +263,6 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
       fake_sglang.stop_server(p)
   assert result == {urls[0]: False, urls[1]: True} and out_of_rotation == [urls[1]]
   assert stats["version_mismatches"] == 1 and stats["cache_not_flushed_retries"] == 1
-  assert stats["resynced"] == 1 and available == urls and [i["weight_version"] for i in infos] == ["v2", "v2"]
+  assert stats["resynced"] == 1 and available == urls and [i["weight_version"] for i in infos] == ["v3", "v3"]
+  assert stats["stale_connection_retries"] == 2
   assert client_stats["publish_version_mismatches"] == 1 and client_stats["publish_server_failures"] == 1

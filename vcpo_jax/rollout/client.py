@@ -36,7 +36,7 @@ def _error_message(text: str) -> str:
     return text[:500]
 
 
-def _stale_connection(e: BaseException) -> bool:
+def stale_connection(e: BaseException) -> bool:
   """A pooled keep-alive connection the server closed while idle: the write or read fails at once.
 
   Connection refused (ClientConnectorError, also a ClientOSError) means the server is down instead.
@@ -154,7 +154,7 @@ class RolloutClient(ServerPool):
         try:
           seg = await self._post_generate(server, input_ids, params)
         except aiohttp.ClientError as e:
-          if not _stale_connection(e):
+          if not stale_connection(e):
             raise
           self._counts["stale_connection_retries"] += 1  # not the server's fault: once more, same server
           seg = await self._post_generate(server, input_ids, params)

@@ -97,7 +97,7 @@ class WeightPublisher:
     self.latest_dir: Optional[str] = None
     self.out_of_sync: dict[str, str] = {}  # url -> last error
     self.stats = {"published": 0, "server_failures": 0, "resynced": 0, "version_mismatches": 0,
-                  "cache_not_flushed_retries": 0, "refused_shapes": 0}
+                  "cache_not_flushed_retries": 0, "refused_shapes": 0, "stale_connection_retries": 0}
     self.pause_seconds: list[float] = []  # per server and update: pause -> continue
     self._reference: Optional[dict] = None  # the served model's shapes (checkpoint_spec.read_spec)
     self._lock = asyncio.Lock()
@@ -183,7 +183,17 @@ class WeightPublisher:
   # -- one server --------------------------------------------------------------------------------
   async def _call(self, url: str, method: str, path: str, payload: Optional[dict] = None) -> Any:
     if self._session is None:
-      self._session = aiohttp.ClientSession()
+      # Updates come seconds apart and SGLang drops idle keep-alive connections after 5 s: close ours first.
+      self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4.0))
+    try:
+      return await self._call_once(url, method, path, payload)
+    except aiohttp.ClientError as e:
+      if not client_lib.stale_connection(e):
+        raise
+      self._count("stale_connection_retries")  # a dropped pooled connection, not a failed server
+      return await self._call_once(url, method, path, payload)
+
+  async def _call_once(self, url: str, method: str, path: str, payload: Optional[dict]) -> Any:
     async with self._session.request(method, url + path, json=payload,
                                      timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
       body = await resp.json(content_type=None)
