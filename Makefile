@@ -32,6 +32,7 @@ test: $(VENV)/.dev
 # Opt-in, not part of `make test` or CI: real SGLang 0.5.23 servers on CPU (installs a cached venv under
 # ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~15 min on 2 cores).
 test-sglang: $(VENV)/.dev
+	third_party/install_sglang_cpu.sh
 	SGLANG_PYTHON="$$(third_party/install_sglang_cpu.sh | tail -n 1)/bin/python" VCPO_TEST_SGLANG=1 \
 	  $(PY) -m pytest -q -s -m sglang $(PYTEST_ARGS) tests/sglang
 
