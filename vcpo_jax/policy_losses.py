@@ -10,82 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax import registry, vcpo
+from vcpo_jax.ratios import (ROLLOUT_IS_LEVELS, adv_BxT, check_level, in_range_log, lengths,  # noqa: F401
+                             log_ratios, masked, masked_mean, ppo_objective, rollout_is_weights, safe_exp,
+                             seq_log_mean)
 
 LOSSES = registry.Registry("policy loss")
-LOG_CLIP = vcpo.LOG_W_CLIP   # every ratio is formed in log space and clipped to +-20 before exp
-ROLLOUT_IS_LEVELS = ('none', 'token', 'sequence', 'geometric')
 sg = jax.lax.stop_gradient
-
-
-# ---------------------------------------------------------------------------------------- ratio helpers
-def masked(x_BxT, mask_BxT):
-  return jnp.where(mask_BxT > 0, x_BxT, 0.0)
-
-
-def safe_exp(log_x):
-  return jnp.exp(jnp.clip(log_x, -LOG_CLIP, LOG_CLIP))
-
-
-def masked_mean(x_BxT, mask_BxT):
-  m = mask_BxT.astype(jnp.float32)
-  return jnp.sum(x_BxT.astype(jnp.float32) * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
-def _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT):
-  """(log r_t = pi - prox, log rho_t = sg(prox - mu)); prox defaults to sg(pi), making r == 1."""
-  logp_BxT = logp_BxT.astype(jnp.float32)
-  prox_BxT = sg(logp_BxT) if prox_logp_BxT is None else sg(prox_logp_BxT.astype(jnp.float32))
-  log_r_BxT = masked(logp_BxT - prox_BxT, mask_BxT)
-  log_rho_BxT = sg(masked(prox_BxT - sampler_logp_BxT.astype(jnp.float32), mask_BxT))
-  return log_r_BxT, log_rho_BxT
-
-
-def _lengths(mask_BxT):
-  return jnp.sum(mask_BxT.astype(jnp.float32), axis=-1)
-
-
-def _seq_log_mean(log_x_BxT, mask_BxT):
-  return jnp.sum(log_x_BxT, axis=-1) / jnp.maximum(_lengths(mask_BxT), 1.0)
-
-
-def _check_level(level):
-  if level not in ROLLOUT_IS_LEVELS:
-    raise ValueError(f'rollout_is must be one of {ROLLOUT_IS_LEVELS}, got rollout_is={level!r}')
-
-
-def rollout_is_weights(log_rho_BxT, mask_BxT, level: str = 'token', threshold: Optional[float] = 2.0):
-  """Stop-gradient truncated IS weight per token: token rho_t, sequence prod rho, or geometric mean."""
-  _check_level(level)
-  if level == 'none':
-    return jnp.ones_like(log_rho_BxT)
-  if level == 'token':
-    log_w_BxT = log_rho_BxT
-  else:
-    log_w_B = jnp.sum(log_rho_BxT, -1) if level == 'sequence' else _seq_log_mean(log_rho_BxT, mask_BxT)
-    log_w_BxT = jnp.broadcast_to(log_w_B[:, None], log_rho_BxT.shape)
-  w_BxT = safe_exp(log_w_BxT)
-  if threshold is not None:
-    w_BxT = jnp.minimum(w_BxT, threshold)
-  return sg(masked(w_BxT, mask_BxT))
-
-
-def _ppo_objective(log_r_BxT, adv_BxT, eps_low, eps_high):
-  """min(r A, clip(r, 1-eps_low, 1+eps_high) A) and whether the clipped branch is the binding one."""
-  r_BxT = safe_exp(log_r_BxT)
-  clipped_BxT = jnp.clip(r_BxT, 1.0 - eps_low, 1.0 + eps_high)
-  obj_BxT = jnp.minimum(r_BxT * adv_BxT, clipped_BxT * adv_BxT)
-  is_clipped_BxT = clipped_BxT * adv_BxT < r_BxT * adv_BxT
-  return obj_BxT, is_clipped_BxT
-
-
-def _in_range_log(log_x, lo, hi):
-  """lo <= exp(log_x) <= hi decided in log space; lo None means 1/hi."""
-  lo = 1.0 / hi if lo is None else lo
-  return (log_x >= jnp.log(jnp.float32(lo))) & (log_x <= jnp.log(jnp.float32(hi)))
-
-
-def _adv_BxT(adv_B):
-  return adv_B[:, None].astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------- option types
@@ -102,7 +32,7 @@ class PPOOptions:
   rollout_is_threshold: Optional[float] = 2.0
 
   def __post_init__(self):
-    _check_level(self.rollout_is)
+    check_level(self.rollout_is)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +100,7 @@ def vcpo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: TIS
   wt_B = vcpo.truncated_weights(logw_B, o.tau)
   coef_B = sg(wt_B * adv_B.astype(jnp.float32))
   loss_BxT = masked(-coef_B[:, None] * logp_BxT.astype(jnp.float32), mask_BxT)
-  has_tok_B = (_lengths(mask_BxT) > 0).astype(jnp.float32)
+  has_tok_B = (lengths(mask_BxT) > 0).astype(jnp.float32)
   n = jnp.maximum(jnp.sum(has_tok_B), 1.0)
   aux = {'is_weight_mean': jnp.sum(wt_B * has_tok_B) / n,
          'is_truncated_frac': (jnp.sum((logw_B > jnp.log(o.tau)) * has_tok_B) / n) if o.tau else jnp.float32(0.0)}
@@ -191,9 +121,9 @@ def pg_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: regis
 @LOSSES.register('ppo', options=PPOOptions)
 def ppo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: PPOOptions):
   """l_t = -w_t PPO(r_t) with an optional stop-gradient rollout IS weight w (token/sequence/geometric)."""
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   w_BxT = rollout_is_weights(log_rho_BxT, mask_BxT, o.rollout_is, o.rollout_is_threshold)
-  obj_BxT, clipped_BxT = _ppo_objective(log_r_BxT, _adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
+  obj_BxT, clipped_BxT = ppo_objective(log_r_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
   aux = {'clip_frac': masked_mean(clipped_BxT, mask_BxT), 'is_weight_mean': masked_mean(w_BxT, mask_BxT)}
   return masked(-w_BxT * obj_BxT, mask_BxT), mask_BxT.astype(jnp.float32), aux
 
@@ -201,12 +131,12 @@ def ppo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: PPOO
 @LOSSES.register('dual_clip_ppo', options=DualClipOptions)
 def dual_clip_ppo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: DualClipOptions):
   """Dual-clip PPO: for A < 0 the PPO objective is bounded below by c A, l_t = -w_t max(PPO(r_t), c A)."""
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   w_BxT = rollout_is_weights(log_rho_BxT, mask_BxT, o.rollout_is, o.rollout_is_threshold)
-  adv_BxT = _adv_BxT(adv_B)
-  obj_BxT, clipped_BxT = _ppo_objective(log_r_BxT, adv_BxT, o.clip_eps_low, o.clip_eps_high)
-  dual_BxT = (adv_BxT < 0) & (obj_BxT < o.clip_c * adv_BxT)
-  obj_BxT = jnp.where(dual_BxT, o.clip_c * adv_BxT, obj_BxT)
+  a_BxT = adv_BxT(adv_B)
+  obj_BxT, clipped_BxT = ppo_objective(log_r_BxT, a_BxT, o.clip_eps_low, o.clip_eps_high)
+  dual_BxT = (a_BxT < 0) & (obj_BxT < o.clip_c * a_BxT)
+  obj_BxT = jnp.where(dual_BxT, o.clip_c * a_BxT, obj_BxT)
   aux = {'clip_frac': masked_mean(clipped_BxT, mask_BxT), 'dual_clip_frac': masked_mean(dual_BxT, mask_BxT),
          'is_weight_mean': masked_mean(w_BxT, mask_BxT)}
   return masked(-w_BxT * obj_BxT, mask_BxT), mask_BxT.astype(jnp.float32), aux
@@ -220,14 +150,14 @@ def token_tis_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o
 
 
 def _mis_loss(level, logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: MISOptions):
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   if level == 'token':
-    keep_BxT = _in_range_log(log_rho_BxT, o.lo, o.hi)
+    keep_BxT = in_range_log(log_rho_BxT, o.lo, o.hi)
   else:
-    log_x_B = jnp.sum(log_rho_BxT, -1) if level == 'sequence' else _seq_log_mean(log_rho_BxT, mask_BxT)
-    keep_BxT = jnp.broadcast_to(_in_range_log(log_x_B, o.lo, o.hi)[:, None], mask_BxT.shape)
+    log_x_B = jnp.sum(log_rho_BxT, -1) if level == 'sequence' else seq_log_mean(log_rho_BxT, mask_BxT)
+    keep_BxT = jnp.broadcast_to(in_range_log(log_x_B, o.lo, o.hi)[:, None], mask_BxT.shape)
   loss_mask_BxT = mask_BxT.astype(jnp.float32) * keep_BxT
-  obj_BxT, clipped_BxT = _ppo_objective(log_r_BxT, _adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
+  obj_BxT, clipped_BxT = ppo_objective(log_r_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
   aux = {'rejected_frac': 1.0 - masked_mean(keep_BxT, mask_BxT),
          'clip_frac': masked_mean(clipped_BxT, loss_mask_BxT)}
   return masked(-obj_BxT, loss_mask_BxT), loss_mask_BxT, aux
@@ -254,12 +184,12 @@ def geo_mis_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: 
 @LOSSES.register('ppo_decoupled', options=DecoupledOptions)
 def ppo_decoupled_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: DecoupledOptions):
   """AReaL decoupled PPO: l_t = -(pi_prox/mu)_t PPO(pi/pi_prox); tokens with weight > cap are masked."""
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   loss_mask_BxT = mask_BxT.astype(jnp.float32)
   if o.behav_weight_cap is not None:
     loss_mask_BxT = loss_mask_BxT * (log_rho_BxT <= jnp.log(jnp.float32(o.behav_weight_cap)))
   w_BxT = safe_exp(log_rho_BxT)
-  obj_BxT, clipped_BxT = _ppo_objective(log_r_BxT, _adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
+  obj_BxT, clipped_BxT = ppo_objective(log_r_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
   aux = {'clip_frac': masked_mean(clipped_BxT, loss_mask_BxT), 'is_weight_mean': masked_mean(w_BxT, loss_mask_BxT),
          'rejected_frac': 1.0 - masked_mean(loss_mask_BxT, mask_BxT)}
   return masked(-w_BxT * obj_BxT, loss_mask_BxT), loss_mask_BxT, aux
@@ -285,9 +215,9 @@ def m2po_mask(log_rho_BxT, mask_BxT, tau: float = 0.04):
 @LOSSES.register('m2po', options=M2POOptions, batch_global=True)
 def m2po_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: M2POOptions):
   """M2PO: l_t = -M_t rho_t r_t A_i (no clipping), M from the second-moment trust mask (over the batch)."""
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   loss_mask_BxT = m2po_mask(log_rho_BxT, mask_BxT, o.tau) * mask_BxT.astype(jnp.float32)
-  loss_BxT = -safe_exp(log_rho_BxT) * safe_exp(log_r_BxT) * _adv_BxT(adv_B)
+  loss_BxT = -safe_exp(log_rho_BxT) * safe_exp(log_r_BxT) * adv_BxT(adv_B)
   aux = {'rejected_frac': 1.0 - masked_mean(loss_mask_BxT, mask_BxT)}
   return masked(loss_BxT, loss_mask_BxT), loss_mask_BxT, aux
 
@@ -295,12 +225,12 @@ def m2po_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: M2P
 @LOSSES.register('gspo', options=GSPOOptions)
 def gspo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: GSPOOptions):
   """GSPO: s_i = exp(mean_t log r_t); l = -min(s A, clip(s) A), applied per token as sg(s_i) pi_t/sg(pi_t)."""
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   logp_BxT = logp_BxT.astype(jnp.float32)
-  log_s_B = _seq_log_mean(log_r_BxT, mask_BxT)
+  log_s_B = seq_log_mean(log_r_BxT, mask_BxT)
   log_s_BxT = masked(sg(log_s_B)[:, None] + logp_BxT - sg(logp_BxT), mask_BxT)
   w_BxT = rollout_is_weights(log_rho_BxT, mask_BxT, o.rollout_is, o.rollout_is_threshold)
-  obj_BxT, clipped_BxT = _ppo_objective(log_s_BxT, _adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
+  obj_BxT, clipped_BxT = ppo_objective(log_s_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
   aux = {'clip_frac': masked_mean(clipped_BxT, mask_BxT), 'is_weight_mean': masked_mean(w_BxT, mask_BxT)}
   return masked(-w_BxT * obj_BxT, mask_BxT), mask_BxT.astype(jnp.float32), aux
 
@@ -308,11 +238,11 @@ def gspo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: GSP
 @LOSSES.register('cispo', options=CISPOOptions)
 def cispo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: CISPOOptions):
   """CISPO: l_t = -sg(clip(r_t, 1-eps_low, 1+eps_high)) A log pi_t (times the rollout IS weight)."""
-  log_r_BxT, log_rho_BxT = _log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
   r_BxT = safe_exp(log_r_BxT)
   clipped_BxT = sg(jnp.clip(r_BxT, 1.0 - o.clip_eps_low, 1.0 + o.clip_eps_high))
   w_BxT = rollout_is_weights(log_rho_BxT, mask_BxT, o.rollout_is, o.rollout_is_threshold)
-  loss_BxT = -w_BxT * clipped_BxT * _adv_BxT(adv_B) * logp_BxT.astype(jnp.float32)
+  loss_BxT = -w_BxT * clipped_BxT * adv_BxT(adv_B) * logp_BxT.astype(jnp.float32)
   aux = {'clip_frac': masked_mean(clipped_BxT != r_BxT, mask_BxT), 'is_weight_mean': masked_mean(w_BxT, mask_BxT)}
   return masked(loss_BxT, mask_BxT), mask_BxT.astype(jnp.float32), aux
 
