@@ -112,7 +112,14 @@ def test_rl_step_matches_float64_oracle():
 def test_two_pass_path_equals_bookkeeping():
   s1, m1 = _run(Lr.LearnerConfig())
   s2, m2 = _run(Lr.LearnerConfig(grad_path="two_pass"))
-  _assert_tree_close(s1.params, s2.params, 1e-6, "params")
+  # Softmax cancels the k-projection bias up to RoPE's rotation, so its gradient is a sum with heavy cancellation
+  # whose float32 error, relative to the leaf's scale, is ~1e-6 and depends on the reduction order of each path.
+  # It gets 1e-5; every other leaf must agree to 1e-6 of its scale.
+  def split(tree, k_bias):
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if ("k_proj" in jax.tree_util.keystr(p) and "bias" in jax.tree_util.keystr(p)) == k_bias}
+  _assert_tree_close(split(s1.params, False), split(s2.params, False), 1e-6, "params")
+  _assert_tree_close(split(s1.params, True), split(s2.params, True), 1e-5, "k_proj bias")
   for key in ("loss", "ess", "baseline", "seq_grad_norm/p50", "grad_norm"):
     np.testing.assert_allclose(m1[key], m2[key], rtol=1e-5, err_msg=key)
 
