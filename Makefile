@@ -30,7 +30,7 @@ test: $(VENV)/.dev
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 # Opt-in, not part of `make test` or CI: real SGLang 0.5.23 servers on CPU (installs a cached venv under
-# ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~15 min on 2 cores).
+# ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~27 min on 2 busy cores).
 test-sglang: $(VENV)/.dev
 	third_party/install_sglang_cpu.sh
 	SGLANG_PYTHON="$$(third_party/install_sglang_cpu.sh | tail -n 1)/bin/python" VCPO_TEST_SGLANG=1 \
