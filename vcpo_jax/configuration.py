@@ -10,8 +10,8 @@ import ml_collections
 
 from vcpo_jax import learner_config as learner_config_lib, losses, model as model_lib
 from vcpo_jax import hf, optimizer as optimizer_lib, tasks, tokenizer as tokenizer_lib
+from vcpo_jax.rollout.backend import BACKENDS
 
-MODES = ("async", "emulate")
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
 
@@ -132,8 +132,8 @@ def validate_config(config: ml_collections.ConfigDict) -> model_lib.ModelConfig:
   if model_cfg.vocab_size < tok.vocab_size:
     _fail("model.vocab_size", model_cfg.vocab_size, f"smaller than the tokenizer's {tok.vocab_size} ids")
   rl = config.rl
-  if rl.mode not in MODES:
-    _fail("rl.mode", rl.mode, f"must be one of {MODES}")
+  if rl.mode not in BACKENDS:  # the rollout backends' registry is the one list of modes
+    _fail("rl.mode", rl.mode, f"must be one of {sorted(BACKENDS)}")
   if not isinstance(rl.max_lag, int) or rl.max_lag < 0:
     _fail("rl.max_lag", rl.max_lag, "must be an int >= 0 (0 is synchronous)")
   for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):

@@ -15,7 +15,7 @@ import numpy as np
 from vcpo_jax import checkpointing, data, hf, learner, metrics as metrics_lib, sharding, tasks
 from vcpo_jax import tokenizer as tokenizer_lib
 from vcpo_jax.batch import RLBatch
-from vcpo_jax.configuration import MODES, build_optimizer, learner_config, validate_config  # noqa: F401
+from vcpo_jax.configuration import build_optimizer, learner_config, validate_config  # noqa: F401
 from vcpo_jax.evaluation import evaluate, make_score_fn
 from vcpo_jax.rollout import backend as backend_lib, batching, types
 
