@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tests.conftest import skip_if_not_enough_devices
-from vcpo_jax import vcpo
+from vcpo_jax import segments, vcpo
 
 IS_WEIGHTS = ('none', 'truncated', 'raw', 'reference')
 
@@ -164,7 +164,7 @@ def test_ess_sharded_over_data_axis_equals_unsharded():
 
 def test_dense_group_ids_preserve_partition():
   group = jnp.array([1005, 7, 7, -3, 1005, 42, -3, 7])
-  dense = np.asarray(vcpo.dense_group_ids(group))
+  dense = np.asarray(segments.dense_group_ids(group))
   assert dense.min() >= 0 and dense.max() < 8
   g = np.asarray(group)
   assert np.array_equal(g[:, None] == g[None, :], dense[:, None] == dense[None, :])
@@ -192,14 +192,14 @@ def test_weighted_quantiles_match_numpy_inverted_cdf():
   @jax.jit
   def quantiles(v, w):
     seg = jnp.zeros(v.shape, jnp.int32)
-    return jnp.stack([vcpo.weighted_quantile(v, w, seg, q)[0] for q in qs] + [vcpo.weighted_median(v, w, seg)[0]])
+    return jnp.stack([segments.weighted_quantile(v, w, seg, q)[0] for q in qs] + [segments.weighted_median(v, w, seg)[0]])
 
   got = np.asarray(quantiles(jnp.asarray(values, jnp.float32), jnp.asarray(weights, jnp.float32)))
   exp = [np.quantile(values, q, method='inverted_cdf', weights=weights) for q in qs + (0.5,)]
   np.testing.assert_allclose(got, exp, rtol=1e-6)
   # Unit weights: lower median of an even count, as the cumulative rule implies.
   vals = jnp.array([4.0, 1.0, 3.0, 2.0])
-  assert float(vcpo.weighted_median(vals, jnp.ones(4), jnp.zeros(4, jnp.int32))[0]) == 2.0
+  assert float(segments.weighted_median(vals, jnp.ones(4), jnp.zeros(4, jnp.int32))[0]) == 2.0
 
 
 def test_segmented_median_and_winsorized_mean_vs_numpy_loop():
@@ -211,9 +211,9 @@ def test_segmented_median_and_winsorized_mean_vs_numpy_loop():
 
   @jax.jit
   def aggregates(v, w, g):
-    seg = vcpo.dense_group_ids(g)
-    return (vcpo.weighted_median(v, w, seg), vcpo.winsorized_mean(v, w, seg, (0.1, 0.9)),
-            vcpo.weighted_mean(v, w, seg))
+    seg = segments.dense_group_ids(g)
+    return (segments.weighted_median(v, w, seg), segments.winsorized_mean(v, w, seg, (0.1, 0.9)),
+            segments.weighted_mean(v, w, seg))
 
   med, win, mean = map(np.asarray, aggregates(jnp.asarray(values, jnp.float32), jnp.asarray(weights, jnp.float32),
                                               jnp.asarray(group)))

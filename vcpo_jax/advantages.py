@@ -5,7 +5,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from vcpo_jax import registry, vcpo
+from vcpo_jax import registry, segments, vcpo
 
 ESTIMATORS = registry.Registry("advantage estimator")
 
@@ -53,8 +53,8 @@ def rloo(inputs: AdvantageInputs, o: registry.NoOptions):
   """RLOO: R_i - mean_{j != i in g} R_j = n/(n-1) (R_i - mean_g); singleton groups keep R (verl)."""
   del o
   rewards_B, valid_B = inputs.rewards_B.astype(jnp.float32), _valid(inputs)
-  seg_B = vcpo.dense_group_ids(inputs.group_B)
-  mean_B, _, n_B = vcpo.group_mean_std(rewards_B, seg_B, valid_B)
+  seg_B = segments.dense_group_ids(inputs.group_B)
+  mean_B, _, n_B = segments.group_mean_std(rewards_B, seg_B, valid_B)
   adv_B = jnp.where(n_B > 1, (rewards_B - mean_B) * n_B / jnp.maximum(n_B - 1.0, 1.0), rewards_B)
   return jnp.where(valid_B, adv_B, 0.0), {}
 

@@ -6,6 +6,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import segments as seg  # group statistics
+
 AxisName = Optional[Union[str, Sequence[str]]]
 
 LOG_W_CLIP = 20.0      # exp(+-20) is the widest range a truncated weight may take (paper's clamp)
@@ -38,15 +40,9 @@ def truncated_weights(logw_B: jax.Array, tau: Optional[float] = 8.0) -> jax.Arra
   return jnp.minimum(wt_B, jnp.float32(tau))
 
 
-def _valid_or_ones(valid_B: Optional[jax.Array], like_B: jax.Array) -> jax.Array:
-  if valid_B is None:
-    return jnp.ones(like_B.shape, dtype=bool)
-  return valid_B.astype(bool)
-
-
 def _ess_sums(logw_B: jax.Array, valid_B: Optional[jax.Array], axis_name: AxisName):
   """(log S1, log S2, n) with S_k = sum_i exp(k (log w_i - max log w)); the max cancels in the ESS."""
-  valid_B = _valid_or_ones(valid_B, logw_B)
+  valid_B = seg.valid_or_ones(valid_B, logw_B)
   logw_B = jnp.minimum(logw_B.astype(jnp.float32), _LOG_BIG)
   logw_B = jnp.where(valid_B, logw_B, -jnp.inf)
   m = jnp.max(logw_B)
@@ -104,53 +100,6 @@ def importance_stats(logp_BxT: jax.Array, sampler_logp_BxT: jax.Array, mask_BxT:
                          ess_ratio=ess_ratio(logw_B, valid_B, axis_name=axis_name))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Segment (group) statistics. Segment ids are dense in [0, B) (see dense_group_ids), num_segments=B static.
-# ----------------------------------------------------------------------------------------------------------
-
-def dense_group_ids(group_B: jax.Array) -> jax.Array:
-  """Maps arbitrary integer group ids to dense ids in [0, B) (jit-able, order of first sorted appearance)."""
-  b = group_B.shape[0]
-  _, inverse_B = jnp.unique(group_B, return_inverse=True, size=b)
-  return inverse_B.reshape(b).astype(jnp.int32)
-
-
-def _seg_sum(x_B, seg_B):
-  return jax.ops.segment_sum(x_B, seg_B, num_segments=seg_B.shape[0])
-
-
-def _seg_max(x_B, seg_B):
-  return jax.ops.segment_max(x_B, seg_B, num_segments=seg_B.shape[0])
-
-
-def _seg_min(x_B, seg_B):
-  return jax.ops.segment_min(x_B, seg_B, num_segments=seg_B.shape[0])
-
-
-def _seg_pivot(values_B, seg_B, valid_B):
-  """Per-sample pivot (segment max of valid values): centring on it keeps equal values exactly equal."""
-  p_G = _seg_max(jnp.where(valid_B, values_B, -jnp.inf), seg_B)
-  p_B = p_G[seg_B]
-  return jnp.where(jnp.isfinite(p_B), p_B, 0.0)
-
-
-def group_mean_std(values_B: jax.Array, seg_B: jax.Array, valid_B: Optional[jax.Array] = None,
-                   unbiased: bool = False):
-  """Per-sample (mean, std, count) of its segment's valid values; std population unless `unbiased`."""
-  values_B = values_B.astype(jnp.float32)
-  valid_B = _valid_or_ones(valid_B, values_B)
-  vf_B = valid_B.astype(jnp.float32)
-  p_B = _seg_pivot(values_B, seg_B, valid_B)
-  dev_B = jnp.where(valid_B, values_B - p_B, 0.0)
-  n_B = _seg_sum(vf_B, seg_B)[seg_B]
-  mean_B = p_B + _seg_sum(dev_B, seg_B)[seg_B] / jnp.maximum(n_B, 1.0)
-  sq_B = jnp.where(valid_B, jnp.square(values_B - mean_B), 0.0)
-  dof_B = n_B - 1.0 if unbiased else n_B
-  var_B = _seg_sum(sq_B, seg_B)[seg_B] / jnp.maximum(dof_B, 1.0)
-  std_B = jnp.where(dof_B > 0, jnp.sqrt(var_B), 0.0)
-  return mean_B, std_B, n_B
-
-
 def grpo_advantages(rewards_B: jax.Array, group_B: jax.Array, valid_B: Optional[jax.Array] = None, *,
                     norm_by_std: bool = True, unbiased_std: bool = True, eps: float = GRPO_EPS) -> jax.Array:
   """GRPO as in verl: (R - mean_g) / (std_g + eps), std unbiased; singleton groups use mean 0, std 1."""
@@ -160,9 +109,9 @@ def grpo_advantages(rewards_B: jax.Array, group_B: jax.Array, valid_B: Optional[
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _grpo_advantages(rewards_B, group_B, valid_B, norm_by_std, unbiased_std, eps):
   rewards_B = rewards_B.astype(jnp.float32)
-  valid_B = _valid_or_ones(valid_B, rewards_B)
-  seg_B = dense_group_ids(group_B)
-  mean_B, std_B, n_B = group_mean_std(rewards_B, seg_B, valid_B, unbiased=unbiased_std)
+  valid_B = seg.valid_or_ones(valid_B, rewards_B)
+  seg_B = seg.dense_group_ids(group_B)
+  mean_B, std_B, n_B = seg.group_mean_std(rewards_B, seg_B, valid_B, unbiased=unbiased_std)
   single_B = n_B <= 1
   mean_B = jnp.where(single_B, 0.0, mean_B)
   adv_B = rewards_B - mean_B
@@ -225,69 +174,11 @@ def opob_log_weights(sq_norms_B: jax.Array, logw_B: Optional[jax.Array], wt_B: O
 
 def normalized_weights(logW_B: jax.Array, seg_B: jax.Array, valid_B: Optional[jax.Array] = None) -> jax.Array:
   """W_i / max_{j in seg} W_j computed from log W (exact zeros stay zero; all-zero segments stay zero)."""
-  valid_B = _valid_or_ones(valid_B, logW_B)
+  valid_B = seg.valid_or_ones(valid_B, logW_B)
   logW_B = jnp.where(valid_B, logW_B.astype(jnp.float32), -jnp.inf)
-  m_B = _seg_max(logW_B, seg_B)[seg_B]
+  m_B = seg.seg_max(logW_B, seg_B)[seg_B]
   m_B = jnp.where(jnp.isfinite(m_B), m_B, 0.0)
   return jnp.where(jnp.isneginf(logW_B), 0.0, jnp.exp(logW_B - m_B))
-
-
-def weighted_mean(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array) -> jax.Array:
-  """Per-sample weighted mean of its segment, sum W v / sum W (0 where the segment's weights are all 0).
-
-  The reference adds 1e-8 to sum W; after max-normalisation sum W >= 1, so that epsilon is dropped (it
-  only mattered, as a shrink towards 0, when every raw W of a segment was below ~1e-6).
-  """
-  values_B = values_B.astype(jnp.float32)
-  p_B = _seg_pivot(values_B, seg_B, w_B > 0)
-  total_B = _seg_sum(w_B, seg_B)[seg_B]
-  num_B = _seg_sum(w_B * (values_B - p_B), seg_B)[seg_B]
-  return jnp.where(total_B > 0, p_B + num_B / jnp.where(total_B > 0, total_B, 1.0), 0.0)
-
-
-def _segmented_cumsum(x_S: jax.Array, start_S: jax.Array) -> jax.Array:
-  """Inclusive cumulative sum restarting wherever start_S is True (avoids cross-segment cancellation)."""
-  def combine(a, b):
-    a_start, a_sum = a
-    b_start, b_sum = b
-    return a_start | b_start, jnp.where(b_start, b_sum, a_sum + b_sum)
-  return jax.lax.associative_scan(combine, (start_S, x_S))[1]
-
-
-@functools.partial(jax.jit, static_argnames=('q',))
-def weighted_quantile(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array, q: float) -> jax.Array:
-  """Per-sample weighted q-quantile of its segment: the smallest v whose cumulative weight >= q * total.
-
-  This is the inverted-CDF definition (numpy method='inverted_cdf'); the weighted median is q = 0.5.
-  Segments whose weights are all zero give 0 (as the reference does).
-  """
-  b = values_B.shape[0]
-  values_B = values_B.astype(jnp.float32)
-  order_S = jnp.lexsort((values_B, seg_B))        # by segment, then by value
-  v_S, w_S, seg_S = values_B[order_S], w_B[order_S], seg_B[order_S]
-  start_S = jnp.concatenate([jnp.ones((1,), bool), seg_S[1:] != seg_S[:-1]])
-  cum_S = _segmented_cumsum(w_S, start_S)
-  total_S = _seg_max(cum_S, seg_S)[seg_S]         # last cum of the segment: consistent with cum_S
-  pos_S = jnp.arange(b, dtype=jnp.int32)
-  hit_S = cum_S >= q * total_S
-  first_G = _seg_min(jnp.where(hit_S, pos_S, b), seg_S)
-  quant_G = v_S[jnp.clip(first_G, 0, b - 1)]
-  total_G = _seg_max(cum_S, seg_S)
-  quant_G = jnp.where(total_G > 0, quant_G, 0.0)
-  return quant_G[seg_B]
-
-
-def weighted_median(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array) -> jax.Array:
-  """Per-sample weighted (lower) median of its segment."""
-  return weighted_quantile(values_B, w_B, seg_B, 0.5)
-
-
-def winsorized_mean(values_B: jax.Array, w_B: jax.Array, seg_B: jax.Array,
-                    quantiles: tuple = (0.05, 0.95)) -> jax.Array:
-  """Weighted mean after clamping values to their segment's weighted lo/hi quantiles."""
-  lo_B = weighted_quantile(values_B, w_B, seg_B, quantiles[0])
-  hi_B = weighted_quantile(values_B, w_B, seg_B, quantiles[1])
-  return weighted_mean(jnp.clip(values_B.astype(jnp.float32), lo_B, hi_B), w_B, seg_B)
 
 
 def opob_baseline(values_B: jax.Array, seg_B: jax.Array, logW_B: jax.Array, valid_B: Optional[jax.Array] = None,
@@ -296,10 +187,10 @@ def opob_baseline(values_B: jax.Array, seg_B: jax.Array, logW_B: jax.Array, vali
   _check_choice('aggregation', aggregation, AGGREGATIONS)
   w_B = normalized_weights(logW_B, seg_B, valid_B)
   if aggregation == 'mean':
-    return weighted_mean(values_B, w_B, seg_B)
+    return seg.weighted_mean(values_B, w_B, seg_B)
   if aggregation == 'median':
-    return weighted_median(values_B, w_B, seg_B)
-  return winsorized_mean(values_B, w_B, seg_B, winsor_quantiles)
+    return seg.weighted_median(values_B, w_B, seg_B)
+  return seg.winsorized_mean(values_B, w_B, seg_B, winsor_quantiles)
 
 
 def opob_advantages(rewards_B: jax.Array, group_B: jax.Array, sq_norms_B: jax.Array,
@@ -324,12 +215,12 @@ def opob_advantages(rewards_B: jax.Array, group_B: jax.Array, sq_norms_B: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=('opts',))
 def _opob_advantages(rewards_B, group_B, sq_norms_B, logw_B, wt_B, lengths_B, valid_B, opts: OPOBOptions):
-  valid_B = _valid_or_ones(valid_B, rewards_B)
+  valid_B = seg.valid_or_ones(valid_B, rewards_B)
   # Invalid rows carry no weight, but 0 x NaN is NaN: their (garbage) rewards must not enter the sums at all.
   rewards_B = jnp.where(valid_B, rewards_B.astype(jnp.float32), 0.0)
   logW_B = opob_log_weights(sq_norms_B, logw_B, wt_B, lengths_B, is_weight=opts.is_weight,
                             normalize_by_length=opts.normalize_by_length)
-  seg_B = dense_group_ids(group_B)
+  seg_B = seg.dense_group_ids(group_B)
   if opts.scope == 'group':
     values_B = rewards_B
     base_seg_B = seg_B
@@ -340,7 +231,7 @@ def _opob_advantages(rewards_B, group_B, sq_norms_B, logw_B, wt_B, lengths_B, va
                              winsor_quantiles=opts.winsor_quantiles)
   adv_B = values_B - baseline_B
   if opts.scope == 'group' and opts.norm_by_std:
-    _, std_B, _ = group_mean_std(rewards_B, seg_B, valid_B)
+    _, std_B, _ = seg.group_mean_std(rewards_B, seg_B, valid_B)
     ok_B = std_B > STD_ZERO_TOL
     adv_B = jnp.where(ok_B, adv_B / jnp.where(ok_B, std_B, 1.0), 0.0)
   return jnp.where(valid_B, adv_B, 0.0), jnp.where(valid_B, baseline_B, 0.0)
