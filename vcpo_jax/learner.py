@@ -199,8 +199,13 @@ def make_rl_step(model_cfg: M.ModelConfig, learner_cfg: LearnerConfig, optimizer
   """`step(state, batch) -> (state, metrics)`, jitted once (state donated; shardings when a mesh is given).
   With learner_cfg.kl_beta > 0 the state must carry ref_params (train_state.with_reference)."""
   shards = batch_rows(mesh)
-  fn = lambda state, batch: rl_step(state, batch, model_cfg=model_cfg, learner_cfg=learner_cfg,
-                                    optimizer=optimizer, row_shards=shards)
+
+  def fn(state, batch):
+    # Every dot traced here, the per-sequence norms' einsums included, runs at the model's precision: on GPUs
+    # float32 dots default to TF32, which moves log-probs (and so importance ratios) by ~1e-3.
+    with jax.default_matmul_precision(model_cfg.matmul_precision):
+      return rl_step(state, batch, model_cfg=model_cfg, learner_cfg=learner_cfg, optimizer=optimizer,
+                     row_shards=shards)
 
   def check(batch):
     check_batch(batch)
