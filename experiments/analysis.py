@@ -72,9 +72,9 @@ def collapse_step(steps: Sequence[int], accuracy: Sequence[float],
 
 def ess_drop_step(steps: Sequence[int], ess_ratio: Sequence[float], threshold: float = ESS_DROP_THRESHOLD,
                   window: int = ESS_DROP_WINDOW) -> Optional[int]:
-  """See the module docstring; the last window-1 steps use the shorter window that remains."""
+  """See the module docstring; a drop needs a full window, so the last window-1 steps cannot start one."""
   x = np.asarray([v if v is not None and math.isfinite(v) else 0.0 for v in ess_ratio], np.float64)
-  for i in range(len(x)):
+  for i in range(len(x) - window + 1):
     if x[i] < threshold and np.median(x[i:i + window]) < threshold:
       return int(steps[i])
   return None

@@ -152,7 +152,8 @@ def test_collapse_definition():
 def test_ess_drop_uses_a_window_median_and_nan_counts_as_zero():
   steps = list(range(1, 11))
   assert analysis.ess_drop_step(steps, [0.9, 0.05, 0.9, 0.9, 0.9, 0.05, 0.02, 0.01, 0.03, 0.01]) == 6
-  assert analysis.ess_drop_step(steps[:3], [0.9, float("nan"), float("nan")]) == 2
+  assert analysis.ess_drop_step(steps[:3], [0.9, float("nan"), float("nan")], window=2) == 2
+  assert analysis.ess_drop_step(steps, [0.5] * 9 + [0.01]) is None  # a dip in the last steps is no drop
   assert analysis.ess_drop_step(steps, [0.5] * 10) is None
 
 
