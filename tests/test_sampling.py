@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import model, sampling
+from vcpo_jax import decode_kernels, model, sampling
 
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, max_seq_len=64)
@@ -148,7 +148,7 @@ def test_sample_tokens_filters_match_brute_force(temperature, top_k, top_p, min_
   n = 4000
   logits = jax.random.normal(jax.random.PRNGKey(3), (64,)) * 2.0
   keys = jax.random.split(jax.random.key(1), n)
-  tokens = np.asarray(jax.jit(sampling.sample_tokens)(
+  tokens = np.asarray(jax.jit(decode_kernels.sample_tokens)(
       jnp.broadcast_to(logits[None], (n, 64)), jnp.full((n,), temperature), jnp.full((n,), top_p),
       jnp.full((n,), top_k, jnp.int32), jnp.full((n,), min_p), keys))
   keep, q = _allowed_set(logits, temperature, top_k, top_p, min_p)
@@ -174,6 +174,6 @@ def test_sampler_dots_run_at_the_model_precision():
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rows = [sampling.RowSpec(prompt=(1, 2, 3), max_new_tokens=4)]
   st, tokens, positions, seeds = sampling._initial_state(rows, cfg, 1, 4, 4, 4)
-  text = str(jax.make_jaxpr(lambda p: sampling._prefill(p, jnp.asarray(tokens), jnp.asarray(positions),
+  text = str(jax.make_jaxpr(lambda p: decode_kernels.prefill(p, jnp.asarray(tokens), jnp.asarray(positions),
                                                           jnp.asarray(seeds), st, cfg=cfg, num_new=4))(params))
   assert text.count("dot_general") > 4 and set(re.findall(r"precision=\(?Precision\.(\w+)", text)) == {"HIGH"}
