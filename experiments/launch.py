@@ -192,14 +192,19 @@ def main(argv=None) -> int:
   if args.dry_run or not todo:
     return 0
   stop_on_signals()
+  return run_and_report(lambda: run_units(todo, donors, _start_local, parallel=args.parallel), args.root)
+
+
+def run_and_report(make_coroutine, root: str) -> int:
+  """Runs the launch coroutine; the exit code says whether every unit succeeded (130 when interrupted)."""
   try:
-    codes = asyncio.run(run_units(todo, donors, _start_local, parallel=args.parallel))
+    codes = asyncio.run(make_coroutine())
   except KeyboardInterrupt:
     print("stopped; running units were interrupted (relaunch the same command to resume them)", flush=True)
     return 130
   failed = sorted(n for n, c in codes.items() if c)
   if failed:
-    print(f"failed units: {failed} (see log.txt in their workdirs under {args.root})")
+    print(f"failed units: {failed} (see log.txt in their workdirs under {root})")
   return 1 if failed else 0
 
 

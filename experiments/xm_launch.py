@@ -12,7 +12,6 @@ Finished units are skipped and warm starts shared exactly as by experiments.laun
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
@@ -91,15 +90,7 @@ def main(argv=None) -> int:
     xm_flags.append(f"--xm_db_yaml_config_path={db_config(args.root)}")
   flags.FLAGS([sys.argv[0], *xm_flags])
   launch.stop_on_signals()
-  try:
-    codes = asyncio.run(_run(args, todo, donors))
-  except KeyboardInterrupt:
-    print("stopped; running units were interrupted (relaunch the same command to resume them)", flush=True)
-    return 130
-  failed = sorted(n for n, c in codes.items() if c)
-  if failed:
-    print(f"failed units: {failed} (see log.txt in their workdirs under {args.root})")
-  return 1 if failed else 0
+  return launch.run_and_report(lambda: _run(args, todo, donors), args.root)
 
 
 if __name__ == "__main__":
