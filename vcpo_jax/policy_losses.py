@@ -122,8 +122,13 @@ def pg_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: regis
 def ppo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: PPOOptions):
   """l_t = -w_t PPO(r_t) with an optional stop-gradient rollout IS weight w (token/sequence/geometric)."""
   log_r_BxT, log_rho_BxT = log_ratios(logp_BxT, sampler_logp_BxT, mask_BxT, prox_logp_BxT)
+  return _is_weighted_ppo(log_r_BxT, log_rho_BxT, mask_BxT, adv_B, o)
+
+
+def _is_weighted_ppo(log_ratio_BxT, log_rho_BxT, mask_BxT, adv_B, o):
+  """-w_t PPO(ratio_t): the clipped objective of a (token or sequence) log-ratio, times the rollout IS weight."""
   w_BxT = rollout_is_weights(log_rho_BxT, mask_BxT, o.rollout_is, o.rollout_is_threshold)
-  obj_BxT, clipped_BxT = ppo_objective(log_r_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
+  obj_BxT, clipped_BxT = ppo_objective(log_ratio_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
   aux = {'clip_frac': masked_mean(clipped_BxT, mask_BxT), 'is_weight_mean': masked_mean(w_BxT, mask_BxT)}
   return masked(-w_BxT * obj_BxT, mask_BxT), mask_BxT.astype(jnp.float32), aux
 
@@ -229,10 +234,7 @@ def gspo_loss(logp_BxT, sampler_logp_BxT, mask_BxT, adv_B, prox_logp_BxT, o: GSP
   logp_BxT = logp_BxT.astype(jnp.float32)
   log_s_B = seq_log_mean(log_r_BxT, mask_BxT)
   log_s_BxT = masked(sg(log_s_B)[:, None] + logp_BxT - sg(logp_BxT), mask_BxT)
-  w_BxT = rollout_is_weights(log_rho_BxT, mask_BxT, o.rollout_is, o.rollout_is_threshold)
-  obj_BxT, clipped_BxT = ppo_objective(log_s_BxT, adv_BxT(adv_B), o.clip_eps_low, o.clip_eps_high)
-  aux = {'clip_frac': masked_mean(clipped_BxT, mask_BxT), 'is_weight_mean': masked_mean(w_BxT, mask_BxT)}
-  return masked(-w_BxT * obj_BxT, mask_BxT), mask_BxT.astype(jnp.float32), aux
+  return _is_weighted_ppo(log_s_BxT, log_rho_BxT, mask_BxT, adv_B, o)
 
 
 @LOSSES.register('cispo', options=CISPOOptions)
