@@ -6,6 +6,7 @@ from typing import Callable
 import numpy as np
 
 from vcpo_jax import sampling
+from vcpo_jax.rollout import episodes
 
 
 def completion_text(tok, ids) -> str:
@@ -36,10 +37,15 @@ def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, see
   """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process."""
   prompts = [tok.encode(e["prompt"]) for e in examples]
   score = make_score_fn(task, tok)
+  runner = episodes.runner_for(task, tok, max_new_tokens=max_new_tokens)  # tool tasks: multi-turn episodes
   out = {}
   for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-    results = sampling.generate(params, model_cfg, prompts, max_new_tokens=max_new_tokens,
-                                temperature=temperature, stop_token_ids=tok.stop_ids, rng=seed)
+    if runner is None:
+      results = sampling.generate(params, model_cfg, prompts, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, stop_token_ids=tok.stop_ids, rng=seed)
+    else:
+      seeds = np.random.default_rng([seed, 0xE7A1]).integers(2**31 - 1, size=len(prompts)).tolist()
+      results = runner.run_local(params, model_cfg, prompts, seeds, temperature=temperature)
     rewards = [score(e, r.output_ids)[0] for e, r in zip(examples, results)]
     out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
   return out

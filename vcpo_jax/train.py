@@ -17,7 +17,7 @@ from vcpo_jax import tokenizer as tokenizer_lib
 from vcpo_jax.batch import RLBatch
 from vcpo_jax.configuration import build_optimizer, learner_config, validate_config  # noqa: F401
 from vcpo_jax.evaluation import evaluate, make_score_fn
-from vcpo_jax.rollout import backend as backend_lib, batching, types
+from vcpo_jax.rollout import backend as backend_lib, batching, episodes, types
 
 
 # --------------------------------------------------------------------------------------- warm start
@@ -128,7 +128,7 @@ class RLRun:
     self.step += 1
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
-    scalars = {**step_metrics, **self.host_metrics(batch, seconds), **extra}
+    scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra}
     for key, value in step_metrics.items():
       arr = np.asarray(value)
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):

@@ -9,19 +9,32 @@ from vcpo_jax.batch import RLBatch
 from vcpo_jax.rollout.types import Group
 
 
-def _check_sample(g: Group, ids: np.ndarray, logprobs, seq_len: int, vocab_size: int | None) -> None:
+def _check_sample(g: Group, ids: np.ndarray, logprobs, mask: np.ndarray, seq_len: int,
+                  vocab_size: int | None) -> None:
   if ids.size > seq_len:
     raise ValueError(f"sample of group {g.index} has {ids.size} tokens, more than seq_len={seq_len}")
   if vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
     bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
     raise ValueError(f"group {g.index}: token id {bad} outside the vocabulary [0, {vocab_size})")
-  if not np.all(np.isfinite(np.asarray(logprobs, np.float64))):
+  if not np.all(np.isfinite(np.asarray(logprobs, np.float64)[mask > 0])):
     raise ValueError(f"group {g.index}: non-finite sampler log-prob in output_logprobs")
+
+
+def _output_mask(g: Group, s, length: int) -> np.ndarray:
+  """1 on generated tokens, 0 on an episode's tool-output tokens (Sample.output_mask; None: all generated)."""
+  m = getattr(s, "output_mask", None)
+  if m is None:
+    return np.ones((length,), np.float32)
+  m = np.asarray(m, np.float32)
+  if m.shape != (length,) or not np.all((m == 0) | (m == 1)):
+    raise ValueError(f"group {g.index}: output_mask must be 0/1 of shape ({length},), got {m!r:.200}")
+  return m
 
 
 def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_rows: int | None = None,
                     vocab_size: int | None = None) -> RLBatch:
-  """One row per sample, [prompt | response | pad]; rows beyond the real samples (to fill `num_rows`) are
+  """One row per sample, [prompt | response | pad], the mask 1 on generated tokens only (an episode's
+  tool outputs inside the response are 0); rows beyond the real samples (to fill `num_rows`) are
   invalid padding rows. Groups must be consumed (.sample_lags) and scored (.rewards). Token ids outside
   [0, vocab_size) and non-finite sampler log-probs are rejected here: inside jit they would be clamped or
   poison the whole batch silently."""
@@ -43,12 +56,14 @@ def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_r
   for row, (gi, g, j) in enumerate(rows):
     s = g.samples[j]
     ids = np.asarray(list(s.prompt_ids) + list(s.output_ids), np.int64)
-    _check_sample(g, ids, s.output_logprobs, seq_len, vocab_size)
     start, end = len(s.prompt_ids), ids.size
+    out_mask = _output_mask(g, s, end - start)
+    _check_sample(g, ids, s.output_logprobs, out_mask, seq_len, vocab_size)
     tokens[row, :end] = ids
-    mask[row, start:end] = 1.0
-    logp[row, start:end] = np.asarray(s.output_logprobs, np.float32)
-    version[row, start:end] = np.asarray(s.token_versions, np.int32)
+    mask[row, start:end] = out_mask
+    # Tool-output tokens (mask 0) carry no sampler log-prob and no version, whatever the sample holds there.
+    logp[row, start:end] = np.where(out_mask > 0, np.asarray(s.output_logprobs, np.float32), 0.0)
+    version[row, start:end] = np.where(out_mask > 0, np.asarray(s.token_versions, np.int32), -1)
     rewards[row], group[row], lag[row], valid[row] = g.rewards[j], gi, g.sample_lags[j], 1.0
   # Padding rows get their own group ids so no group statistic mixes them with real samples.
   pad_rows = np.arange(len(rows), B)

@@ -8,10 +8,11 @@ from typing import Any, Callable, Sequence
 import ml_collections
 import numpy as np
 
-from vcpo_jax import sampling
-from vcpo_jax.rollout import backend, types
+from vcpo_jax import sampling, tasks
+from vcpo_jax.rollout import backend, episodes, types
 
-# (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult)
+# (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
+# multi-turn episodes.Episode rows (tool tasks)
 LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
 
 
@@ -54,6 +55,11 @@ class LagEmulator:
       samples = []
       for s in range(self.group_size):
         row = rows[gi * self.group_size + s]
+        if isinstance(row, episodes.Episode):  # a multi-turn episode: tool tokens keep mask 0, version -1
+          sample = row.to_sample(prompts[gi * self.group_size])
+          sample.token_versions = np.where(sample.output_mask > 0, version, -1).astype(np.int64)
+          samples.append(sample)
+          continue
         n = len(row.output_ids)
         samples.append(types.Sample(
             prompt_ids=prompts[gi * self.group_size], output_ids=list(row.output_ids),
@@ -79,9 +85,15 @@ class EmulatedBackend(backend.RolloutBackend):
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "EmulatedBackend":
     rl = config.rl
-    generate = lambda params, prompts, seeds: sampling.generate(  # noqa: E731
-        params, ctx.model_cfg, prompts, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
-        stop_token_ids=ctx.tokenizer.stop_ids, seeds=seeds)
+    runner = episodes.runner_for(tasks.get_task(config.task.name, **config.task.kwargs), ctx.tokenizer,
+                                 max_new_tokens=rl.max_new_tokens)
+    if runner is None:
+      generate = lambda params, prompts, seeds: sampling.generate(  # noqa: E731
+          params, ctx.model_cfg, prompts, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+          stop_token_ids=ctx.tokenizer.stop_ids, seeds=seeds)
+    else:
+      generate = lambda params, prompts, seeds: runner.run_local(  # noqa: E731
+          params, ctx.model_cfg, prompts, seeds, temperature=rl.temperature)
     emulator = LagEmulator(generate, max_lag=rl.max_lag, group_size=rl.group_size, seed=config.seed)
     return cls(emulator, ctx, batch_groups=rl.prompts_per_step)
 

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 from typing import Any, Optional
 
 import ml_collections
 
-from vcpo_jax import hf
-from vcpo_jax.rollout import backend, client as client_lib, launcher, protocol, publisher as publisher_lib
+from vcpo_jax import hf, tasks
+from vcpo_jax.rollout import backend, client as client_lib, episodes as episodes_lib, launcher, protocol
+from vcpo_jax.rollout import publisher as publisher_lib
 from vcpo_jax.rollout import scheduler as scheduler_lib, types
 
 
@@ -34,8 +36,10 @@ class HttpBackend(backend.RolloutBackend):
   """
 
   def __init__(self, ctx: backend.RolloutContext, rollout: ml_collections.ConfigDict, *, sampling_params: dict,
-               group_size: int, batch_groups: int, max_lag: int):
+               group_size: int, batch_groups: int, max_lag: int,
+               episodes: Optional[episodes_lib.EpisodeRunner] = None):
     self.ctx, self.cfg = ctx, rollout
+    self.episodes = episodes  # multi-turn tasks: each sample is an episode of /generate turns
     self.sampling_params, self.group_size = sampling_params, group_size
     self.batch_groups, self.max_lag = batch_groups, max_lag
     self.urls = [u.strip() for u in rollout.server_urls.split(",") if u.strip()]
@@ -52,8 +56,10 @@ class HttpBackend(backend.RolloutBackend):
     params = {"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature,
               "stop_token_ids": list(ctx.tokenizer.stop_ids), "no_stop_trim": True,
               "sampling_seed": config.seed}
+    runner = episodes_lib.runner_for(tasks.get_task(config.task.name, **config.task.kwargs), ctx.tokenizer,
+                                     max_new_tokens=rl.max_new_tokens, context_length=ctx.model_cfg.max_seq_len)
     return cls(ctx, config.rollout, sampling_params=params, group_size=rl.group_size,
-               batch_groups=rl.prompts_per_step, max_lag=rl.max_lag)
+               batch_groups=rl.prompts_per_step, max_lag=rl.max_lag, episodes=runner)
 
   def _export(self, params: Any, out_dir: str) -> None:
     hf.export_hf(params, self.ctx.model_cfg, out_dir, self.ctx.tokenizer)
@@ -87,8 +93,11 @@ class HttpBackend(backend.RolloutBackend):
       await self._publisher.publish(params, version)
     if self.sampling_params["temperature"] != 1.0:  # SGLang's log-probs are scaled unless told otherwise
       await self._client.check_raw_logprobs(self.sampling_params["temperature"], list(range(1, 9)))
+    generate = self._client.generate
+    if self.episodes is not None:  # one episode per sample, each turn a /generate through the same client
+      generate = functools.partial(self.episodes.generate, self._client.generate)
     self._sched = scheduler_lib.RolloutScheduler(
-        self._client.generate, self.ctx.prompts, sampling_params=self.sampling_params,
+        generate, self.ctx.prompts, sampling_params=self.sampling_params,
         group_size=self.group_size, batch_groups=self.batch_groups, max_lag=self.max_lag,
         on_complete=lambda group: types.score_group(group, self.ctx.score))
     if self._restored is not None:

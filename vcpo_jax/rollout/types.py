@@ -9,18 +9,35 @@ import numpy as np
 
 @dataclasses.dataclass
 class Sample:
-  """One completed generation; output_logprobs are the sampler's per-token logprobs."""
+  """One completed generation or multi-turn episode; output_logprobs are the sampler's per-token logprobs.
+
+  An episode's output interleaves generated tokens with tool-output tokens: output_mask is 1 on generated
+  tokens and 0 on tool tokens, whose log-prob is 0 and version -1 (no sampler made them). None: all generated.
+  """
   prompt_ids: list[int]
   output_ids: list[int]
   output_logprobs: np.ndarray  # float32 [L]
-  token_versions: np.ndarray  # int64 [L], policy version that produced each output token
+  token_versions: np.ndarray  # int64 [L], policy version that produced each output token (-1: tool token)
   finish_reason: str  # "length" | "stop" (an abort is resumed, never returned)
   server_url: str  # server that produced the last segment ("in-process" for local generation)
   num_resumes: int = 0
+  output_mask: Optional[np.ndarray] = None  # float32 [L]: 1 generated, 0 tool output; None = all generated
+  num_turns: int = 1  # model turns (one /generate each, resumes not counted)
+  tool_calls: int = 0  # calls the environment answered
+  tool_errors: int = 0  # answered calls that failed (malformed, division by zero, ...)
+  turn_capped: bool = False  # ended by the environment's max_turns with a call still unanswered
 
   @property
   def min_version(self) -> Optional[int]:
-    return int(self.token_versions.min()) if len(self.token_versions) else None
+    versions = generated_versions(self)
+    return int(versions.min()) if len(versions) else None
+
+
+def generated_versions(sample: Any) -> np.ndarray:
+  """Versions of the sample's generated tokens (tool-output tokens, mask 0, have none)."""
+  versions = np.asarray(getattr(sample, "token_versions", ()), np.int64)
+  mask = getattr(sample, "output_mask", None)
+  return versions if mask is None else versions[np.asarray(mask) > 0]
 
 
 @dataclasses.dataclass
@@ -55,7 +72,8 @@ def score_group(group: Group, score: ScoreFn) -> Group:
 
 
 def sample_lag(sample: Any, consumed_version: int, start_version: int) -> int:
-  """Learner version at consumption minus the oldest policy version among the sample's tokens."""
-  versions = getattr(sample, "token_versions", ())
-  oldest = int(min(versions)) if len(versions) else start_version
+  """Learner version at consumption minus the oldest policy version among the sample's generated tokens
+  (every turn of an episode; tool outputs carry no version)."""
+  versions = generated_versions(sample)
+  oldest = int(versions.min()) if len(versions) else start_version
   return consumed_version - oldest

@@ -1,4 +1,4 @@
-"""Verifiable tasks (Countdown, arithmetic) registered by name."""
+"""Verifiable tasks (Countdown, arithmetic, Countdown with a calculator tool) registered by name."""
 from __future__ import annotations
 
 import inspect
@@ -6,8 +6,10 @@ import inspect
 from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.base import Example, SPLITS, Task, extract_answer
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
+from vcpo_jax.tasks.countdown_tools import CountdownTools
 
-TASKS: dict[str, type[Task]] = {Countdown.name: Countdown, Arithmetic.name: Arithmetic}
+TASKS: dict[str, type[Task]] = {Countdown.name: Countdown, Arithmetic.name: Arithmetic,
+                                CountdownTools.name: CountdownTools}
 
 
 def get_task(name: str, *, render_prompt=None, **knobs) -> Task:
@@ -35,5 +37,5 @@ def reward(example: Example, completion: str) -> float:
   return get_task(example["task"]).reward(example, completion)
 
 
-__all__ = ["Arithmetic", "Countdown", "Example", "SPLITS", "TASKS", "Task", "countdown_reward",
+__all__ = ["Arithmetic", "Countdown", "CountdownTools", "Example", "SPLITS", "TASKS", "Task", "countdown_reward",
            "extract_answer", "get_task", "reward", "sft_completion"]

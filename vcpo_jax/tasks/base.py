@@ -97,6 +97,10 @@ class Task(abc.ABC):
   def wrong_completion(self, example: Example, rng: np.random.Generator) -> str:
     """A plausible completion with reward 0."""
 
+  def environment(self):
+    """The tool environment of a multi-turn task (e.g. tasks.calculator.Calculator), or None: single turn."""
+    return None
+
   def split_of(self, example: Example) -> str:
     return split_of_key(example["key"], self.eval_fraction)
 

@@ -136,12 +136,14 @@ class Countdown(base.Task):
   def make_example(self, numbers: list[int], target: int) -> base.Example:
     numbers = [int(n) for n in numbers]
     key = f"countdown:{','.join(map(str, sorted(numbers)))}:{int(target)}"
-    ops_text = " ".join(self.ops)
-    user = (f"Using the numbers [{', '.join(map(str, numbers))}], make an equation that equals {target}. "
-            f"Use each number exactly once, with {ops_text} and parentheses. "
-            f"Put the final answer in <answer></answer>.")
     return {"task": self.name, "key": key, "numbers": numbers, "target": int(target), "ops": self.ops,
-            "prompt": self.render_prompt(user)}
+            "prompt": self.render_prompt(self.user_text(numbers, int(target)))}
+
+  def user_text(self, numbers: list[int], target: int) -> str:
+    """The user message of a problem (a subclass may add instructions)."""
+    return (f"Using the numbers [{', '.join(map(str, numbers))}], make an equation that equals {target}. "
+            f"Use each number exactly once, with {' '.join(self.ops)} and parentheses. "
+            f"Put the final answer in <answer></answer>.")
 
   def reward(self, example: base.Example, completion: str) -> float:
     return countdown_reward(completion, example["numbers"], example["target"])

@@ -1,0 +1,218 @@
+"""Multi-turn episodes: generate until a tool call or the end, append the tool's reply as mask-0 tokens, repeat.
+
+Every turn is one ordinary generation on the growing input (prompt + earlier turns + tool outputs): over HTTP
+a `/generate` with the same wire format as single-turn rollouts (the call marker as a `stop` string), so the
+client's retries and abort-resume work inside a turn; in process, a batch of sampler rows per turn (the rows
+run on past the marker and are cut there afterwards, which leaves the kept tokens' distribution unchanged).
+Per-token versions are kept across turns, so an episode's lag is the learner version minus the oldest version
+among all its generated tokens. Tool outputs, turns and the episode's length are capped.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from vcpo_jax import sampling
+from vcpo_jax.rollout import protocol, types
+
+
+class Environment(Protocol):
+  """What a tool environment offers (tasks.calculator.Calculator is one)."""
+  stop_strings: tuple[str, ...]
+  max_turns: int
+
+  def respond(self, turn_text: str) -> Optional[Any]:
+    """A reply (.text, .error) to the turn's tool call, or None when the turn makes no call."""
+
+
+@dataclasses.dataclass
+class Episode:
+  """An episode under construction: the response tokens after the prompt, with per-token bookkeeping."""
+  output_ids: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)
+  mask: list = dataclasses.field(default_factory=list)
+  turns: int = 0
+  tool_calls: int = 0
+  tool_errors: int = 0
+  turn_capped: bool = False
+  finish_reason: str = "length"
+  num_resumes: int = 0
+  server_url: str = ""
+
+  def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+    if not len(ids) == len(logprobs) == len(versions):
+      raise ValueError(f"turn has {len(ids)} ids, {len(logprobs)} log-probs and {len(versions)} versions")
+    self.output_ids += [int(t) for t in ids]
+    self.logprobs += [float(x) for x in logprobs]
+    self.versions += [int(v) for v in versions]
+    self.mask += [1.0] * len(ids)
+
+  def add_tool(self, ids: Sequence[int]) -> None:
+    self.output_ids += [int(t) for t in ids]
+    self.logprobs += [0.0] * len(ids)
+    self.versions += [-1] * len(ids)
+    self.mask += [0.0] * len(ids)
+
+  def to_sample(self, prompt_ids: Sequence[int]) -> types.Sample:
+    return types.Sample(
+        prompt_ids=[int(t) for t in prompt_ids], output_ids=list(self.output_ids),
+        output_logprobs=np.asarray(self.logprobs, np.float32), token_versions=np.asarray(self.versions, np.int64),
+        finish_reason=self.finish_reason, server_url=self.server_url, num_resumes=self.num_resumes,
+        output_mask=np.asarray(self.mask, np.float32), num_turns=self.turns, tool_calls=self.tool_calls,
+        tool_errors=self.tool_errors, turn_capped=self.turn_capped)
+
+
+def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
+  """A fresh seed per turn (turn 0 keeps the sample's): later turns must not replay turn 0's random draws."""
+  if seed is None or turn == 0:
+    return seed
+  return int(np.random.default_rng([int(seed) % 2**63, int(turn)]).integers(2**31 - 1))
+
+
+def first_stop(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> Optional[int]:
+  """The fewest leading tokens whose text contains a stop string, or None (no stop string in the text)."""
+  if not stops or not any(s in decode(ids) for s in stops):
+    return None
+  lo, hi = 1, len(ids)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if any(s in decode(ids[:mid]) for s in stops):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
+
+
+class EpisodeRunner:
+  """Drives episodes of one environment. max_new_tokens caps an episode's response (generated + tool tokens),
+  so episodes fit the rows single-turn samples use; context_length (the servers') caps every turn's input."""
+
+  def __init__(self, env: Environment, *, encode: Callable[[str], list[int]],
+               decode: Callable[[Sequence[int]], str], stop_ids: Sequence[int], max_new_tokens: int,
+               context_length: Optional[int] = None):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    self.env, self.encode, self.decode = env, encode, decode
+    self.stop_ids = frozenset(int(t) for t in stop_ids)
+    self.max_new_tokens, self.context_length = max_new_tokens, context_length
+
+  def room(self, prompt_len: int, ep: Episode) -> int:
+    """Tokens the next turn may generate (0: the episode cannot continue)."""
+    room = self.max_new_tokens - len(ep.output_ids)
+    if self.context_length is not None:
+      room = protocol.fit_max_new_tokens(prompt_len + len(ep.output_ids), room, self.context_length)
+    return max(room, 0)
+
+  def after_turn(self, ep: Episode, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                 finish_reason: str, prompt_len: int) -> bool:
+    """Records one turn and, when it made a call, the tool's reply; True when the episode goes on."""
+    ids = list(ids)
+    cut = first_stop(ids, self.decode, self.env.stop_strings)
+    if cut is not None:  # also when a resumed request ran past a marker split by the abort
+      ids, logprobs, versions = ids[:cut], list(logprobs)[:cut], list(versions)[:cut]
+    ep.add_generated(ids, logprobs, versions)
+    ep.turns += 1
+    ended_by_stop_id = bool(ids) and ids[-1] in self.stop_ids
+    reply = None if cut is None or ended_by_stop_id else self.env.respond(self.decode(ids))
+    if reply is None:
+      ep.finish_reason = finish_reason if finish_reason in ("stop", "length") else "length"
+      return False
+    ep.finish_reason = "length"  # unless a later turn ends it with a stop token
+    if ep.turns >= self.env.max_turns:
+      ep.turn_capped = True
+      return False
+    tool_ids = self.encode(reply.text)
+    if self.room(prompt_len, Episode(output_ids=ep.output_ids + tool_ids)) < 1:
+      return False  # no room to read the reply and answer: the episode ends at the call
+    ep.add_tool(tool_ids)
+    ep.tool_calls += 1
+    ep.tool_errors += int(bool(reply.error))
+    return True
+
+  # -- over HTTP (or any per-sample generate) ----------------------------------------------------------
+  async def run(self, generate_one: Callable[..., Awaitable[Sequence[types.Sample]]], prompt_ids: Sequence[int],
+                params: dict) -> Episode:
+    """One episode; generate_one(input_ids, sampling_params, n=1) is e.g. RolloutClient.generate."""
+    ep, prompt_ids = Episode(), [int(t) for t in prompt_ids]
+    stops = list(dict.fromkeys(list(params.get("stop", [])) + list(self.env.stop_strings)))
+    while True:
+      room = self.room(len(prompt_ids), ep)
+      if room < 1:
+        ep.finish_reason = "length"
+        return ep
+      turn_params = dict(params, max_new_tokens=room, stop=stops)
+      seed = turn_seed(params.get("sampling_seed"), ep.turns)
+      if seed is not None:
+        turn_params["sampling_seed"] = seed
+      (s,) = await generate_one(prompt_ids + ep.output_ids, turn_params, n=1)
+      ep.num_resumes += s.num_resumes
+      ep.server_url = s.server_url
+      if not self.after_turn(ep, s.output_ids, s.output_logprobs, s.token_versions, s.finish_reason,
+                             len(prompt_ids)):
+        return ep
+
+  async def generate(self, generate_one: Callable[..., Awaitable[Sequence[types.Sample]]],
+                     prompt_ids: Sequence[int], sampling_params: dict, n: int = 1) -> list[types.Sample]:
+    """n independent episodes (the scheduler's generate signature); episode i uses sampling_seed + i."""
+    seed = sampling_params.get("sampling_seed")
+    per = [dict(sampling_params, sampling_seed=seed + i) if seed is not None else sampling_params
+           for i in range(n)]
+    episodes = await asyncio.gather(*(self.run(generate_one, prompt_ids, p) for p in per))
+    return [ep.to_sample(prompt_ids) for ep in episodes]
+
+  # -- in process (lag emulation, evaluation) --------------------------------------------------------
+  def run_local(self, params, cfg, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
+                temperature: float, version: int = 0) -> list[Episode]:
+    """Episodes for every prompt with the in-process sampler: one batch of rows per turn."""
+    eps = [Episode(server_url="in-process") for _ in prompts]
+    active = [i for i in range(len(prompts)) if self.room(len(prompts[i]), eps[i]) >= 1]
+    while active:
+      rows = [sampling.RowSpec(prompt=tuple(int(t) for t in prompts[i]) + tuple(eps[i].output_ids),
+                               max_new_tokens=self.room(len(prompts[i]), eps[i]), temperature=temperature,
+                               stop_token_ids=tuple(sorted(self.stop_ids)),
+                               seed=turn_seed(int(seeds[i]), eps[i].turns)) for i in active]
+      batch = sampling.start_batch(params, cfg, rows)
+      while not bool(jnp.all(batch.state.done_B)):
+        sampling.decode_chunk(params, batch, 64)
+      going = []
+      for i, r in zip(active, sampling.results(batch)):
+        n = len(r.output_ids)
+        if (self.after_turn(eps[i], r.output_ids, r.logprobs, [version] * n, r.finish_reason or "length",
+                            len(prompts[i])) and self.room(len(prompts[i]), eps[i]) >= 1):
+          going.append(i)
+      active = going
+    return eps
+
+
+def metrics(groups: Sequence[types.Group]) -> dict[str, float]:
+  """Per-step episode metrics (TensorBoard `tools/...`); {} when no sample is a multi-turn episode."""
+  samples = [s for g in groups for s in g.samples if getattr(s, "output_mask", None) is not None]
+  if not samples:
+    return {}
+  calls = np.asarray([s.tool_calls for s in samples], np.float64)
+  errors = np.asarray([s.tool_errors for s in samples], np.float64)
+  tool_tokens = [float(np.sum(np.asarray(s.output_mask) == 0)) for s in samples]
+  return {"tools/calls_per_episode": float(calls.mean()),
+          "tools/errors_per_episode": float(errors.mean()),
+          "tools/error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
+          "tools/turns_per_episode": float(np.mean([s.num_turns for s in samples])),
+          "tools/max_turns": float(max(s.num_turns for s in samples)),
+          "tools/turn_capped_fraction": float(np.mean([s.turn_capped for s in samples])),
+          "tools/tool_tokens_per_episode": float(np.mean(tool_tokens))}
+
+
+def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional[int] = None
+               ) -> Optional[EpisodeRunner]:
+  """The episode runner of a task with a tool environment (None for single-turn tasks)."""
+  env = task.environment()
+  if env is None:
+    return None
+  from vcpo_jax.evaluation import completion_text  # noqa: PLC0415  (evaluation imports this module)
+  return EpisodeRunner(env, encode=tokenizer.encode, decode=lambda ids: completion_text(tokenizer, ids),
+                       stop_ids=tokenizer.stop_ids, max_new_tokens=max_new_tokens,
+                       context_length=context_length)

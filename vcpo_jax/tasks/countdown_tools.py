@@ -1,0 +1,74 @@
+"""Countdown with a calculator tool: the model may check an expression with `<calc>expr</calc>` before answering.
+
+Same problems, keys and reward as Countdown (the last answer block, exact multiset, exact value); the episode
+is multi-turn (environment(): the Calculator), and the warm-start traces use the tool: check a candidate, and
+when the result misses the target (deliberately wrong first tries), correct it and check again.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vcpo_jax.tasks import base, calculator, countdown
+
+
+def compact(e: countdown.Expr) -> str:
+  """Infix text without spaces (every character is a token for the task tokenizer)."""
+  return countdown.render(e).replace(" ", "")
+
+
+class CountdownTools(countdown.Countdown):
+  """Countdown knobs, plus the calculator's (max_turns, max_result_chars) and correction_rate: the fraction of
+  correct warm-start traces that first check a wrong candidate, see the miss, and correct it."""
+
+  name = "countdown_tools"
+
+  def __init__(self, min_numbers: int = 3, max_numbers: int = 4, min_number: int = 1, max_number: int = 99,
+               max_target: int = 999, ops: str = countdown.ALL_OPS, num_numbers: int | None = None,
+               eval_fraction: float = 0.1, max_turns: int = 4, max_result_chars: int = 24,
+               correction_rate: float = 0.5):
+    super().__init__(min_numbers=min_numbers, max_numbers=max_numbers, min_number=min_number,
+                     max_number=max_number, max_target=max_target, ops=ops, num_numbers=num_numbers,
+                     eval_fraction=eval_fraction)
+    if not 0.0 <= correction_rate <= 1.0:
+      raise ValueError(f"correction_rate must be in [0, 1], got {correction_rate!r}")
+    self.correction_rate = float(correction_rate)
+    self.calculator = calculator.Calculator(max_turns=max_turns, max_result_chars=max_result_chars)
+
+  def environment(self) -> calculator.Calculator:
+    return self.calculator
+
+  def user_text(self, numbers: list[int], target: int) -> str:
+    return super().user_text(numbers, target) + f" Check with {calculator.CALL_OPEN}{calculator.CALL_CLOSE}."
+
+  def _check(self, text: str) -> str:
+    """A call and the calculator's real reply to it."""
+    return f"{calculator.CALL_OPEN}{text}{calculator.CALL_CLOSE}{self.calculator.run(text).text}"
+
+  def _miss(self, example: base.Example, expr: countdown.Expr, rng: np.random.Generator) -> countdown.Expr:
+    """A near miss whose value differs from the target (so checking it visibly fails)."""
+    ops = example.get("ops", self.ops)
+    for _ in range(100):
+      wrong = countdown._mutate(expr, rng, ops)
+      if countdown.value(wrong) != example["target"]:
+        return wrong
+    return countdown._bump_leaf(expr, 0, 1)[0]
+
+  def reference_solution(self, example: base.Example, rng: base.RngLike | None = None) -> str:
+    rng = None if rng is None else base.as_rng(rng)
+    expr = self._solution(example, rng)
+    first = ""
+    if rng is not None and rng.random() < self.correction_rate:
+      first = self._check(compact(self._miss(example, expr, rng)))
+    return f"{first}{self._check(compact(expr))}<answer>{compact(expr)}</answer>"
+
+  def wrong_completion(self, example: base.Example, rng: np.random.Generator) -> str:
+    # Half check the wrong candidate (and answer it anyway), half answer unchecked.
+    expr = self._solution(example, rng)
+    for _ in range(100):
+      wrong = compact(countdown._mutate(expr, rng, example.get("ops", self.ops)))
+      if self.reward(example, f"<answer>{wrong}</answer>") == 0.0:
+        break
+    else:
+      wrong = compact(countdown._bump_leaf(expr, 0, 1)[0])
+    check = self._check(wrong) if rng.random() < 0.5 else ""
+    return f"{check}<answer>{wrong}</answer>"
