@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from vcpo_jax import lm_head
 from vcpo_jax import model as M
 
 # Shape letters: B batch, T/S length (query/key index of a Gram), I/O dense in/out, D hidden, V vocab.
@@ -22,6 +23,7 @@ MODES = ("auto", "ghost", "explicit")
 EXPLICIT_BATCH_BYTES = 1 << 28
 CoefFn = Callable[..., tuple[jax.Array, Any]]
 _F32 = jnp.float32
+HEAD = ("lm_head_inputs",)  # capture() key of (x_BxTxD, w_DxV, mask_BxT) for the LM head terms
 
 
 def _check_mode(mode: str):
@@ -83,18 +85,6 @@ def embedding_sq_norms(tokens_BxT, g_BxTxD, vocab_size: int, mode: str = "auto")
   return jnp.sum(jnp.square(de_BxVxD), axis=(1, 2))
 
 
-def tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_head_BxSxD, g_head_BxSxV):
-  """<E_i, H_i> between the embedding gradient E_i = scatter(g_embed) and head gradient H_i = g_head^T x.
-
-  <E_i, H_i> = sum_{t,s} g_head[s, id_t] <g_embed_t, x_s>.
-  """
-  s = x_head_BxSxD.shape[1]
-  ids_BxSxT = jnp.broadcast_to(tokens_BxT[:, None, :], (tokens_BxT.shape[0], s, tokens_BxT.shape[1]))
-  gh_at_ids_BxSxT = jnp.take_along_axis(g_head_BxSxV, ids_BxSxT, axis=2).astype(_F32)
-  ex_BxSxT = jnp.einsum("btd,bsd->bst", g_embed_BxTxD, x_head_BxSxD, preferred_element_type=_F32)
-  return jnp.sum(gh_at_ids_BxSxT * ex_BxSxT, axis=(1, 2))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Per-sequence-weighted gradients sum_i c_i (per-sequence gradient_i) of one parameter kind.
 # ---------------------------------------------------------------------------------------------------------
@@ -143,15 +133,18 @@ def capture(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None
   perts = _zero_perturbations(cfg, tokens_BxT, positions_BxT)
 
   def total_logp(perts):
-    (logits, _), state = M.Transformer(cfg, capture=True).apply(
+    (x_BxTxD, _), state = M.Transformer(cfg, capture=True, head=False).apply(
         {"params": params, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask,
         mutable=["intermediates"])
-    logp_BxT, ent_BxT = M.logprobs_from_logits(logits, tokens_BxT, mask_BxT)
-    return jnp.sum(logp_BxT), (logp_BxT, ent_BxT, state["intermediates"])
+    logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(x_BxTxD, M.head_kernel(params, cfg), tokens_BxT,
+                                                           mask_BxT, cfg.precision)
+    return jnp.sum(logp_BxT), (logp_BxT, ent_BxT, state["intermediates"], x_BxTxD)
 
-  out_grads, (logp_BxT, ent_BxT, inputs) = jax.grad(total_logp, has_aux=True)(perts)
+  out_grads, (logp_BxT, ent_BxT, inputs, x_BxTxD) = jax.grad(total_logp, has_aux=True)(perts)
   inputs = {k[:-1] if k[-1] == "inputs" else k: v[0]  # sow keeps a tuple
             for k, v in traverse_util.flatten_dict(inputs).items()}
+  # The LM head's per-sequence terms are computed by vcpo_jax.lm_head from its input and the mask.
+  inputs[HEAD] = (x_BxTxD, M.head_kernel(params, cfg), mask_BxT)
   out_grads = {k[:-1] if k[-1] == "outputs" else k: v
                for k, v in traverse_util.flatten_dict(out_grads).items()}
   return logp_BxT, ent_BxT, inputs, out_grads
@@ -164,14 +157,17 @@ def _leaf_name(path) -> str:
 def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: M.ModelConfig, mode: str):
   """Per-sequence squared norm of one parameter leaf (for a tied embedding: embedding + head + cross)."""
   module, leaf = path[:-1], path[-1]
+  x, w, mask = inputs[HEAD]
   if path == ("embed_tokens",):
     g_emb = out_grads[("embed_outputs",)]
     sq_B = embedding_sq_norms(tokens_BxT, g_emb, cfg.vocab_size, mode)
     if cfg.tie_word_embeddings:
-      x_head, g_head = inputs[("tied_head_inputs",)], out_grads[("tied_head_outputs",)]
-      sq_B = sq_B + dense_sq_norms(x_head, g_head, mode)
-      sq_B = jnp.maximum(sq_B + 2.0 * tied_cross_terms(tokens_BxT, g_emb, x_head, g_head), 0.0)
+      sq_B = sq_B + lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, cfg.precision)
+      sq_B = jnp.maximum(
+          sq_B + 2.0 * lm_head.tied_cross_terms(tokens_BxT, g_emb, x, w, mask, cfg.precision), 0.0)
     return sq_B
+  if path == ("lm_head", "kernel"):
+    return lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, cfg.precision)
   if leaf == "kernel":
     return dense_sq_norms(inputs[module], out_grads[module], mode)
   if leaf == "bias":
@@ -183,12 +179,14 @@ def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: M.ModelConfig, mode
 
 def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: M.ModelConfig):
   module, leaf = path[:-1], path[-1]
+  x, w, mask = inputs[HEAD]
   if path == ("embed_tokens",):
     grad = embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
     if cfg.tie_word_embeddings:
-      head_DxV = dense_weighted_grad(inputs[("tied_head_inputs",)], out_grads[("tied_head_outputs",)], c_B)
-      grad = grad + head_DxV.T
+      grad = grad + lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, cfg.precision).T
     return grad
+  if path == ("lm_head", "kernel"):
+    return lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, cfg.precision)
   if leaf == "kernel":
     return dense_weighted_grad(inputs[module], out_grads[module], c_B)
   if leaf == "bias":

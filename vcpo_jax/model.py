@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax import lm_head
+
 # Shape letters: B batch, T query length, S cache (key) length, D hidden, H query heads, K kv heads,
 # E head dim, F MLP hidden, V vocab.
 
@@ -166,10 +168,8 @@ class Attention(nn.Module):
     new_cache = None
     if kv_cache is not None:
       k_cache, v_cache = kv_cache
-      k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, cache_index, 0, 0))
-      v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, cache_index, 0, 0))
+      k, v = write_cache(k_cache, k, cache_index), write_cache(v_cache, v, cache_index)
       new_cache = (k, v)
-    S = k.shape[1]
     q_BxTxKxGxE = q.reshape(B, T, K, H // K, E)
     scores = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k.astype(q.dtype),
                         preferred_element_type=jnp.float32, precision=cfg.precision) * (1.0 / float(E) ** 0.5)
@@ -178,7 +178,6 @@ class Attention(nn.Module):
     out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(cfg.jnp_dtype),
                      preferred_element_type=jnp.float32, precision=cfg.precision).astype(cfg.jnp_dtype)
     out_BxTxD = dense(cfg.hidden_size, ("q_heads", "embed"), False, "o_proj")(out.reshape(B, T, H * E))
-    del S
     return out_BxTxD, new_cache
 
 
@@ -209,10 +208,25 @@ class Block(nn.Module):
     return x, new_cache
 
 
+class HeadKernel(nn.Module):
+  """The untied LM-head kernel [D, V] (applied by vcpo_jax.lm_head, which may chunk it)."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", nn.with_logical_partitioning(_init(), ("embed", "vocab")),
+                      (self.cfg.hidden_size, self.cfg.vocab_size), self.cfg.jnp_param_dtype)
+
+
 class Transformer(nn.Module):
-  """Decoder-only LM. Params: embed_tokens, layers_{i}, norm, lm_head (absent when tied)."""
+  """Decoder-only LM. Params: embed_tokens, layers_{i}, norm, lm_head (absent when tied).
+
+  head=False returns the final normed hidden states [B, T, D] instead of float32 logits (the LM head is
+  then applied by vcpo_jax.lm_head, in chunks, without [tokens, vocab] logits).
+  """
   cfg: ModelConfig
   capture: bool = False
+  head: bool = True
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
@@ -231,16 +245,11 @@ class Transformer(nn.Module):
       new_cache.append(layer_cache)
       x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     x = RMSNorm(cfg, self.capture, name="norm")(x)
-    if cfg.tie_word_embeddings:
-      if self.capture:
-        self.sow("intermediates", "tied_head_inputs", x)
-      logits = jnp.einsum("btd,vd->btv", x, embedding.astype(cfg.jnp_dtype),
-                          preferred_element_type=jnp.float32, precision=cfg.precision)
-      if self.capture:
-        logits = self.perturb("tied_head_outputs", logits)
-    else:
-      logits = Dense(cfg.vocab_size, ("embed", "vocab"), False, cfg, self.capture, name="lm_head")(x)
-    return logits.astype(jnp.float32), (None if cache is None else tuple(new_cache))
+    new_cache = None if cache is None else tuple(new_cache)
+    if not self.head:
+      return x, new_cache
+    w_DxV = embedding.T if cfg.tie_word_embeddings else HeadKernel(cfg, name="lm_head")()
+    return lm_head.logits(x, w_DxV, cfg.precision), new_cache
 
 
 def causal_mask(positions_BxT, key_mask_BxT=None):
@@ -286,14 +295,39 @@ def logprobs_from_logits(logits_BxTxV, tokens_BxT, mask_BxT):
           jnp.concatenate([pad, ent_BxTm1], axis=1) * m)
 
 
+def hidden_states(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None):
+  """Final normed hidden states [B, T, D] in the compute dtype (the LM head's input)."""
+  if positions_BxT is None:
+    positions_BxT = _default_positions(tokens_BxT)
+  x, _ = Transformer(cfg, head=False).apply({"params": params}, tokens_BxT, positions_BxT,
+                                            causal_mask(positions_BxT, key_mask_BxT))
+  return x
+
+
+def head_kernel(params, cfg: ModelConfig):
+  """The LM-head kernel w_DxV: lm_head/kernel, or embed_tokens transposed when tied."""
+  return params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]["kernel"]
+
+
 def token_logprobs_and_entropy(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
                                key_mask_BxT=None):
-  logits = forward(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
-  return logprobs_from_logits(logits, tokens_BxT, mask_BxT)
+  x_BxTxD = hidden_states(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
+  return lm_head.token_logprobs_and_entropy(x_BxTxD, head_kernel(params, cfg), tokens_BxT, mask_BxT,
+                                            cfg.precision)
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
   return token_logprobs_and_entropy(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT)[0]
+
+
+def write_cache(cache_BxSxKxE, new_BxTxKxE, cache_index):
+  """Writes T new entries at slot cache_index (scalar, or int32 [B]: one slot per row)."""
+  new_BxTxKxE = new_BxTxKxE.astype(cache_BxSxKxE.dtype)
+  index = jnp.asarray(cache_index, jnp.int32)
+  if index.ndim == 0:
+    return jax.lax.dynamic_update_slice(cache_BxSxKxE, new_BxTxKxE, (0, index, 0, 0))
+  return jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))(
+      cache_BxSxKxE, new_BxTxKxE, index)
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
@@ -304,13 +338,16 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
 
 
 def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_index, key_mask_BxS):
-  """Incremental step: writes k/v of T new tokens at [cache_index, cache_index+T); returns logits and cache."""
-  T = tokens_BxT.shape[1]
-  S = cache[0][0].shape[1]
+  """Incremental step: writes k/v of T new tokens at [cache_index, cache_index+T); returns logits and cache.
+
+  cache_index is a scalar (all rows at one slot) or int32 [B] (each row at its own slot: continuous batching).
+  """
+  B, T = tokens_BxT.shape
+  S = key_mask_BxS.shape[1]
   slot_S = jnp.arange(S, dtype=jnp.int32)
-  query_slot_T = cache_index + jnp.arange(T, dtype=jnp.int32)
-  mask_TxS = slot_S[None, :] <= query_slot_T[:, None]
-  mask_BxTxS = mask_TxS[None] & key_mask_BxS[:, None, :].astype(bool)
+  index_B = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (B,))
+  query_slot_BxT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  mask_BxTxS = (slot_S[None, None, :] <= query_slot_BxT[:, :, None]) & key_mask_BxS[:, None, :].astype(bool)
   logits, new_cache = Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, mask_BxTxS,
                                              cache, cache_index)
   return logits, new_cache
