@@ -15,7 +15,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from vcpo_jax import model as model_lib
+from vcpo_jax import model as model_lib, multihost
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 _WEIGHTS_FILE = "model.safetensors"
@@ -129,10 +129,10 @@ def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) 
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
   try:
-    params = jax.device_get(params)
     tensors = {}
     for path, name, transpose in tensor_names(cfg):
-      arr = np.asarray(_get(params, path))
+      # Device -> host one tensor at a time (gathered over the processes when sharded across hosts).
+      arr = multihost.to_host(_get(params, path))
       tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
     safetensors.numpy.save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata={"format": "pt"})
     eos = bos = stop = None
