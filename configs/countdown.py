@@ -30,6 +30,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   ))
   # Device mesh (data x fsdp x tensor); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # Many hosts (README "Many hosts"): one process per host, the mesh spans every process's devices.
+  c.distributed = ml_collections.ConfigDict(dict(
+      auto=False,              # True: jax.distributed detects the cluster (TPU pod, SLURM, Open MPI)
+      coordinator_address="",  # host:port of process 0 (when num_processes > 1 and not auto)
+      num_processes=1,         # 1 = single process (jax.distributed is not started)
+      process_id=0,
+      heartbeat_timeout_s=100,  # a process silent this long is dead: every other one stops with an error
+      timeout_s=1800.0,        # longest wait for another process (a step's batch, a barrier): hung otherwise
+  ))
 
   c.task = ml_collections.ConfigDict(dict(
       name="countdown",
