@@ -67,22 +67,33 @@ def sample_tokens(logits_BxV, temperature_B, top_p_B, top_k_B, min_p_B, keys_B):
   return jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
 
 
-def sample_step(logits_BxV, st: DecodeState) -> DecodeState:
-  """Samples token `st.step` of every row from next-token logits and updates the finish flags."""
+def draw(logits_BxV, rows, count_B, active_B):
+  """Token number count_B of each row, its raw log-prob and whether it hits a stop id (active rows only).
+
+  `rows` carries the per-row sampling fields (a DecodeState or pool_kernels.RowParams). The random key is
+  fold_in(row key, sample_offset + count): a row's draws depend on its own stream and count only.
+  """
   B, V = logits_BxV.shape
   logits_BxV = logits_BxV.astype(jnp.float32)
   logz_B = jax.nn.logsumexp(logits_BxV, axis=-1)
   # min_new_tokens: stop tokens cannot be drawn before it (they only change what is sampled).
-  rows_BxK = jnp.broadcast_to(jnp.arange(B)[:, None], st.stop_ids_BxK.shape)
-  is_stop_BxV = jnp.zeros((B, V), bool).at[rows_BxK, st.stop_ids_BxK].set(True, mode="drop")
-  suppress_B = (st.step < st.min_new_B) & ~st.ignore_eos_B
+  rows_BxK = jnp.broadcast_to(jnp.arange(B)[:, None], rows.stop_ids_BxK.shape)
+  is_stop_BxV = jnp.zeros((B, V), bool).at[rows_BxK, rows.stop_ids_BxK].set(True, mode="drop")
+  suppress_B = (count_B < rows.min_new_B) & ~rows.ignore_eos_B
   sample_logits_BxV = jnp.where(suppress_B[:, None] & is_stop_BxV, -jnp.inf, logits_BxV)
   keys_B = jax.vmap(lambda kd, i: jax.random.fold_in(jax.random.wrap_key_data(kd), i))(
-      st.key_data_Bx2, st.sample_offset_B + st.step)
-  token_B = sample_tokens(sample_logits_BxV, st.temperature_B, st.top_p_B, st.top_k_B, st.min_p_B, keys_B)
+      rows.key_data_Bx2, rows.sample_offset_B + count_B)
+  token_B = sample_tokens(sample_logits_BxV, rows.temperature_B, rows.top_p_B, rows.top_k_B, rows.min_p_B,
+                          keys_B)
   logp_B = jnp.take_along_axis(logits_BxV, token_B[:, None], axis=-1)[:, 0] - logz_B
+  hit_stop_B = jnp.any(token_B[:, None] == rows.stop_ids_BxK, axis=-1) & ~rows.ignore_eos_B & active_B
+  return token_B, logp_B, hit_stop_B
+
+
+def sample_step(logits_BxV, st: DecodeState) -> DecodeState:
+  """Samples token `st.step` of every row from next-token logits and updates the finish flags."""
   active_B = ~st.done_B
-  hit_stop_B = jnp.any(token_B[:, None] == st.stop_ids_BxK, axis=-1) & ~st.ignore_eos_B & active_B
+  token_B, logp_B, hit_stop_B = draw(logits_BxV, st, jnp.broadcast_to(st.step, active_B.shape), active_B)
   num_gen_B = st.num_gen_B + active_B.astype(jnp.int32)
   return st._replace(
       last_token_B=token_B,

@@ -1,4 +1,4 @@
-"""Asyncio batching engine of the embedded server: windowed batches, decoded in chunks between controls."""
+"""Asyncio engine of the embedded server: continuous batching (rows join and leave a slot pool between chunks)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from vcpo_jax import sampling
+from vcpo_jax import sampling, slot_pool
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,12 @@ StopStringCheck = Callable[[Row], "tuple[int, str] | None"]
 
 
 class Engine:
-  """Collects rows, runs them as one jitted batch, and honours pause/abort/weight swaps between chunks."""
+  """Decodes rows in a pool of `max_batch` slots; between chunks, finished rows leave, queued rows join, and
+  pause/abort/weight swaps take effect. Every token is tagged with the weight version that produced it."""
 
   def __init__(self, params, cfg, weight_version: str, *, max_batch: int = 64, chunk_steps: int = 8,
                batch_window_s: float = 0.005, max_gather_s: float = 0.05, min_batch: int = 8,
-               min_prompt_len: int = 16,
-               min_new_tokens: int = 16,
+               min_prompt_len: int = 16, num_slots: int | None = None, cache_dtype: str | None = None,
                stop_string_check: StopStringCheck | None = None):
     if max_batch < 1:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -67,23 +67,23 @@ class Engine:
     self.params, self.cfg, self.weight_version = jax.device_put(params), cfg, weight_version
     self.max_batch, self.chunk_steps = max_batch, chunk_steps
     self.batch_window_s, self.max_gather_s = batch_window_s, max_gather_s
-    # Smallest bucket sizes: larger minimums mean fewer distinct shapes, so fewer jit compiles.
-    self._bucket_kwargs = dict(min_batch=min_batch, min_prompt_len=min_prompt_len,
-                               min_new_tokens=min_new_tokens)
+    # Smallest pool / join / prompt buckets: larger minimums mean fewer distinct shapes, so fewer compiles.
+    self._pool_kwargs = dict(max_rows=max_batch, num_slots=num_slots or cfg.max_seq_len, chunk_steps=chunk_steps,
+                             cache_dtype=cache_dtype, min_rows=min_batch, min_prompt_len=min_prompt_len)
+    self.pool = slot_pool.SlotPool(cfg, **self._pool_kwargs)
     self._stop_string_check = stop_string_check
     self._pending: collections.deque[Row] = collections.deque()
-    self._running: list[Row] = []
     self._wake = asyncio.Event()
     self._resume = asyncio.Event()
     self._resume.set()
-    self._idle = asyncio.Event()  # no batch in flight
+    self._idle = asyncio.Event()  # no row in the pool
     self._idle.set()
     self._quiet = asyncio.Event()  # nothing will change until resumed: idle, or parked at a control point
     self._quiet.set()
-    self._draining = False  # a weight update waits for in-flight rows: start no new batch
+    self._draining = False  # a weight update waits for the rows in the pool: admit no new ones
     self._update_lock = asyncio.Lock()
     self.pause_mode: str | None = None
-    self.stats = {"max_batch_rows_seen": 0, "max_batch_requests_seen": 0, "num_batches": 0,
+    self.stats = {"max_batch_rows_seen": 0, "max_batch_requests_seen": 0, "num_batches": 0, "num_chunks": 0,
                   "num_generated_tokens": 0, "num_requests": 0}
     self._task: asyncio.Task | None = None
 
@@ -101,6 +101,10 @@ class Engine:
         pass
 
   @property
+  def _running(self) -> list[Row]:
+    return [r for r in self.pool.owners if r is not None]
+
+  @property
   def num_in_flight(self) -> int:
     return len(self._running) + len(self._pending)
 
@@ -114,11 +118,12 @@ class Engine:
 
   def abort(self, rid: str | None = None) -> int:
     """Aborts every row (rid None) or the rows of one request id; returns how many were aborted."""
-    hit = [r for r in list(self._running) + list(self._pending)
+    hit = [r for r in self._running + list(self._pending)
            if r.finish_reason is None and (rid is None or r.rid == rid)]
     for r in hit:
       r.finish("abort")
     self._pending = collections.deque(r for r in self._pending if r.finish_reason is None)
+    self._wake.set()
     return len(hit)
 
   async def pause(self, mode: str) -> int:
@@ -128,6 +133,7 @@ class Engine:
     if mode == "abort":
       self.abort()
     self._wake.set()
+    self._quiet.clear()  # the loop sets it once parked (it may be mid-chunk now)
     await self._quiet.wait()
     return sum(r.finish_reason is None for r in self._running + list(self._pending))
 
@@ -138,9 +144,9 @@ class Engine:
 
   async def update_weights(self, load: Callable[[], tuple], version: str | None, *,
                            abort_all: bool) -> tuple[int, int]:
-    """Loads new params (in a thread), then swaps them in. Unpaused, waits for in-flight rows to finish
-    (or aborts them); paused in place, in-flight rows continue on the new weights after resume.
-    Returns (rows held by the pause, rows running or queued at the swap: SGLang cannot flush its cache)."""
+    """Loads new params (in a thread), then swaps them in. Unpaused, waits for the rows in the pool to
+    finish (or aborts them) and admits none meanwhile; paused in place, they continue on the new weights
+    after resume. Returns (rows held by the pause, rows running or queued at the swap)."""
     async with self._update_lock:
       params, cfg = await asyncio.to_thread(load)
       if cfg != self.cfg:
@@ -152,10 +158,13 @@ class Engine:
       if self.pause_mode is None:
         self._draining = True
         try:
+          self._wake.set()
           await self._idle.wait()
         finally:
           self._draining = False
       else:
+        self._wake.set()
+        self._quiet.clear()
         await self._quiet.wait()
         num_paused = sum(r.finish_reason is None for r in self._running + list(self._pending))
       busy = sum(r.finish_reason is None for r in self._running + list(self._pending))
@@ -166,37 +175,44 @@ class Engine:
       return num_paused, busy
 
   # ---- the loop ----------------------------------------------------------------------------------
+  def _settle(self):
+    """Frees the slots of finished rows; a retract pause sends the others back to the queue front."""
+    retracted = []
+    for slot, row in enumerate(self.pool.owners):
+      if row is not None and (row.finish_reason is not None or self.pause_mode == "retract"):
+        self.pool.release(slot)
+        if row.finish_reason is None:  # re-prefills prompt + partial output after resume
+          retracted.append(row)
+    self._pending.extendleft(reversed(retracted))
+    if not self._running:
+      self._idle.set()
+
   async def _loop(self):
     while True:
-      if not self._pending or self.pause_mode is not None or self._draining:
+      self._settle()
+      can_join = bool(self._pending) and not self._draining and self.pause_mode is None
+      if self.pause_mode is not None or (not self._running and not can_join):
+        self._quiet.set()
         self._wake.clear()
         await self._wake.wait()
         continue
-      await self._gather()
-      if self.pause_mode is not None or self._draining:
-        continue
-      rows = []
-      while self._pending and len(rows) < self.max_batch:
+      if not self._running:
+        await self._gather()  # an empty pool: let a burst join in one prefill
+        self._settle()
+        if self.pause_mode is not None or self._draining:
+          continue
+      self._quiet.clear()
+      joining = []
+      while self._pending and len(joining) < self.pool.num_free and not self._draining:
         row = self._pending.popleft()
         if row.finish_reason is None:
-          rows.append(row)
-      if rows:
-        try:
-          await self._run_batch(rows)
-        except Exception:  # a failed batch must not kill the server: abort its rows and go on
-          log.exception("batch of %d rows failed", len(rows))
-          for r in rows:
-            r.finish("abort")
-        finally:
-          self._running = []
-          self._idle.set()
-          self._quiet.set()
+          joining.append(row)
+      if joining or self._running:
+        self._idle.clear()
+        await self._iterate(joining)
 
   async def _gather(self):
-    """Lets a burst of requests join one batch: waits a window, and more windows while rows keep coming.
-
-    Why: every distinct batch bucket costs a jit compile, and a burst split as 127 + 1 costs two batches.
-    """
+    """Waits a window, and more windows while rows keep coming (a burst split 127 + 1 costs two prefills)."""
     deadline = time.monotonic() + self.max_gather_s
     await asyncio.sleep(self.batch_window_s)
     while len(self._pending) < self.max_batch and time.monotonic() < deadline:
@@ -205,57 +221,49 @@ class Engine:
       if len(self._pending) == seen:
         return
 
-  async def _run_batch(self, rows: list[Row]):
-    self._idle.clear()
-    self._quiet.clear()
-    self._running = rows
-    self.stats["num_batches"] += 1
-    self.stats["max_batch_rows_seen"] = max(self.stats["max_batch_rows_seen"], len(rows))
-    self.stats["max_batch_requests_seen"] = max(self.stats["max_batch_requests_seen"],
-                                                len({r.request_no for r in rows}))
+  async def _iterate(self, joining: list[Row]):
+    """Prefills `joining` into free slots, then decodes one chunk of every row in the pool."""
     version, params = self.weight_version, self.params
-    specs = [r.remaining_spec() for r in rows]
-    batch = await asyncio.to_thread(sampling.start_batch, params, self.cfg, specs, **self._bucket_kwargs)
-    prompt_logp = None
-    consumed = [0] * len(rows)
-    while True:
-      ids, logp, num_gen, done, stopped = await asyncio.to_thread(sampling.progress, batch)
-      if prompt_logp is None:
-        prompt_logp = await asyncio.to_thread(lambda: jax.device_get(batch.prompt_logp_BxP))
-        self._record_prompt_logprobs(rows, prompt_logp, batch)
-      for b, row in enumerate(rows):
-        if row.finish_reason is not None:
-          continue
-        n = int(num_gen[b])
-        new = range(consumed[b], n)
-        row.output_ids += ids[b, new].tolist()
-        row.logprobs += logp[b, new].tolist()
-        row.versions += [version] * len(new)
-        consumed[b] = n
-        self.stats["num_generated_tokens"] += len(new)
-        if len(new):
-          row.updated.set()
-        self._finish_if_done(row, bool(done[b]), bool(stopped[b]))
-      if all(r.finish_reason is not None for r in rows):
-        return
-      if self.pause_mode is not None:
-        if self.pause_mode == "retract":
-          # Back to the queue front; they re-prefill prompt + partial output after resume.
-          self._pending.extendleft(reversed([r for r in rows if r.finish_reason is None]))
-          return
-        self._quiet.set()
-        await self._resume.wait()
-        self._quiet.clear()
-        continue
-      version, params = self.weight_version, self.params
-      await asyncio.to_thread(sampling.decode_chunk, params, batch, self.chunk_steps)
+    if joining:
+      self.stats["num_batches"] += 1
+    try:
+      joined, chunk = await asyncio.to_thread(self._compute, params, joining)
+    except Exception:  # a failed step must not kill the server: abort its rows, start a fresh pool
+      log.exception("decode step of %d joining and %d running rows failed", len(joining), len(self._running))
+      for r in joining + self._running:
+        r.finish("abort")
+      self.pool = slot_pool.SlotPool(self.cfg, **self._pool_kwargs)
+      return
+    for t in joined + chunk:
+      self._record(t, version)
+    if chunk:
+      live = [t.owner for t in chunk]
+      self.stats["num_chunks"] += 1
+      self.stats["max_batch_rows_seen"] = max(self.stats["max_batch_rows_seen"], len(live))
+      self.stats["max_batch_requests_seen"] = max(self.stats["max_batch_requests_seen"],
+                                                  len({r.request_no for r in live}))
 
-  def _record_prompt_logprobs(self, rows, prompt_logp, batch):
-    P = prompt_logp.shape[1]
-    for b, row in enumerate(rows):
-      if row.prompt_logprobs is None:  # a resumed row keeps those of its first prefill
-        first = P - batch.prompt_lens[b]  # left padding of this row
-        row.prompt_logprobs = prompt_logp[b, first + 1:first + len(row.spec.prompt)].tolist()
+  def _compute(self, params, joining: list[Row]):
+    joined = self.pool.join(params, [r.remaining_spec() for r in joining], joining) if joining else []
+    for t in joined:
+      if t.done:
+        self.pool.release(t.slot)
+    return joined, self.pool.step(params)
+
+  def _record(self, t: slot_pool.Tokens, version: str):
+    row: Row = t.owner
+    if row.finish_reason is None:
+      if t.prompt_logprobs is not None and row.prompt_logprobs is None:  # a resumed row keeps its first
+        row.prompt_logprobs = t.prompt_logprobs[:len(row.spec.prompt) - 1]
+      row.output_ids += t.ids
+      row.logprobs += t.logprobs
+      row.versions += [version] * len(t.ids)
+      self.stats["num_generated_tokens"] += len(t.ids)
+      if t.ids:
+        row.updated.set()
+      self._finish_if_done(row, t.done, t.stopped)
+    if row.finish_reason is not None and self.pool.owners[t.slot] is row:
+      self.pool.release(t.slot)
 
   def _finish_if_done(self, row: Row, done: bool, stopped: bool):
     if row.stop_strings and self._stop_string_check is not None:

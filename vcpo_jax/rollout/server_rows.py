@@ -137,8 +137,8 @@ def load_state(args: argparse.Namespace) -> ServerState:
                      f"{cfg.max_seq_len}]")
   engine = Engine(params, cfg, args.weight_version, max_batch=args.max_batch, chunk_steps=args.chunk_steps,
                   batch_window_s=args.batch_window_ms / 1000.0, max_gather_s=args.max_gather_ms / 1000.0,
-                  min_batch=args.min_batch_bucket,
-                  min_prompt_len=args.min_prompt_bucket, min_new_tokens=args.min_new_bucket,
+                  min_batch=args.min_batch_bucket, min_prompt_len=args.min_prompt_bucket,
+                  num_slots=context_length, cache_dtype=args.kv_cache_dtype,
                   stop_string_check=stop_string_check(tokenizer))
   weights_root = os.path.realpath(args.weights_root or os.path.dirname(model_dir))
   return ServerState(engine, tokenizer, model_dir, weights_root, cfg.vocab_size, _eos_ids(model_dir),
@@ -153,7 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--weights-root", default=None,
                  help="update_weights_from_disk only loads directories under this (default: the parent of "
                       "--model-path)")
-  p.add_argument("--max-batch", type=int, default=64, help="rows decoded together in one jitted batch")
+  p.add_argument("--max-batch", type=int, default=64,
+                 help="slots of the continuous-batching pool: rows decoded together; queued rows join as "
+                      "others finish (the KV cache holds max-batch x context-length entries)")
+  p.add_argument("--kv-cache-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                 help="KV cache dtype (default: the model's compute dtype)")
   p.add_argument("--context-length", type=int, default=None,
                  help="as SGLang's (default: the model's max_seq_len): inputs up to context_length - 7 tokens, "
                       "prompt + output capped at context_length - 2")
@@ -165,10 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="gather a batch for this long, and again while requests keep arriving")
   p.add_argument("--max-gather-ms", type=float, default=50.0, help="never gather a batch for longer")
   p.add_argument("--min-batch-bucket", type=int, default=8,
-                 help="smallest batch shape; batch, prompt and new-token sizes are padded to powers of two "
-                      "at least these minimums, so jit compiles a few shapes only")
+                 help="smallest pool and prefill batch; pool, prefill and prompt sizes are padded to powers of "
+                      "two at least these minimums, so jit compiles a few shapes only")
   p.add_argument("--min-prompt-bucket", type=int, default=16)
-  p.add_argument("--min-new-bucket", type=int, default=16)
+  p.add_argument("--min-new-bucket", type=int, default=16,
+                 help="ignored (the windowed engine's new-token bucket; the pool's cache is context-length long)")
   p.add_argument("--compilation-cache-dir", default=None,
                  help="JAX persistent compilation cache: restarted servers skip the jit compiles")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
