@@ -1,19 +1,49 @@
-"""LM head: token log-probs, entropies and the head's per-sequence gradient terms from final hidden states."""
+"""LM head: token log-probs, entropies and the head's per-sequence gradient terms from final hidden states,
+computed over vocabulary chunks so that [tokens, vocab] float32 logits never exist at once."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-# Shape letters: B batch, T length, D hidden, V vocab. Position t's logits predict token t+1: logp[:, t] is
-# log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0, as in model.logprobs_from_logits.
-# The head kernel w_DxV is lm_head/kernel, or embed_tokens.T when the embeddings are tied.
+# Shape letters: B batch, T/S length, D hidden, V vocab, C vocab chunk, N tokens (B*T). Position t's logits
+# predict token t+1: logp[:, t] is log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0, as in
+# model.logprobs_from_logits. The head kernel w_DxV is lm_head/kernel, or embed_tokens.T when tied.
+#
+# Why chunks over the vocabulary (not over tokens): each chunk's [tokens, C] logits are recomputed, used and
+# dropped; the running per-token statistics (max, sum of exp, sum of exp * logit) are [tokens] vectors, the
+# backward's dx accumulator is [tokens, D] (small next to [D, V]) and each column of dW is written exactly
+# once. Token chunks would instead re-read and re-write the whole [D, V] float32 dW accumulator once per
+# chunk. The per-sequence Gram terms of the ghost norms are sums over the vocabulary, i.e. over chunks.
+# Temporaries are ~C * 4 bytes * a few per token, independent of V.
+#
+# chunk: vocabulary columns per chunk. None -> DEFAULT_CHUNK; 0 -> the plain formulation (full logits; the
+# reference the tests compare with); >= V -> one chunk. Chunks have equal size: the last one starts at V - C
+# and owns only the columns no earlier chunk had, so V need not be a multiple of C (no padded copy of w).
+DEFAULT_CHUNK = 4096
 _F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def logits(x_BxTxD, w_DxV, precision=jax.lax.Precision.HIGHEST):
+def logits(x_BxTxD, w_DxV, precision=_HIGHEST):
   """Float32 logits (inputs in their compute dtype, float32 accumulation)."""
   return jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(x_BxTxD.dtype), preferred_element_type=_F32,
                     precision=precision)
+
+
+def vocab_chunk(chunk, vocab_size: int) -> int:
+  """Columns per chunk for this vocabulary (0: plain path), or a ValueError naming the bad value."""
+  chunk = DEFAULT_CHUNK if chunk is None else chunk
+  if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 0:
+    raise ValueError(f"lm_head chunk (model.logits_chunk) must be an int >= 0 (0: plain), got {chunk!r}")
+  return min(int(chunk), vocab_size)
+
+
+def _next_tokens(tokens_BxT):
+  """nxt[:, t] = tokens[:, t+1]; the last position's target is a dummy (its predicting mask is 0)."""
+  return jnp.concatenate([tokens_BxT[:, 1:], tokens_BxT[:, :1]], axis=1)
 
 
 def _shift_mask(mask_BxT):
@@ -22,8 +52,231 @@ def _shift_mask(mask_BxT):
   return jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
 
 
-def token_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=jax.lax.Precision.HIGHEST):
-  """(logp_BxT, ent_BxT), masked, float32: log p(tokens[t] | :t) and the entropy of that distribution."""
+def _chunk_starts(vocab_size: int, c: int):
+  """Per chunk: first column read (start) and first column owned (lo); static, scanned over."""
+  lo = np.arange(-(-vocab_size // c)) * c
+  return jnp.asarray(np.minimum(lo, vocab_size - c), jnp.int32), jnp.asarray(lo, jnp.int32)
+
+
+def _scan_chunks(body, init, w_DxV, c: int):
+  return jax.lax.scan(body, init, _chunk_starts(w_DxV.shape[1], c))
+
+
+def _chunk_logits(x_NxD, w_DxV, start, lo, c: int, precision):
+  """(z_NxC float32 logits of the chunk, its columns' ids and which it owns (both [1.., C]), w_DxC)."""
+  w_DxC = jax.lax.dynamic_slice_in_dim(w_DxV, start, c, axis=1).astype(x_NxD.dtype)
+  z = jnp.einsum("...d,dc->...c", x_NxD, w_DxC, preferred_element_type=_F32, precision=precision)
+  cols_C = (start + jnp.arange(c, dtype=jnp.int32)).reshape((1,) * (z.ndim - 1) + (c,))  # ranks match z's
+  return z, cols_C, cols_C >= lo, w_DxC
+
+
+def _stats(x_NxD, w_DxV, y_N, c: int, precision):
+  """(logp_N, ent_N, lse_N) of the targets y by an online log-sum-exp over the vocabulary chunks.
+
+  Carried per token: running max m, s = sum exp(z - m), u = sum exp(z - m) (z - m), and z[y]; then
+  lse = m + log s and entropy = lse - E[z] = log s - u / s (two non-negative terms: no cancellation)."""
+  lead = x_NxD.shape[:-1]
+
+  def body(carry, starts):
+    m, s, u, zy = carry
+    z, cols, owned, _ = _chunk_logits(x_NxD, w_DxV, starts[0], starts[1], c, precision)
+    new_m = jnp.maximum(m, jnp.max(jnp.where(owned, z, -jnp.inf), axis=-1))
+    shifted = jnp.where(owned, z - new_m[..., None], -jnp.inf)
+    e = jnp.exp(shifted)
+    a, dm = jnp.exp(m - new_m), m - new_m
+    s_new = s * a + jnp.sum(e, axis=-1)
+    u_new = a * (u + s * dm) + jnp.sum(e * jnp.where(owned, shifted, 0.0), axis=-1)
+    zy = zy + jnp.sum(jnp.where(owned & (cols == y_N[..., None]), z, 0.0), axis=-1)
+    return (new_m, s_new, u_new, zy), None
+
+  # The running max starts at the lowest finite float (not -inf) so that s * (m - new_m) is 0, not NaN.
+  init = (jnp.full(lead, jnp.finfo(_F32).min, _F32), jnp.zeros(lead, _F32), jnp.zeros(lead, _F32),
+          jnp.zeros(lead, _F32))
+  (m, s, u, zy), _ = _scan_chunks(body, init, w_DxV, c)
+  lse = m + jnp.log(s)
+  return zy - lse, jnp.log(s) - u / s, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _logp_ent(x_NxD, w_DxV, y_N, c: int, precision):
+  logp_N, ent_N, _ = _stats(x_NxD, w_DxV, y_N, c, precision)
+  return logp_N, ent_N
+
+
+def _logp_ent_fwd(x_NxD, w_DxV, y_N, c, precision):
+  logp_N, ent_N, lse_N = _stats(x_NxD, w_DxV, y_N, c, precision)
+  return (logp_N, ent_N), (x_NxD, w_DxV, y_N, lse_N, ent_N)
+
+
+def _logp_ent_bwd(c, precision, residuals, cotangents):
+  """Recomputes each chunk's logits: dz = dlogp (onehot - p) - dent p (log p + ent)."""
+  x_NxD, w_DxV, y_N, lse_N, ent_N = residuals
+  dlogp_N, dent_N = (ct.astype(_F32) for ct in cotangents)
+  cdt = x_NxD.dtype
+
+  def body(carry, starts):
+    dx_NxD, dw_DxV = carry
+    start, lo = starts
+    z, cols, owned, w_DxC = _chunk_logits(x_NxD, w_DxV, start, lo, c, precision)
+    logz = jnp.where(owned, z - lse_N[:, None], 0.0)
+    p = jnp.where(owned, jnp.exp(logz), 0.0)
+    onehot = (owned & (cols == y_N[:, None])).astype(_F32)
+    dz = (dlogp_N[:, None] * (onehot - p) - dent_N[:, None] * p * (logz + ent_N[:, None])).astype(cdt)
+    dx_NxD = dx_NxD + jnp.einsum("nc,dc->nd", dz, w_DxC, preferred_element_type=_F32, precision=precision)
+    dw_DxC = jnp.einsum("nd,nc->dc", x_NxD, dz, preferred_element_type=_F32, precision=precision)
+    # Non-owned columns of the overlapping last chunk get dz = 0: adding keeps the earlier chunk's values.
+    old = jax.lax.dynamic_slice_in_dim(dw_DxV, start, c, axis=1)
+    dw_DxV = jax.lax.dynamic_update_slice_in_dim(dw_DxV, old + dw_DxC.astype(dw_DxV.dtype), start, axis=1)
+    return (dx_NxD, dw_DxV), None
+
+  init = (jnp.zeros(x_NxD.shape, _F32), jnp.zeros(w_DxV.shape, w_DxV.dtype))
+  (dx_NxD, dw_DxV), _ = _scan_chunks(body, init, w_DxV, c)
+  return dx_NxD.astype(x_NxD.dtype), dw_DxV, None
+
+
+_logp_ent.defvjp(_logp_ent_fwd, _logp_ent_bwd)
+
+
+def token_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_HIGHEST, chunk=None):
+  """(logp_BxT, ent_BxT), masked, float32: log p(tokens[t] | :t) and the entropy of that distribution.
+
+  Differentiable wrt x and w (custom VJP: the backward recomputes chunk logits; it keeps only x, w, the
+  targets and two floats per token)."""
+  c = vocab_chunk(chunk, w_DxV.shape[1])
+  if c == 0:
+    return _plain_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision)
+  b, t, d = x_BxTxD.shape
+  logp_N, ent_N = _logp_ent(x_BxTxD.reshape(b * t, d), w_DxV, _next_tokens(tokens_BxT).reshape(-1), c,
+                            precision)
+  pad, m = jnp.zeros((b, 1), _F32), mask_BxT.astype(_F32)
+  shift = lambda v_N: jnp.concatenate([pad, v_N.reshape(b, t)[:, :-1]], axis=1) * m
+  return shift(logp_N), shift(ent_N)
+
+
+def logsumexp(x_BxTxD, w_DxV, precision=_HIGHEST, chunk=None):
+  """lse_BxT of every position's logits (the per-sequence terms below take it to skip their own pass)."""
+  c = vocab_chunk(chunk, w_DxV.shape[1]) or w_DxV.shape[1]
+  return _stats(x_BxTxD, w_DxV, jnp.zeros(x_BxTxD.shape[:-1], jnp.int32), c, precision)[2]
+
+
+def head_grad_temporaries(b: int, t: int, d: int, v: int, chunk=None, tied: bool = True, dtype=_F32,
+                          param_dtype=_F32) -> dict:
+  """XLA temporaries of jit(grad(sum logp)) wrt (x, head) on abstract inputs: compile only, nothing allocated
+  (a benchmark hook: the Qwen2.5-0.5B head is b, t, 896, 151936). tied: the head is an embedding's transpose."""
+  import time
+  s = jax.ShapeDtypeStruct
+  head = s((v, d) if tied else (d, v), param_dtype)
+
+  def loss(x, head, tokens, mask):
+    w_DxV = head.T if tied else head
+    return jnp.sum(token_logprobs_and_entropy(x, w_DxV, tokens, mask, chunk=chunk)[0])
+
+  start = time.perf_counter()
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+      s((b, t, d), dtype), head, s((b, t), jnp.int32), s((b, t), _F32)).compile()
+  seconds = time.perf_counter() - start
+  temp = int(compiled.memory_analysis().temp_size_in_bytes)
+  return {"temp_bytes": temp, "temp_bytes_per_token": temp / (b * t), "compile_s": seconds,
+          "chunk": vocab_chunk(chunk, v)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-sequence terms of the head-kernel gradient. g[b, t] = d(sum_s m_s logp_s)/d logits[b, t]
+# = m'_t (onehot(nxt_t) - p_t), never formed whole: each chunk's slice g[..., chunk] is.
+# ---------------------------------------------------------------------------------------------------------
+
+def _chunk_g(x_BxTxD, w_DxV, nxt_BxT, mp_BxT, lse_BxT, starts, c, precision):
+  z, cols, owned, _ = _chunk_logits(x_BxTxD, w_DxV, starts[0], starts[1], c, precision)
+  p = jnp.where(owned, jnp.exp(jnp.where(owned, z - lse_BxT[..., None], 0.0)), 0.0)
+  onehot = (owned & (cols == nxt_BxT[..., None])).astype(_F32)
+  return (onehot - p) * mp_BxT[..., None], cols
+
+
+def _prob_at(x_BxSxD, w_DxV, ids_BxT, lse_BxS, precision):
+  """q[b, s, t] = p_s[ids_t] = exp(x_s . w[:, ids_t] - lse_s): the probabilities a Gram term needs."""
+  w_ids_BxTxD = jnp.take(w_DxV.T, ids_BxT, axis=0).astype(x_BxSxD.dtype)
+  z_BxSxT = jnp.einsum("bsd,btd->bst", x_BxSxD, w_ids_BxTxD, preferred_element_type=_F32, precision=precision)
+  return jnp.exp(z_BxSxT - lse_BxS[..., None])
+
+
+def _prepare(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT):
+  c = vocab_chunk(chunk, w_DxV.shape[1])
+  if c and lse_BxT is None:
+    lse_BxT = logsumexp(x_BxTxD, w_DxV, precision, c)
+  return c, _next_tokens(tokens_BxT), _shift_mask(mask_BxT), lse_BxT
+
+
+def head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode: str = "auto", precision=_HIGHEST, chunk=None,
+                  lse_BxT=None):
+  """||x_i^T g_i||_F^2 per sequence: the squared norm of sequence i's head-kernel gradient.
+
+  ghost: <x_i x_i^T, g_i g_i^T> with g_t.g_s = m'_t m'_s (delta(nxt_t = nxt_s) - p_t[nxt_s] - p_s[nxt_t]
+  + p_t.p_s), p_t.p_s summed over chunks; explicit: ||x_i^T g_i[:, chunk]||^2 summed over chunks."""
+  c, nxt, mp, lse = _prepare(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT)
+  if c == 0:
+    return _plain_head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode, precision)
+  b, t, d = x_BxTxD.shape
+  x32 = x_BxTxD.astype(_F32)
+  if _use_ghost(mode, t, d, w_DxV.shape[1]):
+    def body(pp_BxTxS, starts):
+      z, _, owned, _ = _chunk_logits(x_BxTxD, w_DxV, starts[0], starts[1], c, precision)
+      p = jnp.where(owned, jnp.exp(jnp.where(owned, z - lse[..., None], 0.0)), 0.0)
+      return pp_BxTxS + jnp.einsum("btc,bsc->bts", p, p, preferred_element_type=_F32), None
+    pp_BxTxS, _ = _scan_chunks(body, jnp.zeros((b, t, t), _F32), w_DxV, c)
+    q_BxTxS = _prob_at(x_BxTxD, w_DxV, nxt, lse, precision)
+    same = (nxt[:, :, None] == nxt[:, None, :]).astype(_F32)
+    gram_g = (same - q_BxTxS - jnp.swapaxes(q_BxTxS, 1, 2) + pp_BxTxS) * mp[:, :, None] * mp[:, None, :]
+    gram_x = jnp.einsum("btd,bsd->bts", x32, x32, preferred_element_type=_F32)
+    return jnp.maximum(jnp.sum(gram_x * gram_g, axis=(1, 2)), 0.0)
+
+  def body(sq_B, starts):
+    g, _ = _chunk_g(x_BxTxD, w_DxV, nxt, mp, lse, starts, c, precision)
+    dw_BxDxC = jnp.einsum("btd,btc->bdc", x32, g, preferred_element_type=_F32)
+    return sq_B + jnp.sum(jnp.square(dw_BxDxC), axis=(1, 2)), None
+  return _scan_chunks(body, jnp.zeros((b,), _F32), w_DxV, c)[0]
+
+
+def head_weighted_grad(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, c_B, precision=_HIGHEST, chunk=None,
+                       lse_BxT=None):
+  """sum_i c_i x_i^T g_i: the head-kernel gradient of sum_i c_i sum_t m_t logp_t (c constant), [D, V]."""
+  c, nxt, mp, lse = _prepare(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT)
+  if c == 0:
+    return _plain_head_weighted_grad(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, c_B, precision)
+  xc_BxTxD = x_BxTxD.astype(_F32) * c_B.astype(_F32)[:, None, None]
+
+  def body(dw_DxV, starts):
+    g, _ = _chunk_g(x_BxTxD, w_DxV, nxt, mp, lse, starts, c, precision)
+    dw_DxC = jnp.einsum("btd,btc->dc", xc_BxTxD, g, preferred_element_type=_F32)
+    old = jax.lax.dynamic_slice_in_dim(dw_DxV, starts[0], c, axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(dw_DxV, old + dw_DxC, starts[0], axis=1), None
+  return _scan_chunks(body, jnp.zeros(w_DxV.shape, _F32), w_DxV, c)[0]
+
+
+def tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT, precision=_HIGHEST, chunk=None,
+                     lse_BxT=None):
+  """<E_i, H_i^T> between sequence i's embedding gradient (row scatter of g_embed by token id) and its head
+  gradient: sum_{t,s} g_head[s, id_t] <g_embed_t, x_s>, g_head[s, id_t] = m'_s (delta(nxt_s = id_t)
+  - p_s[id_t]) (only the log-sum-exp pass touches the whole vocabulary)."""
+  c, nxt, mp, lse = _prepare(x_BxSxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT)
+  if c == 0:
+    return _plain_tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT, precision)
+  q_BxSxT = _prob_at(x_BxSxD, w_DxV, tokens_BxT, lse, precision)
+  same_BxSxT = (nxt[:, :, None] == tokens_BxT[:, None, :]).astype(_F32)
+  gh_BxSxT = (same_BxSxT - q_BxSxT) * mp[:, :, None]
+  ex_BxSxT = jnp.einsum("btd,bsd->bst", g_embed_BxTxD.astype(_F32), x_BxSxD.astype(_F32),
+                        preferred_element_type=_F32)
+  return jnp.sum(gh_BxSxT * ex_BxSxT, axis=(1, 2))
+
+
+def _use_ghost(mode: str, t: int, d: int, v: int) -> bool:
+  return t * (d + v) < d * v if mode == "auto" else mode == "ghost"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plain formulation (full [B, T, V] float32 logits): chunk=0, and the reference of tests/test_lm_head.py.
+# ---------------------------------------------------------------------------------------------------------
+
+def _plain_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_HIGHEST):
   logz_BxTxV = jax.nn.log_softmax(logits(x_BxTxD[:, :-1], w_DxV, precision), axis=-1)
   logp_BxTm1 = jnp.take_along_axis(logz_BxTxV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
   ent_BxTm1 = -jnp.sum(jnp.exp(logz_BxTxV) * logz_BxTxV, axis=-1)
@@ -32,22 +285,17 @@ def token_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=j
   return (jnp.concatenate([pad, logp_BxTm1], axis=1) * m, jnp.concatenate([pad, ent_BxTm1], axis=1) * m)
 
 
-def logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=jax.lax.Precision.HIGHEST):
-  """g[b, t] = d(sum_s m_s logp_s)/d logits[b, t] = m'_t (onehot(tokens[t+1]) - softmax(logits[t]))."""
+def logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_HIGHEST):
+  """Plain g[b, t] = m'_t (onehot(tokens[t+1]) - softmax(logits[t])), [B, T, V]."""
   p_BxTxV = jax.nn.softmax(logits(x_BxTxD, w_DxV, precision), axis=-1)
-  nxt_BxT = jnp.concatenate([tokens_BxT[:, 1:], tokens_BxT[:, :1]], axis=1)
-  onehot = jax.nn.one_hot(nxt_BxT, w_DxV.shape[-1], dtype=_F32)
+  onehot = jax.nn.one_hot(_next_tokens(tokens_BxT), w_DxV.shape[-1], dtype=_F32)
   return (onehot - p_BxTxV) * _shift_mask(mask_BxT)[:, :, None]
 
 
-def head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode: str = "auto",
-                  precision=jax.lax.Precision.HIGHEST):
-  """||x_i^T g_i||_F^2 per sequence: the squared norm of sequence i's head-kernel gradient."""
+def _plain_head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode="auto", precision=_HIGHEST):
   g_BxTxV = logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision)
-  t, d, v = x_BxTxD.shape[1], x_BxTxD.shape[2], w_DxV.shape[1]
-  ghost = t * (d + v) < d * v if mode == "auto" else mode == "ghost"
   x = x_BxTxD.astype(_F32)
-  if ghost:
+  if _use_ghost(mode, x.shape[1], x.shape[2], w_DxV.shape[1]):
     gram_x = jnp.einsum("btd,bsd->bts", x, x, preferred_element_type=_F32)
     gram_g = jnp.einsum("btv,bsv->bts", g_BxTxV, g_BxTxV, preferred_element_type=_F32)
     return jnp.maximum(jnp.sum(gram_x * gram_g, axis=(1, 2)), 0.0)
@@ -55,17 +303,13 @@ def head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode: str = "auto",
   return jnp.sum(jnp.square(dw_BxDxV), axis=(1, 2))
 
 
-def head_weighted_grad(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, c_B, precision=jax.lax.Precision.HIGHEST):
-  """sum_i c_i x_i^T g_i: the head-kernel gradient of sum_i c_i sum_t m_t logp_t (c constant), [D, V]."""
+def _plain_head_weighted_grad(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, c_B, precision=_HIGHEST):
   g_BxTxV = logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision)
   xc_BxTxD = x_BxTxD.astype(_F32) * c_B.astype(_F32)[:, None, None]
   return jnp.einsum("btd,btv->dv", xc_BxTxD, g_BxTxV, preferred_element_type=_F32)
 
 
-def tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT,
-                     precision=jax.lax.Precision.HIGHEST):
-  """<E_i, H_i^T> between sequence i's embedding gradient (row scatter of g_embed by token id) and its head
-  gradient: sum_{t,s} g_head[s, id_t] <g_embed_t, x_s>."""
+def _plain_tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT, precision=_HIGHEST):
   g_BxSxV = logit_grads(x_BxSxD, w_DxV, tokens_BxT, mask_BxT, precision)
   s = x_BxSxD.shape[1]
   ids_BxSxT = jnp.broadcast_to(tokens_BxT[:, None, :], (tokens_BxT.shape[0], s, tokens_BxT.shape[1]))

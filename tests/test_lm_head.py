@@ -1,0 +1,131 @@
+"""lm_head: the vocabulary-chunked head (custom VJP) equals the plain full-logits formulation (chunk=0)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vcpo_jax import lm_head as L
+
+B, T, D, V = 3, 7, 8, 37   # V = 4 chunks of 8 + an overlapping last chunk that owns 5 columns
+CHUNK = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs():
+  kx, kw, kt = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (B, T, D))
+  w = 0.7 * jax.random.normal(kw, (D, V))
+  tokens = jax.random.randint(kt, (B, T), 0, V).at[:, 3].set(V - 1).at[0, 5].set(0)  # last column too
+  mask = jnp.array([[0, 1, 1, 0, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]], jnp.float32)
+  return x, w, tokens, mask
+
+
+def _close(a, b, tol=1e-5):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(b)))))
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, 5, 1, V, 1000])
+def test_logprobs_and_entropy_match_plain(chunk):
+  x, w, tokens, mask = _inputs()
+  got = jax.jit(functools.partial(L.token_logprobs_and_entropy, chunk=chunk))(x, w, tokens, mask)
+  ref = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=0)
+  for g, r in zip(got, ref):
+    assert g.dtype == jnp.float32
+    _close(g, r)
+  assert float(jnp.max(ref[1])) > 1.0  # entropies are far from 0: the test is not vacuous
+
+
+def _loss(chunk, tied):
+  """A loss mixing log-probs and entropies (an entropy bonus) with per-token weights, of (x, w) or, tied,
+  of an embedding E whose rows feed x and whose transpose is the head."""
+  _, _, tokens, mask = _inputs()
+  a = jax.random.normal(jax.random.PRNGKey(3), (B, T))
+  b = jax.random.normal(jax.random.PRNGKey(4), (B, T))
+
+  def f(x, w):
+    if tied:
+      x, w = jnp.tanh(x + w.T[tokens]), w   # w is E^T: gradients reach it through x and the head
+    logp, ent = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)
+    return jnp.sum(a * logp) + 0.3 * jnp.sum(b * ent)
+  return f
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [CHUNK, 5])
+def test_gradients_wrt_x_and_w_match_plain(tied, chunk):
+  x, w, _, _ = _inputs()
+  got = jax.jit(jax.grad(_loss(chunk, tied), argnums=(0, 1)))(x, w)
+  ref = jax.grad(_loss(0, tied), argnums=(0, 1))(x, w)
+  for g, r in zip(got, ref):
+    assert g.shape == r.shape and g.dtype == r.dtype
+    _close(g, r)
+  assert float(jnp.max(jnp.abs(ref[1][:, V - 1]))) > 0  # the overlapping last chunk's own column is trained
+
+
+def test_entropy_gradient_alone_matches_plain():
+  x, w, tokens, mask = _inputs()
+  f = lambda chunk: lambda x, w: jnp.sum(L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)[1])
+  for g, r in zip(jax.grad(f(CHUNK), argnums=(0, 1))(x, w), jax.grad(f(0), argnums=(0, 1))(x, w)):
+    _close(g, r)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "explicit", "auto"])
+def test_head_sq_norms_match_plain(mode):
+  x, w, tokens, mask = _inputs()
+  got = jax.jit(functools.partial(L.head_sq_norms, mode=mode, chunk=CHUNK))(x, w, tokens, mask)
+  ref = L.head_sq_norms(x, w, tokens, mask, mode, chunk=0)
+  _close(got, ref)
+  assert float(ref[2]) == 0.0 and float(jnp.min(ref[:2])) > 0  # the all-masked row has no gradient
+
+
+def test_head_weighted_grad_and_tied_cross_terms_match_plain():
+  x, w, tokens, mask = _inputs()
+  c_B = jnp.array([0.5, -2.0, 3.0])
+  g_embed = jax.random.normal(jax.random.PRNGKey(5), (B, T, D))
+  lse = L.logsumexp(x, w, chunk=CHUNK)
+  _close(L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=CHUNK),
+         L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=0))
+  _close(L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=CHUNK, lse_BxT=lse),
+         L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=0))
+  _close(L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=CHUNK),
+         L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=0))
+  _close(lse, jax.nn.logsumexp(L.logits(x, w), axis=-1))
+
+
+def test_weighted_grad_equals_autodiff_of_weighted_logp():
+  x, w, tokens, mask = _inputs()
+  c_B = jnp.array([1.5, -0.5, 2.0])
+  f = lambda w: jnp.sum(c_B[:, None] * L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=CHUNK)[0])
+  _close(L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=CHUNK), jax.grad(f)(w))
+
+
+def test_bfloat16_inputs_give_float32_logprobs_close_to_float32():
+  x, w, tokens, mask = _inputs()
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  logp, ent = L.token_logprobs_and_entropy(xb, wb, tokens, mask, chunk=CHUNK)
+  assert logp.dtype == ent.dtype == jnp.float32
+  ref = L.token_logprobs_and_entropy(xb.astype(jnp.float32), wb.astype(jnp.float32), tokens, mask, chunk=0)
+  np.testing.assert_allclose(logp, ref[0], atol=0.1)
+  dx, dw = jax.grad(lambda x, w: jnp.sum(L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=CHUNK)[0]),
+                    argnums=(0, 1))(xb, wb)
+  assert dx.dtype == dw.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("chunk", [-1, 2.5, True, "8"])
+def test_bad_chunk_names_the_field(chunk):
+  x, w, tokens, mask = _inputs()
+  with pytest.raises(ValueError, match="logits_chunk"):
+    L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)
+
+
+def test_chunked_grad_never_holds_full_logits():
+  """Compile only: XLA temporaries of grad(sum logp) stay below ONE [tokens, V] float32 array chunked,
+  while the plain path needs several."""
+  n_bytes = 256 * 4096 * 4   # B*T tokens x V x float32
+  plain = L.head_grad_temporaries(b=4, t=64, d=32, v=4096, chunk=0, tied=True)
+  chunked = L.head_grad_temporaries(b=4, t=64, d=32, v=4096, chunk=256, tied=True)
+  assert plain["temp_bytes"] > 2 * n_bytes
+  assert chunked["temp_bytes"] < n_bytes / 2
