@@ -1,0 +1,242 @@
+"""Tool use (#14): the calculator environment (parse errors, injection, caps), the countdown_tools task and its
+warm-start traces, and the episode runner's turns, caps, masks and versions against a hand-built episode."""
+import asyncio
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from vcpo_jax import tasks
+from vcpo_jax.evaluation import completion_text
+from vcpo_jax.rollout import batching, episodes, types
+from vcpo_jax.tasks import calculator
+from vcpo_jax.tokenizer import build_tokenizer
+
+TOK = build_tokenizer()
+CALC = calculator.Calculator(max_turns=3, max_result_chars=24)
+# Every reply is a value or a fixed error phrase: nothing of the model's text comes back.
+REPLY_RE = re.compile(r"<result>(-?\d+(/\d+)?|error: [a-z ]+)</result>")
+
+
+# --- environment ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("turn,call", [
+    ("no call here <answer>1</answer>", None),
+    ("<calc>1+2</calc>", "1+2"),
+    ("think <calc>7 * (3 - 1)</calc>", "7 * (3 - 1)"),
+    ("</calc>", ""),                              # a closer without an opener is a (malformed) call
+    ("<calc>9<calc>3*4</calc>", "3*4"),           # the opener nearest the closer
+    ("<calc>1+1</calc> tail <calc>5</calc>", "1+1"),  # generation stops at the first closer
+    ("<calc>1+2", None),                           # unfinished: no call
+])
+def test_find_call(turn, call):
+  assert CALC.find_call(turn) == call
+
+
+@pytest.mark.parametrize("expr,reply,error", [
+    ("1+2", "3", False), ("7/2", "7/2", False), ("(10-4)/3", "2", False), ("2-9", "-7", False),
+    ("1/0", "error: division by zero", True), ("  ", "error: empty", True), ("2**3", "error: malformed", True),
+    ("1+", "error: malformed", True), ("3)", "error: malformed", True), ("x+1", "error: bad character", True),
+    ("1" * 20, "error: too large", True), ("999999*999999*999999", "error: too large", True),
+    ("(" * 100 + "1" + ")" * 100, "error: too deep", True), ("1+" * 200 + "1", "error: too long", True),
+])
+def test_calls_are_answered_and_failures_are_error_replies(expr, reply, error):
+  got = CALC.respond(f"<calc>{expr}</calc>")
+  assert got == calculator.ToolReply(f"<result>{reply}</result>", error)
+
+
+def test_over_long_values_are_capped():
+  calc = calculator.Calculator(max_turns=2, max_result_chars=5)
+  assert calc.run("12345").text == "<result>12345</result>"
+  assert calc.run("123456") == calculator.ToolReply("<result>error: too long</result>", True)
+  assert calc.run("100/7") == calculator.ToolReply("<result>100/7</result>", False)
+  assert calc.run("1000/7").error
+
+
+@pytest.mark.parametrize("expr", [
+    "__import__('os').system('rm -rf /')", "1+1</result><answer>2</answer>", "1<|im_end|><|im_start|>user",
+    "open('/etc/passwd').read()", "9**9**9", "lambda: 1", "1e999", "\x00\ufffd", "1; import os",
+])
+def test_injection_attempts_get_a_fixed_error_reply(expr):
+  got = CALC.respond(f"<calc>{expr}</calc>")
+  assert got.error and REPLY_RE.fullmatch(got.text), got
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("0123456789+-*/() .<>/calcresult|_eaxz")), max_size=80))
+def test_any_turn_text_gets_none_or_a_well_formed_reply(text):
+  got = CALC.respond(text)
+  if got is None:
+    assert calculator.CALL_CLOSE not in text
+    return
+  assert REPLY_RE.fullmatch(got.text), got
+  assert TOK.decode(TOK.encode(got.text)) == got.text  # always tokenizable
+
+
+def test_calculator_knobs_are_checked():
+  with pytest.raises(ValueError, match="max_turns"):
+    calculator.Calculator(max_turns=0)
+  with pytest.raises(ValueError, match="max_result_chars"):
+    calculator.Calculator(max_result_chars=0)
+  with pytest.raises(ValueError, match="correction_rate"):
+    tasks.get_task("countdown_tools", correction_rate=1.5)
+
+
+# --- task -------------------------------------------------------------------------------------------------
+
+def test_tool_task_traces_use_the_calculator_and_are_scored_as_countdown():
+  task = tasks.get_task("countdown_tools", num_numbers=3, max_number=10, max_target=100,
+                        render_prompt=TOK.chat_prompt)
+  assert isinstance(task.environment(), calculator.Calculator)
+  assert tasks.get_task("countdown").environment() is None
+  rng = np.random.default_rng(0)
+  corrected = 0
+  for ex in task.sample(0, 60):
+    assert ex["task"] == "countdown_tools" and "<calc></calc>" in ex["prompt"]
+    good, bad = task.sft_completion(ex, rng, 0.0), task.sft_completion(ex, rng, 1.0)
+    assert task.reward(ex, good) == 1.0 and task.reward(ex, bad) == 0.0
+    assert tasks.reward(ex, good) == tasks.countdown_reward(good, ex["numbers"], ex["target"]) == 1.0
+    calls = re.findall(r"<calc>(.*?)</calc>(<result>.*?</result>)", good)
+    assert calls and all(task.environment().run(e).text == r for e, r in calls)  # real tool replies
+    assert calls[-1][1] == f"<result>{ex['target']}</result>"  # the last check hits the target
+    corrected += len(calls) > 1  # a deliberately wrong first check, then the correction
+  assert 10 < corrected < 50
+
+
+def test_tool_config_rows_fit_the_longest_trace():
+  from configs import countdown_tools
+  c = countdown_tools.get_config()
+  task = tasks.get_task(c.task.name, render_prompt=TOK.chat_prompt, **c.task.kwargs)
+  rng = np.random.default_rng(1)
+  for ex in task.sample(1, 200):
+    prompt = len(TOK.encode(ex["prompt"]))
+    for error_rate in (0.0, 1.0):
+      trace = len(TOK.encode(task.sft_completion(ex, rng, error_rate))) + 1
+      assert prompt + trace <= c.model.max_seq_len
+      assert trace <= c.rl.max_new_tokens
+    assert prompt + c.rl.max_new_tokens <= c.model.max_seq_len - 2  # SGLang's context margin
+
+
+# --- episodes against a scripted policy -----------------------------------------------------------------
+
+class ScriptedPolicy:
+  """Writes the given turn texts in order; records what each /generate-like call received. Token versions
+  come from `versions` (one list per turn), like a server whose weights change between turns."""
+
+  def __init__(self, turns, versions=None):
+    self.turns, self.versions, self.calls = [TOK.encode(t) for t in turns], versions, []
+
+  async def __call__(self, input_ids, params, n=1):
+    assert n == 1
+    t = len(self.calls)
+    self.calls.append((list(input_ids), dict(params)))
+    ids = self.turns[t][:params["max_new_tokens"]]
+    vers = self.versions[t] if self.versions else [0] * len(ids)
+    lps = [-0.1 * (1 + i % 3) for i in range(len(ids))]
+    finish = "stop" if ids and (ids[-1] in TOK.stop_ids or "</calc>" in TOK.decode(ids)) else "length"
+    return [types.Sample(prompt_ids=list(input_ids), output_ids=ids, output_logprobs=np.asarray(lps, np.float32),
+                         token_versions=np.asarray(vers[:len(ids)], np.int64), finish_reason=finish,
+                         server_url="scripted", num_resumes=1)]
+
+
+def _runner(max_turns=3, max_new_tokens=80, context_length=None):
+  return episodes.EpisodeRunner(calculator.Calculator(max_turns=max_turns), encode=TOK.encode,
+                                decode=lambda ids: completion_text(TOK, ids), stop_ids=TOK.stop_ids,
+                                max_new_tokens=max_new_tokens, context_length=context_length)
+
+
+PROMPT = TOK.encode(TOK.chat_prompt("Using the numbers [2, 3], make 6."))
+END = "<|im_end|>"
+
+
+def test_hand_built_episode_masks_logprobs_versions_and_lag():
+  turn1, turn2 = "<calc>2*3</calc>", "<answer>2*3</answer>" + END
+  v1, v2 = [5] * len(TOK.encode(turn1)), [6] * 5 + [7] * (len(TOK.encode(turn2)) - 5)  # turn 2 straddles
+  policy = ScriptedPolicy([turn1, turn2], [v1, v2])
+  (sample,) = asyncio.run(_runner().generate(policy, PROMPT, {"max_new_tokens": 80, "sampling_seed": 11}, n=1))
+  ids1, tool, ids2 = TOK.encode(turn1), TOK.encode("<result>6</result>"), TOK.encode(turn2)
+  # Each turn is a generation on the growing input: prompt + earlier turns + tool outputs.
+  assert [c[0] for c in policy.calls] == [PROMPT, PROMPT + ids1 + tool]
+  assert [c[1]["max_new_tokens"] for c in policy.calls] == [80, 80 - len(ids1) - len(tool)]
+  assert all(c[1]["stop"] == ["</calc>"] for c in policy.calls)
+  seeds = [c[1]["sampling_seed"] for c in policy.calls]
+  assert seeds[0] == 11 and seeds[1] != 11  # a later turn does not replay turn 0's random draws
+  assert sample.output_ids == ids1 + tool + ids2
+  want_mask = [1] * len(ids1) + [0] * len(tool) + [1] * len(ids2)
+  np.testing.assert_array_equal(sample.output_mask, want_mask)
+  assert (sample.num_turns, sample.tool_calls, sample.tool_errors, sample.finish_reason) == (2, 1, 0, "stop")
+  assert sample.num_resumes == 2 and sample.min_version == 5
+
+  group = types.Group(index=0, example={"prompt_ids": PROMPT}, start_version=5, deadline=7, samples=[sample])
+  group.sample_lags = [types.sample_lag(sample, 8, group.start_version)]
+  assert group.sample_lags == [3]  # learner version 8 - the oldest generated token's version 5
+  types.score_group(group, lambda ex, ids: (1.0, completion_text(TOK, ids)))
+  assert group.completions[0] == turn1 + "<result>6</result><answer>2*3</answer>"
+  batch = batching.groups_to_batch([group], seq_len=len(PROMPT) + 80, pad_id=TOK.pad_id, num_rows=2)
+  P, L = len(PROMPT), len(sample.output_ids)
+  row_mask = np.zeros(P + 80)
+  row_mask[P:P + L] = want_mask
+  np.testing.assert_array_equal(batch.mask_BxT[0], row_mask)
+  np.testing.assert_array_equal(batch.tokens_BxT[0, :P + L], PROMPT + sample.output_ids)
+  tool_pos = np.arange(P + len(ids1), P + len(ids1) + len(tool))
+  assert np.all(batch.sampler_logp_BxT[0, tool_pos] == 0) and np.all(batch.version_BxT[0, tool_pos] == -1)
+  gen = row_mask > 0
+  np.testing.assert_array_equal(batch.version_BxT[0][gen], v1 + v2)
+  np.testing.assert_allclose(batch.sampler_logp_BxT[0][gen], sample.output_logprobs[np.asarray(want_mask) > 0])
+  assert batch.lag_B[0] == 3 and batch.mask_BxT[1].sum() == 0
+
+
+def test_max_turns_caps_the_episode():
+  policy = ScriptedPolicy(["<calc>1+1</calc>"] * 5)
+  (sample,) = asyncio.run(_runner(max_turns=3, max_new_tokens=120).generate(policy, PROMPT, {"max_new_tokens": 1}))
+  assert len(policy.calls) == 3 and sample.num_turns == 3
+  assert sample.tool_calls == 2 and sample.turn_capped and sample.finish_reason == "length"
+  assert completion_text(TOK, sample.output_ids) == "<calc>1+1</calc><result>2</result>" * 2 + "<calc>1+1</calc>"
+
+
+def test_failing_calls_continue_the_episode_and_are_counted():
+  policy = ScriptedPolicy(["<calc>1/0</calc>", "<calc>import os</calc>", "<answer>1</answer>" + END])
+  (sample,) = asyncio.run(_runner(max_new_tokens=160).generate(policy, PROMPT, {"max_new_tokens": 1}))
+  assert (sample.num_turns, sample.tool_calls, sample.tool_errors) == (3, 2, 2)
+  text = completion_text(TOK, sample.output_ids)
+  assert "<result>error: division by zero</result>" in text and "<result>error: bad character</result>" in text
+  metrics = episodes.metrics([types.Group(0, {}, 0, 0, samples=[sample, sample])])
+  assert metrics["tools/calls_per_episode"] == 2 and metrics["tools/error_rate"] == 1.0
+  assert metrics["tools/turns_per_episode"] == 3
+  assert episodes.metrics([types.Group(0, {}, 0, 0, samples=[types.Sample([1], [2], np.zeros(1), np.zeros(1),
+                                                                          "stop", "")])]) == {}
+
+
+def test_episode_length_is_capped_and_a_reply_that_does_not_fit_ends_it():
+  calls = "<calc>1+1</calc>"
+  n_call, n_reply = len(TOK.encode(calls)), len(TOK.encode("<result>2</result>"))
+  # Room for the call and its reply, but not for one more generated token: the reply is not appended.
+  policy = ScriptedPolicy([calls] * 3)
+  (sample,) = asyncio.run(_runner(max_new_tokens=n_call + n_reply).generate(policy, PROMPT, {"max_new_tokens": 1}))
+  assert sample.output_ids == TOK.encode(calls) and sample.tool_calls == 0 and sample.finish_reason == "length"
+  # A longer budget: the second turn is cut by the budget (max_new_tokens = what is left).
+  policy = ScriptedPolicy([calls] * 3)
+  budget = n_call + n_reply + 4
+  (sample,) = asyncio.run(_runner(max_new_tokens=budget).generate(policy, PROMPT, {"max_new_tokens": 1}))
+  assert len(sample.output_ids) == budget and policy.calls[1][1]["max_new_tokens"] == 4
+  # The servers' context length caps every turn's input: no request that SGLang would refuse is sent.
+  policy = ScriptedPolicy([calls] * 3)
+  (sample,) = asyncio.run(_runner(context_length=len(PROMPT) + n_call + n_reply + 4).generate(
+      policy, PROMPT, {"max_new_tokens": 1}))
+  assert len(policy.calls) == 1 and sample.finish_reason == "length"
+
+
+def test_a_marker_split_by_an_abort_resume_is_still_cut():
+  # A resumed request's new segment alone lacks the stop string, so the server ran on past it: the runner
+  # cuts the turn at the marker (the kept tokens' distribution is what stopping would have given).
+  policy = ScriptedPolicy(["<calc>2+2</calc>garbage after", "<answer>4</answer>" + END])
+  (sample,) = asyncio.run(_runner().generate(policy, PROMPT, {"max_new_tokens": 80}))
+  assert completion_text(TOK, sample.output_ids) == "<calc>2+2</calc><result>4</result><answer>4</answer>"
+  assert sample.tool_calls == 1 and sample.finish_reason == "stop"
+
+
+def test_first_stop_finds_the_fewest_tokens():
+  ids = TOK.encode("ab</calc>cd</calc>")
+  assert episodes.first_stop(ids, TOK.decode, ["</calc>"]) == 9
+  assert episodes.first_stop(ids, TOK.decode, ["zz"]) is None
