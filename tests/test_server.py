@@ -374,6 +374,24 @@ def test_update_without_pause_waits_for_in_flight(server):
     server.use_weights("m0", "v0")
 
 
+def test_request_joins_while_another_decodes(server):
+  """Continuous batching: a short request submitted mid-way through a long one finishes before it, with the
+  tokens and log-probs it gets alone (a windowed engine would hold it until the long batch drained)."""
+  short = {"input_ids": PROMPT[:3], "return_logprob": True,
+           "sampling_params": {"max_new_tokens": 6, "sampling_seed": 3, "ignore_eos": True, "temperature": 0.8}}
+  alone = server.generate(short)
+  fut = _long_request(server, "ongoing")
+  try:
+    joined = server.generate(short)
+    assert not fut.done(), "the short request waited for the long one"
+  finally:
+    server.call("POST", "/abort_request", {"rid": "ongoing"})
+  fut.result(timeout=60)
+  assert joined["output_ids"] == alone["output_ids"]
+  np.testing.assert_allclose([e[0] for e in joined["meta_info"]["output_token_logprobs"]],
+                             [e[0] for e in alone["meta_info"]["output_token_logprobs"]], atol=1e-6, rtol=0)
+
+
 def test_concurrent_requests_share_one_batch(server):
   before = server.info()["num_batches"]
   bodies = [{"input_ids": PROMPT[:i + 1], "sampling_params": {"max_new_tokens": 6, "temperature": 0,
