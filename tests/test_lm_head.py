@@ -27,11 +27,11 @@ def _close(a, b, tol=1e-5):
   np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(b)))))
 
 
-@pytest.mark.parametrize("chunk", [CHUNK, 5, 1, V, 1000])
+@pytest.mark.parametrize("chunk", [CHUNK, 1000])
 def test_logprobs_and_entropy_match_plain(chunk):
   x, w, tokens, mask = _inputs()
   got = jax.jit(functools.partial(L.token_logprobs_and_entropy, chunk=chunk))(x, w, tokens, mask)
-  ref = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=0)
+  ref = jax.jit(functools.partial(L.token_logprobs_and_entropy, chunk=0))(x, w, tokens, mask)
   for g, r in zip(got, ref):
     assert g.dtype == jnp.float32
     _close(g, r)
@@ -53,30 +53,22 @@ def _loss(chunk, tied):
   return f
 
 
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("chunk", [CHUNK, 5])
+@pytest.mark.parametrize("tied,chunk", [(False, CHUNK), (True, 5)])
 def test_gradients_wrt_x_and_w_match_plain(tied, chunk):
   x, w, _, _ = _inputs()
   got = jax.jit(jax.grad(_loss(chunk, tied), argnums=(0, 1)))(x, w)
-  ref = jax.grad(_loss(0, tied), argnums=(0, 1))(x, w)
+  ref = jax.jit(jax.grad(_loss(0, tied), argnums=(0, 1)))(x, w)
   for g, r in zip(got, ref):
     assert g.shape == r.shape and g.dtype == r.dtype
     _close(g, r)
   assert float(jnp.max(jnp.abs(ref[1][:, V - 1]))) > 0  # the overlapping last chunk's own column is trained
 
 
-def test_entropy_gradient_alone_matches_plain():
-  x, w, tokens, mask = _inputs()
-  f = lambda chunk: lambda x, w: jnp.sum(L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)[1])
-  for g, r in zip(jax.grad(f(CHUNK), argnums=(0, 1))(x, w), jax.grad(f(0), argnums=(0, 1))(x, w)):
-    _close(g, r)
-
-
-@pytest.mark.parametrize("mode", ["ghost", "explicit", "auto"])
+@pytest.mark.parametrize("mode", ["ghost", "explicit"])
 def test_head_sq_norms_match_plain(mode):
   x, w, tokens, mask = _inputs()
   got = jax.jit(functools.partial(L.head_sq_norms, mode=mode, chunk=CHUNK))(x, w, tokens, mask)
-  ref = L.head_sq_norms(x, w, tokens, mask, mode, chunk=0)
+  ref = jax.jit(functools.partial(L.head_sq_norms, mode=mode, chunk=0))(x, w, tokens, mask)
   _close(got, ref)
   assert float(ref[2]) == 0.0 and float(jnp.min(ref[:2])) > 0  # the all-masked row has no gradient
 
@@ -85,32 +77,31 @@ def test_head_weighted_grad_and_tied_cross_terms_match_plain():
   x, w, tokens, mask = _inputs()
   c_B = jnp.array([0.5, -2.0, 3.0])
   g_embed = jax.random.normal(jax.random.PRNGKey(5), (B, T, D))
-  lse = L.logsumexp(x, w, chunk=CHUNK)
-  _close(L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=CHUNK),
-         L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=0))
-  _close(L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=CHUNK, lse_BxT=lse),
-         L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=0))
-  _close(L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=CHUNK),
-         L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=0))
-  _close(lse, jax.nn.logsumexp(L.logits(x, w), axis=-1))
 
+  @functools.partial(jax.jit, static_argnums=0)
+  def terms(chunk):
+    lse = L.logsumexp(x, w, chunk=CHUNK) if chunk else None
+    f = lambda w: jnp.sum(c_B[:, None] * L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)[0])
+    return (L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=chunk),
+            L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=chunk, lse_BxT=lse),
+            L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=chunk), jax.grad(f)(w))
 
-def test_weighted_grad_equals_autodiff_of_weighted_logp():
-  x, w, tokens, mask = _inputs()
-  c_B = jnp.array([1.5, -0.5, 2.0])
-  f = lambda w: jnp.sum(c_B[:, None] * L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=CHUNK)[0])
-  _close(L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=CHUNK), jax.grad(f)(w))
+  got, ref = terms(CHUNK), terms(0)
+  for g, r in zip(got, ref):
+    _close(g, r)
+  _close(got[0], got[3])  # the weighted gradient is autodiff of the weighted log-prob sum
+  _close(L.logsumexp(x, w, chunk=CHUNK), jax.nn.logsumexp(L.logits(x, w), axis=-1))
 
 
 def test_bfloat16_inputs_give_float32_logprobs_close_to_float32():
   x, w, tokens, mask = _inputs()
   xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-  logp, ent = L.token_logprobs_and_entropy(xb, wb, tokens, mask, chunk=CHUNK)
+  f = lambda x, w: L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=CHUNK)
+  (logp, ent), vjp = jax.vjp(jax.jit(f), xb, wb)
   assert logp.dtype == ent.dtype == jnp.float32
-  ref = L.token_logprobs_and_entropy(xb.astype(jnp.float32), wb.astype(jnp.float32), tokens, mask, chunk=0)
+  ref = jax.jit(f)(xb.astype(jnp.float32), wb.astype(jnp.float32))
   np.testing.assert_allclose(logp, ref[0], atol=0.1)
-  dx, dw = jax.grad(lambda x, w: jnp.sum(L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=CHUNK)[0]),
-                    argnums=(0, 1))(xb, wb)
+  dx, dw = vjp((jnp.ones_like(logp), jnp.zeros_like(ent)))
   assert dx.dtype == dw.dtype == jnp.bfloat16
 
 
@@ -124,8 +115,8 @@ def test_bad_chunk_names_the_field(chunk):
 def test_chunked_grad_never_holds_full_logits():
   """Compile only: XLA temporaries of grad(sum logp) stay below ONE [tokens, V] float32 array chunked,
   while the plain path needs several."""
-  n_bytes = 256 * 4096 * 4   # B*T tokens x V x float32
-  plain = L.head_grad_temporaries(b=4, t=64, d=32, v=4096, chunk=0, tied=True)
-  chunked = L.head_grad_temporaries(b=4, t=64, d=32, v=4096, chunk=256, tied=True)
+  n_bytes = 128 * 2048 * 4   # B*T tokens x V x float32
+  plain = L.head_grad_temporaries(b=2, t=64, d=16, v=2048, chunk=0, tied=True)
+  chunked = L.head_grad_temporaries(b=2, t=64, d=16, v=2048, chunk=128, tied=True)
   assert plain["temp_bytes"] > 2 * n_bytes
   assert chunked["temp_bytes"] < n_bytes / 2
