@@ -54,9 +54,17 @@ QWEN_QUICK = AsyncSetup(lags=(0, 2), measured_steps=3, skip=2, budget_s=260, con
                         overrides=_QWEN_OVERRIDES + ("rl.max_new_tokens=32", "rl.prompts_per_step=2"))
 
 
+# configs/tiny.py (--model tiny): seconds per run, a smoke check of the async path rather than a figure.
+TINY = AsyncSetup(lags=(0, 2), measured_steps=4, skip=2, budget_s=200, config="configs/tiny.py",
+                  overrides=("eval_every=100000", "checkpoint_every=100000"))
+
+
 def setup_for(quick: bool) -> AsyncSetup:
-  if common.resolve_model() == "main":
+  name = common.resolve_model()
+  if name == "main":
     return QUICK if quick else FULL
+  if name == "tiny":
+    return TINY
   return QWEN_QUICK if quick else QWEN
 
 

@@ -1,4 +1,4 @@
-"""Figure 3: learner achieved FLOP/s over the XLA float32 matmul peak measured in the same run."""
+"""Learner FLOP/s over the matmul peak measured in the same run (the job's step; GRPO's MFU) and VCPO / GRPO."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +10,10 @@ from benchmarks import common
 
 TITLE = "learner FLOP/s / XLA matmul peak"
 GOAL = ">= 0.5"
+GRPO_MFU_TITLE = "GRPO step MFU: model FLOP/s (6N*tokens + attention) / matmul peak"
+GRPO_MFU_GOAL = ">= 0.45"          # issue 12, on an H100
+VCPO_OVER_GRPO_TITLE = "VCPO / GRPO learner step time (the job's micro-batching)"
+VCPO_OVER_GRPO_GOAL = "<= 1.05"    # issue 12, on an H100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,8 @@ class LearnerBench:
   seq_len: int
   group_size: int
   describe: dict
+  grpo_step: Callable[[], Any] | None = None   # plain GRPO + PPO on the same model, batch and micro-batching
+  learner_cfg: Any = None                      # the job's LearnerConfig (the step measured)
 
 
 def main_job_config():
@@ -122,13 +128,31 @@ def _flat(params) -> dict:
   return {"/".join(k): v for k, v in traverse_util.flatten_dict(params).items()}
 
 
-def build_learner_bench(*, quick: bool, analyze: bool = True) -> LearnerBench:
-  """The main job's model, learner (make_rl_step, unsharded) and batch shape, on synthetic data."""
+def grpo_config(lc):
+  """Plain GRPO + PPO clipping with the job learner's aggregation and micro-batching (the MFU baseline)."""
+  from vcpo_jax import learner
+  return learner.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=lc.aggregation,
+                               micro_batch_size=lc.micro_batch_size)
+
+
+def _threaded(step_fn, state, batch):
+  """A no-argument call that threads the (donated) state through `step_fn`, so repeats are legitimate."""
+  holder = {"state": state}
+
+  def step():
+    holder["state"], metrics = step_fn(holder["state"], batch)
+    return holder["state"], metrics
+  return step
+
+
+def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = False) -> LearnerBench:
+  """The main job's model, learner (make_rl_step, unsharded) and batch shape, on synthetic data; with_grpo
+  also builds the plain GRPO step on the same state shape and batch."""
   import jax
   from vcpo_jax import configuration, hf, learner, model as model_lib
   config = main_job_config()
   model_cfg = hf.model_config(config.model)
-  if common.resolve_model() == "main":
+  if common.small_model():
     # The main job's learner batch: prompts_per_step * group_size rows padded to model.max_seq_len.
     B, T = (16, 32) if quick else (config.rl.prompts_per_step * config.rl.group_size, model_cfg.max_seq_len)
   else:  # the 0.5B shape: 4,096 tokens (its [tokens, vocab] logits bound the batch, see bench_step)
@@ -145,17 +169,16 @@ def build_learner_bench(*, quick: bool, analyze: bool = True) -> LearnerBench:
   compiled = jax.jit(lambda s, b: learner.rl_step(s, b, model_cfg=model_cfg, learner_cfg=whole,
                                                   optimizer=optimizer)).lower(state, batch).compile() if analyze else None
   analytic = analytic_step_flops(model_cfg, state.params, B, T)
-  step_fn = learner.make_rl_step(model_cfg, lc, optimizer)
-  holder = {"state": state}
-
-  def step():
-    holder["state"], metrics = step_fn(holder["state"], batch)
-    return holder["state"], metrics
-
+  step = _threaded(learner.make_rl_step(model_cfg, lc, optimizer), state, batch)
+  grpo_step = None
+  if with_grpo:
+    grpo_state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
+    grpo_step = _threaded(learner.make_rl_step(model_cfg, grpo_config(lc), optimizer), grpo_state, batch)
   describe = {"shape": f"B={B}, T={T}", "learner_config": dataclasses.asdict(lc),
               "num_params": model_lib.count_params(state.params), "model": model_cfg.to_dict()}
   return LearnerBench(step=step, compiled=compiled, analytic_flops=analytic, batch_size=B, seq_len=T,
-                      group_size=G, describe=describe)
+                      group_size=G, describe=describe, grpo_step=grpo_step,
+                      learner_cfg=lc)
 
 
 def produce(quick: bool) -> list[dict]:
@@ -164,13 +187,14 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(quick: bool) -> list[dict]:
   setup = QUICK if quick else FULL
-  bench = build_learner_bench(quick=quick)
+  bench = build_learner_bench(quick=quick, with_grpo=True)
   model = bench.describe["model"]
   sizes, peak_details = matmul_peak(setup, model["dtype"], model["matmul_precision"])
   # Side by side: each round times the candidate peak matmuls and the learner step back to back (the
   # machine is shared); the round's peak is its best matmul rate.
   thunks = {f"matmul_{n}": matmul_thunk(n, model["dtype"], model["matmul_precision"]) for n in sizes}
   thunks["step"] = bench.step
+  thunks["grpo_step"] = bench.grpo_step
   times = common.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
   peak_B = [max(matmul_flops(n) / times[f"matmul_{n}"][i] for n in sizes) for i in range(setup.repeats)]
   xla_flops = compiled_flops(bench.compiled)
@@ -179,6 +203,8 @@ def _measure(quick: bool) -> list[dict]:
       analytic, "analytic 6*N*tokens + attention")
   share = [flops / t / p for t, p in zip(times["step"], peak_B)]
   model_share = [analytic / t / p for t, p in zip(times["step"], peak_B)]
+  grpo_mfu = [analytic / t / p for t, p in zip(times["grpo_step"], peak_B)]
+  vcpo_over_grpo = common.ratio_samples(times["step"], times["grpo_step"])
   step, peak = common.summarize(times["step"]), common.summarize(peak_B)
   details = {
       "peak_flop_per_s": peak.to_dict(), "peak": peak_details,
@@ -194,6 +220,15 @@ def _measure(quick: bool) -> list[dict]:
       common.figure("learner_model_flops", "learner model FLOP/s (6N*tokens + attention) / XLA matmul peak",
                     unit="%", stats=common.summarize(model_share),
                     note=f"{bench.describe['shape']}; useful FLOPs only (no per-sequence norm work)"),
+      common.figure("grpo_mfu", GRPO_MFU_TITLE, unit="%", goal=GRPO_MFU_GOAL, stats=common.summarize(grpo_mfu),
+                    details={"analytic_flops": analytic, "matmul_peak": f"{model['dtype']} at {model['matmul_precision']!r}",
+                             "grpo_learner_config": dataclasses.asdict(grpo_config(bench.learner_cfg))},
+                    note=f"{bench.describe['shape']}; model FLOPs 6*N*tokens + attention / GRPO step time / "
+                         f"matmul peak, per round (goal set for an H100)"),
+      common.figure("learner_vcpo_over_grpo", VCPO_OVER_GRPO_TITLE, unit="x", goal=VCPO_OVER_GRPO_GOAL,
+                    stats=common.summarize(vcpo_over_grpo),
+                    note=f"{bench.describe['shape']}; the job's learner vs plain GRPO, same micro-batching, "
+                         f"interleaved (goal set for an H100)"),
   ]
 
 

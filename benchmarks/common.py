@@ -23,24 +23,32 @@ from typing import Any, Callable, Mapping, Sequence
 
 VERSION_PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "torch", "transformers")
 
-# Which model the figures use: "main" is the main CPU job's model (configs/countdown.py); "qwen2.5-0.5b" is the
-# Qwen2.5-0.5B shape (configs/qwen2_5.py:0.5b, random weights, bfloat16 compute as real-model runs use);
-# "auto" picks main on CPU and the 0.5B shape on an accelerator. Children read it from BENCH_MODEL.
-MODELS = ("auto", "main", "qwen2.5-0.5b")
+# Which model the figures use: "main" (alias "countdown") is the main CPU job's model (configs/countdown.py);
+# "tiny" is configs/tiny.py's (seconds per figure: smoke runs); "qwen2.5-0.5b" is the Qwen2.5-0.5B shape
+# (configs/qwen2_5.py:0.5b, random weights, bfloat16 compute as real-model runs use); "auto" picks main on CPU
+# and the 0.5B shape on an accelerator. Children read it from BENCH_MODEL.
+MODELS = ("auto", "main", "countdown", "tiny", "qwen2.5-0.5b")
+ALIASES = {"countdown": "main"}
+SMALL_MODELS = ("main", "tiny")   # CPU-sized: their figures use the CPU job's batch sizes
 MODEL_ENV = "BENCH_MODEL"
 
 
 def resolve_model(choice: str | None = None, backend: str | None = None) -> str:
-  """'main' or 'qwen2.5-0.5b' for a --model choice (default: $BENCH_MODEL, else auto) on `backend`."""
+  """'main', 'tiny' or 'qwen2.5-0.5b' for a --model choice (default: $BENCH_MODEL, else auto) on `backend`."""
   choice = choice or os.environ.get(MODEL_ENV) or "auto"
   if choice not in MODELS:
     raise ValueError(f"--model must be one of {MODELS}, got {choice!r}")
   if choice != "auto":
-    return choice
+    return ALIASES.get(choice, choice)
   if backend is None:
     import jax
     backend = jax.default_backend()
   return "main" if backend == "cpu" else "qwen2.5-0.5b"
+
+
+def small_model(name: str | None = None) -> bool:
+  """Whether the figures' model is CPU-sized (main or tiny), i.e. uses the CPU job's sizes."""
+  return resolve_model(name) in SMALL_MODELS
 
 
 def job_config(name: str | None = None):
@@ -49,6 +57,9 @@ def job_config(name: str | None = None):
   if name == "main":
     from configs import countdown
     return countdown.get_config()
+  if name == "tiny":
+    from configs import tiny
+    return tiny.get_config()
   from configs import qwen2_5
   config = qwen2_5.get_config("0.5b")
   config.model.update(dtype="bfloat16", matmul_precision="default")
@@ -251,12 +262,28 @@ def package_versions(names: Sequence[str] = VERSION_PACKAGES) -> dict[str, str |
   return out
 
 
+def git_commit(root: str | None = None) -> str:
+  """Short HEAD commit of the checkout ('+uncommitted' when tracked files differ); $BENCH_COMMIT overrides
+  (a copy of the tree without .git)."""
+  if os.environ.get("BENCH_COMMIT"):
+    return os.environ["BENCH_COMMIT"]
+  root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10)
+    sha = run("rev-parse", "--short", "HEAD").stdout.strip()
+    dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return (sha + ("+uncommitted" if dirty else "")) if sha else "unknown"
+
+
 def environment() -> dict:
   """Date, machine and software versions; the jax backend and devices are read from a live jax."""
   import jax
   devices = jax.devices()
   return {
       "model": resolve_model(backend=jax.default_backend()),
+      "commit": git_commit(),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
       "cpu_model": cpu_model(),
       "cpu_cores": os.cpu_count(),
@@ -307,7 +334,10 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     lines += [f"- date: {env.get('date_utc')}",
               f"- machine: {env.get('cpu_model')}, {env.get('cpu_cores')} cores; {env.get('platform')}",
               f"- backend: {env.get('backend')} ({env.get('devices')}); model: {env.get('model', 'main')}",
+              f"- commit: {env.get('commit', 'unknown')}",
               f"- versions: python {env.get('python')}, {versions}"]
+  if results.get("command"):
+    lines.append(f"- regenerate: `{results['command']}`")
   for key in ("mode", "wall_seconds", "note"):
     if key in results:
       lines.append(f"- {key.replace('_', ' ')}: {results[key]}")
@@ -324,12 +354,63 @@ def render_markdown(results: Mapping[str, Any]) -> str:
       value, note = _fmt(fig.get("value"), unit), fig.get("note", "")
     lines.append("| " + " | ".join(_cell(c) for c in (
         fig["title"], value, rng, st["n"] if st else "-", _fmt_goal(fig.get("goal"), unit), met, note)) + " |")
+  if any(k in {f["key"] for f in results.get("figures", [])} for g in GOALS for k in g.keys):
+    lines += goals_table(results)
   details = [f for f in results.get("figures", []) if f.get("details")]
   if details:
     lines += ["", "## Details", ""]
     for fig in details:
       lines.append(f"- **{fig['key']}**: `{json.dumps(fig['details'], sort_keys=True, default=str)}`")
   return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+  """A goal of the project's issues and the figure that measures it."""
+  text: str
+  keys: tuple[str, ...]          # figure keys that measure it, first found wins
+  needs: str                     # "any" (measurable on this CPU) or "gpu" (the goal is set for an H100)
+
+
+GOALS = (
+    Goal("compile of the VCPO step at 24 layers <= 10 s (0.5B shape, abstract inputs)", ("compile_vcpo_seconds",),
+         "any"),
+    Goal("XLA temporaries <= 0.1 MB per token (0.5B shape, VCPO step)", ("compile_vcpo_temp_mb_per_token",), "any"),
+    Goal("GRPO-step MFU >= 45% (H100, 0.5B shape)", ("grpo_mfu",), "gpu"),
+    Goal("VCPO / GRPO step time <= 1.05x (H100, 0.5B shape)", ("learner_vcpo_over_grpo",), "gpu"),
+    Goal("decode at B=256 >= 50% of the memory floor (H100, 0.5B shape)",
+         ("decode_floor_b256", "decode_memory_floor_b256"), "gpu"),
+)
+
+
+def goal_row(goal: Goal, figures: Sequence[Mapping[str, Any]], env: Mapping[str, Any]) -> tuple[str, str, str]:
+  """(goal, where it lands, measured on) for the goals table."""
+  by_key = {f["key"]: f for f in figures}
+  fig = next((by_key[k] for k in goal.keys if k in by_key), None)
+  if fig is None:
+    return goal.text, "not in this run", "-"
+  if fig.get("error"):
+    return goal.text, f"not measured: {fig['error'][:120]}", "-"
+  met = {True: "met", False: "NOT met", None: "-"}[fig.get("goal_met")]
+  lands = f"{_fmt(fig.get('value'), fig.get('unit', ''))} ({met})"
+  backend = env.get("backend", "?")
+  model = env.get("model", "?")
+  where = (f"{backend} (compile only, abstract inputs)" if fig["key"].startswith("compile_")
+           else f"{backend}, model {model}")
+  if goal.needs == "gpu" and backend != "gpu":
+    where += "; unverified on GPU"
+  elif goal.needs == "gpu" and model != "qwen2.5-0.5b":
+    where += "; not the goal's model"
+  return goal.text, lands, where
+
+
+def goals_table(results: Mapping[str, Any]) -> list[str]:
+  figures = results.get("figures", [])
+  env = results.get("environment", {})
+  lines = ["", "## Goals (issue 12)", "", "| goal | where it lands | measured on |", "| --- | --- | --- |"]
+  for goal in GOALS:
+    lines.append("| " + " | ".join(_cell(c) for c in goal_row(goal, figures, env)) + " |")
+  return lines
 
 
 def run_figure(key: str, title: str, fn: Callable[[], list[dict]], goal: str | None = None) -> list[dict]:

@@ -39,7 +39,9 @@ class Job:
 # Per-job limits; the suite as a whole is held to SUITE_BUDGET_S (a job's limit shrinks to what is left).
 JOBS = (
     Job("step", "benchmarks.bench_step", "VCPO / GRPO / two-pass / micro-batch-1 oracle step", 300, 240),
-    Job("flops", "benchmarks.bench_flops", "learner FLOP/s / XLA matmul peak", 150, 150),
+    Job("flops", "benchmarks.bench_flops", "learner FLOP/s / matmul peak; GRPO MFU; VCPO / GRPO", 200, 150),
+    # The 0.5B shape compiled on abstract inputs (nothing allocated); 24 unrolled layers compile in minutes.
+    Job("compile", "benchmarks.bench_compile", "compiled step: compile seconds, temporaries per token", 540, 150),
     Job("arith", "benchmarks.bench_arith", "ESS + OPOB arithmetic share of the VCPO step", 120, 120),
     Job("decode", "benchmarks.bench_decode", "decode tokens/s: ours / HF generate", 210, 150),
     Job("async", "benchmarks.bench_async", "async / sync RL steps per hour", 460, 300),
@@ -134,6 +136,12 @@ def write_results(results: dict, out_dir: str) -> tuple[str, str]:
   return json_path, md_path
 
 
+def command_line(argv: Sequence[str] | None) -> str:
+  """The command that regenerates these results (written into results.md)."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  return " ".join([".venv/bin/python -m benchmarks.run"] + args)
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test)")
@@ -143,8 +151,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--budget-s", type=float, default=SUITE_BUDGET_S,
                       help="wall-clock budget of the whole suite; a job's limit shrinks to what is left")
   parser.add_argument("--model", default=None, choices=common.MODELS,
-                      help="model of the figures: main (the main CPU job's), qwen2.5-0.5b (the Qwen2.5-0.5B "
-                           "shape), auto (default: main on CPU, qwen2.5-0.5b on an accelerator)")
+                      help="model of the figures: main = countdown (the main CPU job's), tiny (configs/tiny.py), "
+                           "qwen2.5-0.5b (the Qwen2.5-0.5B shape), auto (default: main on CPU, qwen2.5-0.5b on "
+                           "an accelerator); the compile figure is always the 0.5B shape (or tiny)")
   args = parser.parse_args(argv)
   if args.model:
     os.environ[common.MODEL_ENV] = args.model  # the environment probe and every figure's child read it
@@ -155,7 +164,8 @@ def main(argv=None) -> dict:
   # The children resolve "auto" the same way from the probed backend; fixing it here keeps them in step.
   if env.get("model"):
     os.environ[common.MODEL_ENV] = env["model"]
-  results = {"environment": env, "mode": "quick" if args.quick else "full", "figures": []}
+  results = {"environment": env, "mode": "quick" if args.quick else "full", "command": command_line(argv),
+             "figures": []}
   for job in jobs:
     left = args.budget_s - (time.perf_counter() - start)
     print(f"[bench] {job.name}: python -m {job.module} ({left:.0f} s of the suite budget left)", flush=True)

@@ -265,3 +265,102 @@ def test_model_option_resolves_by_backend_and_picks_the_job(monkeypatch):
   assert common.model_config().hidden_size == 128 and bench_async.setup_for(quick=False) is bench_async.FULL
   cmd = bench_async.train_command("/w", 0, [], config="configs/qwen2_5.py:0.5b")
   assert "--config=configs/qwen2_5.py:0.5b" in cmd
+
+
+def test_model_option_aliases_and_tiny(monkeypatch):
+  assert common.resolve_model("countdown", backend="gpu") == "main"
+  assert common.resolve_model("tiny", backend="gpu") == "tiny"
+  assert common.small_model("tiny") and common.small_model("countdown") and not common.small_model("qwen2.5-0.5b")
+  monkeypatch.setenv(common.MODEL_ENV, "tiny")
+  assert common.model_config().hidden_size == 32
+  from benchmarks import bench_async
+  assert bench_async.setup_for(quick=False).config == "configs/tiny.py"
+
+
+def test_grpo_baseline_keeps_the_jobs_micro_batching():
+  from benchmarks import bench_flops
+  from vcpo_jax import learner
+  lc = learner.LearnerConfig(micro_batch_size=8, aggregation="token-mean")
+  grpo = bench_flops.grpo_config(lc)
+  assert (grpo.advantage, grpo.policy_loss) == ("grpo", "ppo")
+  assert (grpo.micro_batch_size, grpo.aggregation) == (8, "token-mean")
+
+
+def test_compile_variants_follow_the_knobs_present():
+  import dataclasses
+  from benchmarks import bench_compile
+
+  @dataclasses.dataclass(frozen=True)
+  class Plain:  # a model config from before the knobs
+    num_layers: int = 2
+  assert [v[0] for v in bench_compile.variants(Plain())] == ["vcpo (defaults)", "grpo (defaults)"]
+
+  @dataclasses.dataclass(frozen=True)
+  class WithScan:
+    scan_layers: bool = True
+    num_layers: int = 2
+  labels = [(label, over) for label, _, over in bench_compile.variants(WithScan())]
+  assert ("vcpo scan_layers=False", {"scan_layers": False}) in labels
+  assert not any(over == {"scan_layers": True} for _, over in labels)  # the default is not repeated
+
+
+def _compile_result(total_s, temp_bytes, error=None):
+  row = {"variant": "vcpo (defaults)", "step": "vcpo", "layers": 24, "B": 8, "T": 1024, "overrides": {},
+         "lower_s": 1.0, "compile_s": total_s - 1.0, "total_s": total_s, "tokens": 8192,
+         "memory": {"temp_size_in_bytes": temp_bytes}, "temp_mb_per_token": temp_bytes / 8192 / 1e6}
+  if error:
+    row = {**{k: row[k] for k in ("variant", "step", "layers", "B", "T", "overrides")}, "error": error}
+  return {"date_utc": "2026-01-01 00:00:00 UTC", "commit": "abc1234", "backend": "cpu", "cpu_model": "Test CPU",
+          "cpu_cores": 2, "versions": {"jax": "0"}, "model": "qwen2.5-0.5b", "quick": False,
+          "model_config": {"num_layers": 24}, "knobs_present": [], "rows": [row]}
+
+
+def test_compile_figures_goals_and_table():
+  from benchmarks import bench_compile
+  figs = {f["key"]: f for f in bench_compile.figures(_compile_result(197.0, 77e9))}
+  assert figs["compile_vcpo_seconds"]["value"] == 197.0 and figs["compile_vcpo_seconds"]["goal_met"] is False
+  assert figs["compile_vcpo_temp_mb_per_token"]["value"] == pytest.approx(77e9 / 8192 / 1e6)
+  assert figs["compile_grpo_seconds"]["error"] == "not measured"
+  fast = {f["key"]: f for f in bench_compile.figures(_compile_result(8.0, 0.5e9))}
+  assert fast["compile_vcpo_seconds"]["goal_met"] and fast["compile_vcpo_temp_mb_per_token"]["goal_met"]
+  failed = {f["key"]: f for f in bench_compile.figures(_compile_result(0, 0, error="XlaRuntimeError: boom"))}
+  assert failed["compile_vcpo_seconds"]["error"] == "XlaRuntimeError: boom"
+  md = bench_compile.render_markdown(_compile_result(197.0, 77e9))
+  assert "abc1234" in md and "| vcpo (defaults) | 24 | 8 x 1024 | 1.0 | 196.0 | 197.0 | 77.00 | 9.399 |" in md
+
+
+@pytest.mark.slow
+def test_compile_one_on_abstract_inputs_allocates_nothing():
+  """The tiny model's GRPO step compiled from ShapeDtypeStructs; XLA reports its temporaries."""
+  import dataclasses
+  import jax
+  from benchmarks import bench_compile
+  from vcpo_jax import configuration, learner
+  cfg = dataclasses.replace(common.model_config("tiny"), num_layers=1, max_seq_len=16)
+  optimizer = configuration.build_optimizer(common.job_config("tiny"))
+  state = bench_compile.abstract_state(cfg, optimizer)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+  learner.check_batch(bench_compile.abstract_batch(4, 16, group=2))
+  row = bench_compile.compile_one(cfg, learner.LearnerConfig(advantage="grpo", policy_loss="ppo"), optimizer, 4, 16)
+  assert row["tokens"] == 64 and row["lower_s"] > 0 and row["compile_s"] > 0
+  assert row["memory"]["temp_size_in_bytes"] > 0 and row["temp_mb_per_token"] > 0
+
+
+def test_goals_table_says_where_each_goal_was_measured():
+  fig = lambda key, value, goal, unit="": common.figure(key, key, value=value, unit=unit, goal=goal)
+  results = _results([fig("compile_vcpo_seconds", 4.0, "<= 10", "s"), fig("grpo_mfu", 0.2, ">= 0.45", "%"),
+                      common.failed_figure("learner_vcpo_over_grpo", "t", "boom")])
+  rows = {r[0]: r for r in (common.goal_row(g, results["figures"], results["environment"]) for g in common.GOALS)}
+  compile_row = next(r for t, r in rows.items() if t.startswith("compile"))
+  assert "(met)" in compile_row[1] and "compile only" in compile_row[2] and "unverified" not in compile_row[2]
+  mfu = next(r for t, r in rows.items() if t.startswith("GRPO-step MFU"))
+  assert "20.00%" in mfu[1] and "NOT met" in mfu[1] and "unverified on GPU" in mfu[2]
+  assert "not measured: boom" in next(r for t, r in rows.items() if t.startswith("VCPO / GRPO"))[1]
+  assert next(r for t, r in rows.items() if t.startswith("decode"))[1] == "not in this run"
+  md = common.render_markdown({**results, "command": ".venv/bin/python -m benchmarks.run --only compile"})
+  assert "## Goals (issue 12)" in md and "`.venv/bin/python -m benchmarks.run --only compile`" in md
+
+
+def test_run_records_the_command_and_commit():
+  assert run.command_line(["--only", "compile"]) == ".venv/bin/python -m benchmarks.run --only compile"
+  assert common.git_commit() not in ("", None)

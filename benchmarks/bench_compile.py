@@ -1,0 +1,253 @@
+"""Compiled learner step on abstract inputs: trace + XLA compile seconds and XLA temporaries per token.
+
+Nothing is allocated: the train state and the batch are jax.ShapeDtypeStruct trees and the step is only
+`jit(...).lower(...).compile()`d, so the Qwen2.5-0.5B shape (24 layers, vocab 151,936) is measurable on a
+CPU; `memory_analysis()` of the compiled executable gives XLA's temporaries. One variant per knob setting that
+exists in this checkout (layers under scan, remat policy, chunked LM head), for the VCPO and GRPO steps.
+
+  python -m benchmarks.bench_compile --model=qwen2.5-0.5b --B=8 --T=1024 --out=benchmarks/compile_before.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import time
+from typing import Any, Mapping
+
+from benchmarks import common
+
+COMPILE_GOAL = "<= 10"             # seconds, VCPO step at 24 layers (issue 12)
+TEMP_GOAL = "<= 0.1"               # MB of XLA temporaries per token at the 0.5B shape (issue 12)
+# (B, T) of the full figure and of --quick (which also shrinks the model: the smoke test stays fast).
+FULL_SHAPE, QUICK_SHAPE = (8, 1024), (4, 32)
+QUICK_MODEL = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                   num_kv_heads=1, head_dim=16, max_seq_len=64)
+# Knobs of the model config compared when the field exists at this commit: field -> values tried besides
+# the default. Absent fields are reported as absent (the "before" figures have none of them).
+MODEL_KNOBS: Mapping[str, tuple[Any, ...]] = {
+    "scan_layers": (False, True),                     # model.py (HS)
+    "remat": ("none", "dots", "dots_no_batch", "full"),
+    "logits_chunk": (0,),                             # lm_head.py (HH): 0 = full [tokens, vocab] logits
+}
+
+
+def job_model_config(name: str, quick: bool):
+  """The figure's ModelConfig: the job's (common.model_config), shrunk under --quick."""
+  cfg = common.model_config(name)
+  if quick:
+    cfg = dataclasses.replace(cfg, **QUICK_MODEL)
+  return cfg
+
+
+def learner_configs(name: str) -> dict:
+  """{'vcpo': the job's learner, 'grpo': plain GRPO + PPO}, both on the whole batch (no micro-batching)."""
+  from vcpo_jax import configuration, learner
+  vcpo = dataclasses.replace(configuration.learner_config(common.job_config(name)), micro_batch_size=0)
+  grpo = learner.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=vcpo.aggregation)
+  return {"vcpo": vcpo, "grpo": grpo}
+
+
+def abstract_batch(b: int, t: int, group: int):
+  """An RLBatch of jax.ShapeDtypeStruct (what the job feeds the step, dtypes included)."""
+  import jax
+  import jax.numpy as jnp
+  from vcpo_jax import learner
+  s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  del group  # the group ids are data; only their shape matters here
+  return learner.RLBatch(tokens_BxT=s((b, t), jnp.int32), mask_BxT=s((b, t), jnp.float32),
+                         sampler_logp_BxT=s((b, t), jnp.float32), rewards_B=s((b,), jnp.float32),
+                         group_B=s((b,), jnp.int32), lag_B=s((b,), jnp.int32), valid_B=s((b,), jnp.float32))
+
+
+def abstract_state(model_cfg, optimizer):
+  import jax
+  from vcpo_jax import learner
+  return jax.eval_shape(lambda k: learner.create_train_state(model_cfg, optimizer, k), jax.random.PRNGKey(0))
+
+
+def step_fn(model_cfg, lc, optimizer):
+  """The function make_rl_step jits (same precision context), without its host-side checks."""
+  import jax
+  from vcpo_jax import learner
+
+  def fn(state, batch):
+    with jax.default_matmul_precision(model_cfg.matmul_precision):
+      return learner.rl_step(state, batch, model_cfg=model_cfg, learner_cfg=lc, optimizer=optimizer)
+  return fn
+
+
+def memory_bytes(compiled) -> dict:
+  mem = compiled.memory_analysis()
+  if mem is None:
+    return {}
+  return {k: int(getattr(mem, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                             "output_size_in_bytes", "alias_size_in_bytes",
+                                             "generated_code_size_in_bytes") if hasattr(mem, k)}
+
+
+def compile_one(model_cfg, lc, optimizer, b: int, t: int) -> dict:
+  """Seconds to trace+lower and to XLA-compile the step on abstract inputs, and its memory analysis."""
+  import jax
+  state, batch = abstract_state(model_cfg, optimizer), abstract_batch(b, t, group=b)
+  t0 = time.perf_counter()
+  lowered = jax.jit(step_fn(model_cfg, lc, optimizer), donate_argnums=0).lower(state, batch)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  mem = memory_bytes(compiled)
+  tokens = b * t
+  return {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2),
+          "tokens": tokens, "memory": mem,
+          "temp_mb_per_token": mem["temp_size_in_bytes"] / tokens / 1e6 if "temp_size_in_bytes" in mem else None}
+
+
+def present_knobs(model_cfg) -> dict:
+  fields = {f.name for f in dataclasses.fields(model_cfg)}
+  return {k: v for k, v in MODEL_KNOBS.items() if k in fields}
+
+
+def variants(model_cfg, steps: tuple[str, ...] = ("vcpo", "grpo")) -> list[tuple[str, str, dict]]:
+  """(label, step, model overrides): each step at the defaults, then the VCPO step with one knob changed."""
+  out = [(f"{s} (defaults)", s, {}) for s in steps]
+  for knob, values in present_knobs(model_cfg).items():
+    for v in values:
+      if v != getattr(model_cfg, knob):
+        out.append((f"vcpo {knob}={v}", "vcpo", {knob: v}))
+  return out
+
+
+def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = None, layers=None,
+            only_defaults: bool = False, time_limit_s: float | None = None) -> dict:
+  """Every variant at every depth in `layers` (default: the model's own); stops starting new compiles once
+  time_limit_s is spent (the rest are recorded as skipped)."""
+  import jax
+  from vcpo_jax import configuration
+  jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would time nothing
+  b, t = (b or (QUICK_SHAPE if quick else FULL_SHAPE)[0]), (t or (QUICK_SHAPE if quick else FULL_SHAPE)[1])
+  base = job_model_config(name, quick)
+  base = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, t))
+  optimizer = configuration.build_optimizer(common.job_config(name))
+  lcs = learner_configs(name)
+  rows, start = [], time.perf_counter()
+  for depth in layers or (base.num_layers,):
+    cfg = dataclasses.replace(base, num_layers=depth)
+    todo = variants(cfg)[:2] if only_defaults else variants(cfg)
+    for label, step, overrides in todo:
+      row = {"variant": label, "step": step, "layers": depth, "B": b, "T": t, "overrides": overrides}
+      if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+        rows.append({**row, "error": "skipped: time limit spent"})
+        continue
+      try:
+        row.update(compile_one(dataclasses.replace(cfg, **overrides), lcs[step], optimizer, b, t))
+      except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+        row["error"] = f"{type(e).__name__}: {e}"[:400]
+      print(f"[compile] {json.dumps(row)}", flush=True)
+      rows.append(row)
+  return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+          "commit": common.git_commit(), "backend": jax.default_backend(), "cpu_model": common.cpu_model(),
+          "cpu_cores": os.cpu_count(), "versions": common.package_versions(("jax", "jaxlib", "flax")),
+          "model": name, "quick": quick, "model_config": base.to_dict(),
+          "knobs_present": sorted(present_knobs(base)), "rows": rows}
+
+
+def figures(result: dict) -> list[dict]:
+  """Headline figures: compile seconds and temporaries per token of the VCPO step at the model's depth
+  (defaults), the GRPO step's beside it; every row in the details."""
+  depth = result["model_config"]["num_layers"]
+  by = {(r["variant"], r["layers"]): r for r in result["rows"]}
+  shape = f"B={result['rows'][0]['B']}, T={result['rows'][0]['T']}, {depth} layers" if result["rows"] else ""
+  details = {k: result[k] for k in ("commit", "model", "knobs_present", "backend")}
+  details["rows"] = result["rows"]
+  out = []
+  for step, title in (("vcpo", "VCPO"), ("grpo", "GRPO")):
+    row = by.get((f"{step} (defaults)", depth), {})
+    key = f"compile_{step}"
+    if not row or row.get("error"):
+      err = row.get("error", "not measured")
+      out += [common.failed_figure(f"{key}_seconds", f"{title} step trace+compile seconds (abstract inputs)",
+                                   err, goal=COMPILE_GOAL if step == "vcpo" else None),
+              common.failed_figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
+                                   err, goal=TEMP_GOAL if step == "vcpo" else None)]
+      continue
+    note = f"{shape}; lower {row['lower_s']} s + XLA compile {row['compile_s']} s; knobs {result['knobs_present']}"
+    out += [common.figure(f"{key}_seconds", f"{title} step trace+compile seconds (abstract inputs)",
+                          value=row["total_s"], unit="s", goal=COMPILE_GOAL if step == "vcpo" else None,
+                          note=note, details=details if step == "vcpo" else {}),
+            common.figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
+                          value=row["temp_mb_per_token"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
+                          note=f"{shape}; {row['memory'].get('temp_size_in_bytes', 0) / 1e9:.2f} GB temporaries "
+                               f"(XLA memory_analysis)")]
+  return out
+
+
+def render_markdown(result: dict) -> str:
+  lines = [f"# Compiled learner step on abstract inputs ({result['model']})", "",
+           f"- date: {result['date_utc']}; commit: {result['commit']}",
+           f"- machine: {result['cpu_model']}, {result['cpu_cores']} cores; backend {result['backend']}; "
+           + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
+           f"- knobs present: {result['knobs_present'] or 'none'}", "",
+           "| variant | layers | B x T | trace+lower s | XLA compile s | total s | temporaries GB | MB / token |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in result["rows"]:
+    if r.get("error"):
+      lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | error: {r['error']} |  |  |  |  |")
+      continue
+    temp = r["memory"].get("temp_size_in_bytes")
+    lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | {r['lower_s']} | {r['compile_s']} | "
+                 f"{r['total_s']} | {temp / 1e9 if temp is not None else float('nan'):.2f} | "
+                 f"{r['temp_mb_per_token']:.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+def produce(quick: bool) -> list[dict]:
+  # Always the 0.5B shape (the goals' shape; compiling allocates nothing), or tiny when asked for.
+  name = "tiny" if common.resolve_model() == "tiny" else "qwen2.5-0.5b"
+  limit = float(os.environ.get("BENCH_JOB_LIMIT_S", "0")) or None
+  fn = lambda: figures(measure(name, quick=quick, time_limit_s=None if limit is None else 0.6 * limit))
+  return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile seconds (abstract inputs)", fn,
+                           goal=COMPILE_GOAL)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--json", default=None, help="figures in the suite's format (as every bench_*.py)")
+  parser.add_argument("--model", default=None, choices=common.MODELS)
+  parser.add_argument("--B", type=int, default=None)
+  parser.add_argument("--T", type=int, default=None)
+  parser.add_argument("--layers", default=None, help="comma list of depths, e.g. 2,24 (default the model's)")
+  parser.add_argument("--only-defaults", action="store_true", help="the VCPO and GRPO steps only, no knobs")
+  parser.add_argument("--out", default=None, help="write the raw rows here (.json) and a table (.md beside)")
+  args = parser.parse_args(argv)
+  if args.model:
+    os.environ[common.MODEL_ENV] = args.model
+  if args.out is None and args.B is None and args.T is None and args.layers is None:  # as a suite job
+    figs = produce(args.quick)
+    text = json.dumps(figs, indent=2, default=float)
+    if args.json:
+      with open(args.json, "w") as f:
+        f.write(text)
+    else:
+      print(text)
+    return figs
+  layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+  result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
+                   only_defaults=args.only_defaults)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+      f.write("\n")
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+      f.write(render_markdown(result))
+  print(render_markdown(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(figures(result), f, indent=2, default=float)
+  return result
+
+
+if __name__ == "__main__":
+  main()
