@@ -110,12 +110,23 @@ def present_knobs(model_cfg) -> dict:
 
 
 def variants(model_cfg, steps: tuple[str, ...] = ("vcpo", "grpo")) -> list[tuple[str, str, dict]]:
-  """(label, step, model overrides): each step at the defaults, then the VCPO step with one knob changed."""
+  """(label, step, model overrides): both steps at the job's defaults; with scan_layers present, both steps
+  with it flipped; then the VCPO step with one other knob changed, on top of scan_layers=True when that
+  knob exists (an unrolled 24-layer compile takes minutes: only the scan on/off pair pays for it)."""
+  knobs = present_knobs(model_cfg)
   out = [(f"{s} (defaults)", s, {}) for s in steps]
-  for knob, values in present_knobs(model_cfg).items():
+  base: dict = {}
+  if "scan_layers" in knobs:
+    flipped = {"scan_layers": not model_cfg.scan_layers}
+    out += [(f"{s} scan_layers={flipped['scan_layers']}", s, flipped) for s in steps]
+    base = {} if model_cfg.scan_layers else {"scan_layers": True}
+  prefix = "".join(f"{k}={v} " for k, v in base.items())
+  for knob, values in knobs.items():
+    if knob == "scan_layers":
+      continue
     for v in values:
       if v != getattr(model_cfg, knob):
-        out.append((f"vcpo {knob}={v}", "vcpo", {knob: v}))
+        out.append((f"vcpo {prefix}{knob}={v}", "vcpo", {**base, knob: v}))
   return out
 
 
@@ -206,7 +217,8 @@ def produce(quick: bool) -> list[dict]:
   # Always the 0.5B shape (the goals' shape; compiling allocates nothing), or tiny when asked for.
   name = "tiny" if common.resolve_model() == "tiny" else "qwen2.5-0.5b"
   limit = float(os.environ.get("BENCH_JOB_LIMIT_S", "0")) or None
-  fn = lambda: figures(measure(name, quick=quick, time_limit_s=None if limit is None else 0.6 * limit))
+  fn = lambda: figures(measure(name, quick=quick, only_defaults=quick,
+                               time_limit_s=None if limit is None else 0.6 * limit))
   return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile seconds (abstract inputs)", fn,
                            goal=COMPILE_GOAL)
 

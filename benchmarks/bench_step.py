@@ -21,6 +21,7 @@ GROUP = 8
 # (B, T, micro-batch rows) per model and mode. On the 0.5B shape a whole-batch step holds [B*T, 151936]
 # float32 logits and their gradients (~4.6 kB per token per copy), so its batch stays at 4,096 tokens.
 SIZES = {("main", False): (64, 128, 8), ("main", True): (16, 64, 8),
+         ("tiny", False): (16, 64, 8), ("tiny", True): (16, 32, 8),
          ("qwen2.5-0.5b", False): (16, 256, 8), ("qwen2.5-0.5b", True): (8, 64, 8)}
 
 

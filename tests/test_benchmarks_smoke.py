@@ -296,12 +296,17 @@ def test_compile_variants_follow_the_knobs_present():
   assert [v[0] for v in bench_compile.variants(Plain())] == ["vcpo (defaults)", "grpo (defaults)"]
 
   @dataclasses.dataclass(frozen=True)
-  class WithScan:
-    scan_layers: bool = True
+  class WithKnobs:
+    scan_layers: bool = False
+    remat: str = "none"
     num_layers: int = 2
-  labels = [(label, over) for label, _, over in bench_compile.variants(WithScan())]
-  assert ("vcpo scan_layers=False", {"scan_layers": False}) in labels
-  assert not any(over == {"scan_layers": True} for _, over in labels)  # the default is not repeated
+  labels = {label: (step, over) for label, step, over in bench_compile.variants(WithKnobs())}
+  assert labels["grpo scan_layers=True"] == ("grpo", {"scan_layers": True})
+  # Other knobs are compared under scan (cheap to compile); the default value is not repeated.
+  assert labels["vcpo scan_layers=True remat=full"] == ("vcpo", {"scan_layers": True, "remat": "full"})
+  assert not any(over.get("remat") == "none" for _, over in labels.values())
+  scanned = {label for label, _, _ in bench_compile.variants(WithKnobs(scan_layers=True))}
+  assert "vcpo scan_layers=False" in scanned and "vcpo remat=dots" in scanned
 
 
 def _compile_result(total_s, temp_bytes, error=None):
