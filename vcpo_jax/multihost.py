@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import threading
@@ -19,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from vcpo_jax import sharding
 from vcpo_jax.batch import RLBatch
@@ -174,13 +175,34 @@ _section: Optional[_Section] = None
 _section_lock = threading.Lock()
 
 
+def _local_copy(x: jax.Array) -> Optional[np.ndarray]:
+  """The whole array from this process's own shards, or None when other processes hold parts of it."""
+  out = np.empty(x.shape, x.dtype)
+  covered = np.zeros(x.shape, bool)
+  for shard in x.addressable_shards:
+    out[shard.index] = np.asarray(shard.data)
+    covered[shard.index] = True
+  return out if covered.all() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _replicator(mesh):
+  # A jitted reshard to fully replicated: always a program on every device, so every process must join.
+  return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _allgather(x: jax.Array) -> np.ndarray:
+  return np.asarray(_replicator(x.sharding.mesh)(x).addressable_data(0))
+
+
 def to_host(x) -> np.ndarray:
-  """One parameter as a host numpy array. A sharded array spanning other processes is gathered (a
+  """One parameter as a host numpy array. An array with parts on other processes only is gathered (a
   collective): only inside `leader_gathers`, whose followers join the same gather."""
   if not isinstance(x, jax.Array) or x.is_fully_addressable:
     return np.asarray(jax.device_get(x))
-  if x.is_fully_replicated:
-    return np.asarray(x.addressable_data(0))
+  local = _local_copy(x)
+  if local is not None:
+    return local
   with _section_lock:
     section = _section
     if section is None or id(x) not in section.index:
@@ -188,7 +210,7 @@ def to_host(x) -> np.ndarray:
                          "(its followers would not join the gather)")
     key = f"gather/{section.name}/{section.count}"
     _set(key, str(section.index[id(x)]).encode())
-    out = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    out = _allgather(x)
     _delete(key)  # every follower read it: it joined the gather
     section.count += 1
     return out
@@ -221,7 +243,7 @@ def follow_gathers(tree: Any, name: str, timeout_s: float) -> None:
     index = int(_get(key, timeout_s, f"the leader's parameter gather {name!r} #{n}"))
     if index == _DONE:
       return
-    multihost_utils.process_allgather(leaves[index], tiled=True)
+    _allgather(leaves[index])
     n += 1
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vcpo_jax import checkpointing, data, hf, learner, metrics as metrics_lib, sharding, tasks
+from vcpo_jax import checkpointing, data, hf, learner, metrics as metrics_lib, multihost, sharding, tasks
 from vcpo_jax import tokenizer as tokenizer_lib
 from vcpo_jax.batch import RLBatch
 from vcpo_jax.configuration import build_optimizer, learner_config, validate_config  # noqa: F401
@@ -35,7 +35,8 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
         lambda x: x.sharding, state.params))[0])
   sft_step = learner.make_sft_step(model_cfg, optimizer)
   it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
-                              seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate)
+                              seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate,
+                              shard_index=0, shard_count=1)  # one process warm-starts (see _warm_start_once)
   t0 = time.time()
   sft_metrics = {}
   for step in range(config.sft.steps):
@@ -65,6 +66,8 @@ class RLRun:
     self.config, self.workdir, self.model_cfg = config, workdir, model_cfg
     self.tok, self.task, self.eval_examples, self.base_info = tok, task, eval_examples, base_info
     rl = config.rl
+    # Many hosts: process 0 (the leader) alone drives rollouts, data, evaluation and files (multihost.py).
+    self.leader, self.timeout_s = multihost.is_leader(), _distributed_timeout(config)
     self.mesh = sharding.make_mesh(config.mesh)
     # Rows are split over data x fsdp; invalid padding rows fill the batch up to a multiple of that.
     shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
@@ -79,7 +82,8 @@ class RLRun:
     self.state = learner.with_params(state, base_params)
     if config.algo.kl_beta > 0:  # the frozen warm-start policy is the KL reference (checkpointed with the state)
       self.state = learner.with_reference(self.state)
-    self.prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok)
+    self.prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok, shard_index=0,
+                                             shard_count=1) if self.leader else None
     self.ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
     self.writer = metrics_lib.MetricsWriter(os.path.join(workdir, "tensorboard"),
                                             enabled=jax.process_index() == 0)
@@ -87,29 +91,54 @@ class RLRun:
     restored = self.ckpt.restore(checkpointing.abstract_like(self.state))
     if restored is not None:
       self.step, self.state, host = restored
-      self.prompts.set_state(host["data"])
+      if self.leader:
+        self.prompts.set_state(host["data"])
       # Older checkpoints kept the scheduler's state at the top level.
       self.rollout_state = host.get("rollout", {"scheduler": host["scheduler"]} if "scheduler" in host else {})
       logging.info("resumed from checkpoint at step %d", self.step)
     else:
       self.writer.write(0, base_info, prefix="")
     self.progress = metrics_lib.Progress(rl.steps, initial=self.step,
-                                         enabled=os.environ.get("VCPO_PROGRESS", "1") != "0")
+                                         enabled=self.leader and os.environ.get("VCPO_PROGRESS", "1") != "0")
     self.consumed_log = os.path.join(workdir, "consumed.jsonl")
     self.scalars_log = os.path.join(workdir, "metrics.jsonl")
     self.last_eval: dict = {}
+    self.eval_step = -1  # learner version last evaluated (every process knows it)
 
   def rollout_context(self) -> backend_lib.RolloutContext:
     return backend_lib.RolloutContext(
         model_cfg=self.model_cfg, tokenizer=self.tok, prompts=self.prompts,
         score=make_score_fn(self.task, self.tok), workdir=self.workdir, batch_rows=self.batch_rows)
 
-  def to_batch(self, groups: list[types.Group]) -> RLBatch:
+  def make_backend(self) -> backend_lib.RolloutBackend:
+    if not multihost.multi_process():
+      return backend_lib.make_backend(self.config, self.rollout_context())
+    if not self.leader:
+      return multihost.FollowerBackend(self.timeout_s)
+    return multihost.LeaderBackend(backend_lib.make_backend(self.config, self.rollout_context()),
+                                   host_params=_host_params(self.config))
+
+  def rollout_params(self):
+    """What start/publish get: host copies for in-process backends (the emulator keeps k + 1 of them), the
+    sharded params for server backends (their export gathers one tensor at a time). Several processes: the
+    sharded params always (multihost.LeaderBackend makes the host copies, gathering with the followers)."""
+    if _host_params(self.config) and not multihost.multi_process():
+      return jax.device_get(self.state.params)
+    return self.state.params
+
+  def host_params(self, name: str):
+    """The params on the leader's host (None on the other processes, which join the gathers)."""
+    return multihost.host_tree(self.state.params, f"{name}/{self.step}", self.timeout_s)
+
+  def to_batch(self, groups: list[types.Group]) -> RLBatch | None:
+    if not self.leader:  # the leader's rows come in learn()
+      return None
     return batching.groups_to_batch(groups, seq_len=self.model_cfg.max_seq_len, pad_id=self.tok.pad_id,
                                     num_rows=self.batch_rows, vocab_size=self.model_cfg.vocab_size)
 
   def learn(self, batch: RLBatch) -> dict:
     """One learner step (blocking; the loop runs it in a worker thread while rollouts go on)."""
+    batch = multihost.feed_rows(batch, self.step, self.mesh, self.batch_rows, self.timeout_s)
     self.state, step_metrics = self.step_fn(self.state, batch)
     return jax.device_get(step_metrics)
 
@@ -126,6 +155,16 @@ class RLRun:
                  rollout_state_fn):
     """Logging, periodic evaluation and checkpointing once learner version self.step exists."""
     self.step += 1
+    rl = self.config.rl
+    eval_now = self.step % self.config.eval_every == 0 or self.step == rl.steps
+    if eval_now:
+      self.eval_step = self.step
+    if not self.leader:  # followers: the gathers of the evaluation, the checkpoint (a collective save)
+      if eval_now:
+        self.host_params("eval")
+      if self.step % self.config.checkpoint_every == 0 or self.step == rl.steps:
+        self.ckpt.save(self.step, self.state, {"step": self.step})  # the leader's JSON is the one written
+      return
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
     scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra}
@@ -133,10 +172,8 @@ class RLRun:
       arr = np.asarray(value)
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
-    rl = self.config.rl
-    eval_now = self.step % self.config.eval_every == 0 or self.step == rl.steps
     if eval_now:
-      self.last_eval = evaluate(jax.device_get(self.state.params), self.model_cfg, self.tok, self.task,
+      self.last_eval = evaluate(self.host_params("eval"), self.model_cfg, self.tok, self.task,
                                 self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed)
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
@@ -163,17 +200,37 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
   try:
     if run.rollout_state:
       rollouts.load_state_dict(run.rollout_state)
-    await rollouts.start(run.step, jax.device_get(run.state.params))
+    await rollouts.start(run.step, run.rollout_params())
     while run.step < run.config.rl.steps:
       t0 = time.perf_counter()
       groups = await rollouts.next_groups(run.step)
       batch = run.to_batch(groups)
       step_metrics = await asyncio.to_thread(run.learn, batch)
-      await rollouts.publish(run.step + 1, jax.device_get(run.state.params))
+      await rollouts.publish(run.step + 1, run.rollout_params())
       run.after_step(groups, batch, step_metrics, rollouts.stats(), time.perf_counter() - t0,
                      rollouts.state_dict)
   finally:
     await rollouts.close()
+
+
+def _distributed_timeout(config) -> float:
+  d = config.get("distributed")
+  return float(d.timeout_s) if d is not None else 1800.0
+
+
+def _host_params(config) -> bool:
+  """Backends other than the server one ("async") keep host copies of the params they are given."""
+  return config.rl.mode != "async"
+
+
+def _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples):
+  """The leader warm-starts (or finds the cached result); the other processes wait, then read its cache."""
+  if multihost.is_leader():
+    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples)
+  multihost.barrier("warm_start", _distributed_timeout(config))
+  if not multihost.is_leader():
+    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples)  # cached by now
+  return out
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -181,24 +238,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   model_cfg = validate_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2))
+  leader = multihost.is_leader()
+  if leader:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))  # a pretrained model's own, else ours
   task = tasks.get_task(config.task.name, render_prompt=tok.chat_prompt, **config.task.kwargs)
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
-  base_dir, base_info = warm_start(config, workdir, model_cfg, tok, task, eval_examples)
+  base_dir, base_info = _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples)
   logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",
                base_info["eval/greedy_accuracy"], base_info["eval/sampled_accuracy"])
   run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info)
   try:
-    asyncio.run(rl_loop(run, backend_lib.make_backend(config, run.rollout_context())))
+    asyncio.run(rl_loop(run, run.make_backend()))
   finally:
     run.close()
-  final = run.last_eval or evaluate(jax.device_get(run.state.params), model_cfg, tok, task, eval_examples,
-                                    max_new_tokens=config.rl.max_new_tokens, seed=config.seed)
+  final = run.last_eval
+  if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
+    params = run.host_params("final")
+    final = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
+                     seed=config.seed) if leader else {}
   result = {"base": {k: base_info[k] for k in base_info if k.startswith("eval/")}, "final": final,
             "steps": run.step}
-  with open(os.path.join(workdir, "result.json"), "w") as f:
-    json.dump(result, f, indent=2)
+  if leader:
+    with open(os.path.join(workdir, "result.json"), "w") as f:
+      json.dump(result, f, indent=2)
   logging.info("done: %s", result)
   return result
