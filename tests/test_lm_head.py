@@ -40,15 +40,15 @@ def test_logprobs_and_entropy_match_plain(chunk):
 
 def _loss(chunk, tied):
   """A loss mixing log-probs and entropies (an entropy bonus) with per-token weights, of (x, w) or, tied,
-  of an embedding E whose rows feed x and whose transpose is the head."""
+  of (x, E): E = w^T feeds x by its rows and is the head, passed as it is (vocab_major)."""
   _, _, tokens, mask = _inputs()
   a = jax.random.normal(jax.random.PRNGKey(3), (B, T))
   b = jax.random.normal(jax.random.PRNGKey(4), (B, T))
 
   def f(x, w):
     if tied:
-      x, w = jnp.tanh(x + w.T[tokens]), w   # w is E^T: gradients reach it through x and the head
-    logp, ent = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)
+      x = jnp.tanh(x + w[tokens])   # w is E [V, D]: gradients reach it through x and the head
+    logp, ent = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk, vocab_major=tied)
     return jnp.sum(a * logp) + 0.3 * jnp.sum(b * ent)
   return f
 
@@ -56,12 +56,14 @@ def _loss(chunk, tied):
 @pytest.mark.parametrize("tied,chunk", [(False, CHUNK), (True, 5)])
 def test_gradients_wrt_x_and_w_match_plain(tied, chunk):
   x, w, _, _ = _inputs()
+  w = w.T if tied else w
   got = jax.jit(jax.grad(_loss(chunk, tied), argnums=(0, 1)))(x, w)
   ref = jax.jit(jax.grad(_loss(0, tied), argnums=(0, 1)))(x, w)
   for g, r in zip(got, ref):
     assert g.shape == r.shape and g.dtype == r.dtype
     _close(g, r)
-  assert float(jnp.max(jnp.abs(ref[1][:, V - 1]))) > 0  # the overlapping last chunk's own column is trained
+  dw_DxV = ref[1].T if tied else ref[1]
+  assert float(jnp.max(jnp.abs(dw_DxV[:, V - 1]))) > 0  # the overlapping last chunk's own column is trained
 
 
 @pytest.mark.parametrize("mode", ["ghost", "explicit"])
@@ -82,14 +84,19 @@ def test_head_weighted_grad_and_tied_cross_terms_match_plain():
   def terms(chunk):
     lse = L.logsumexp(x, w, chunk=CHUNK) if chunk else None
     f = lambda w: jnp.sum(c_B[:, None] * L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)[0])
+    e = w.T   # the same head given vocab-major (a tied embedding): same values, [V, D] gradient
     return (L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=chunk),
             L.head_weighted_grad(x, w, tokens, mask, c_B, chunk=chunk, lse_BxT=lse),
-            L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=chunk), jax.grad(f)(w))
+            L.head_weighted_grad(x, e, tokens, mask, c_B, chunk=chunk, vocab_major=True).T,
+            L.tied_cross_terms(tokens, g_embed, x, w, mask, chunk=chunk),
+            L.tied_cross_terms(tokens, g_embed, x, e, mask, chunk=chunk, vocab_major=True),
+            L.head_sq_norms(x, e, tokens, mask, "ghost", chunk=chunk, vocab_major=True),
+            jax.grad(f)(w))
 
   got, ref = terms(CHUNK), terms(0)
   for g, r in zip(got, ref):
     _close(g, r)
-  _close(got[0], got[3])  # the weighted gradient is autodiff of the weighted log-prob sum
+  _close(got[0], got[-1])  # the weighted gradient is autodiff of the weighted log-prob sum
   _close(L.logsumexp(x, w, chunk=CHUNK), jax.nn.logsumexp(L.logits(x, w), axis=-1))
 
 
