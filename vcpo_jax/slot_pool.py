@@ -53,13 +53,16 @@ class SlotPool:
   """A pool of decode slots with one KV cache; `owner` is whatever the caller tracks a row by."""
 
   def __init__(self, cfg: model_lib.ModelConfig, *, max_rows: int, num_slots: int, chunk_steps: int,
-               cache_dtype: str | None = None, min_rows: int = 8, min_prompt_len: int = 16):
+               cache_dtype: str | None = None, min_rows: int = 8, min_join: int | None = None,
+               min_prompt_len: int = 16):
     if max_rows < 1 or chunk_steps < 1 or num_slots < 2:
       raise ValueError(f"need max_rows >= 1, chunk_steps >= 1, num_slots >= 2; got {max_rows}, {chunk_steps}, "
                        f"{num_slots}")
     self.cfg, self.max_rows, self.S, self.C = cfg, max_rows, num_slots, chunk_steps
     self.cache_dtype = jnp.dtype(cache_dtype or cfg.dtype)
     self.min_rows, self.min_prompt_len = min(min_rows, max_rows), min_prompt_len
+    # Smallest prefill batch: filler rows cost prefill compute, each distinct size one compile.
+    self.min_join = self.min_rows if min_join is None else max(1, min_join)
     self.K = 4
     self.state: pk.PoolState | None = None
     self.owners: list[Any] = []
@@ -113,7 +116,7 @@ class SlotPool:
       rows = self.state.rows._replace(stop_ids_BxK=jnp.concatenate([self.state.rows.stop_ids_BxK, pad], 1))
       self.state, self.K = self.state._replace(rows=rows), K
     B, V = len(self.owners), self.cfg.vocab_size
-    J = min(sampling.bucket(len(specs), self.min_rows), B)
+    J = min(sampling.bucket(len(specs), self.min_join), B)
     P = min(sampling.bucket(max(len(r.prompt) for r in specs), self.min_prompt_len), self.S)
     free = [s for s, o in enumerate(self.owners) if o is None][:len(specs)]
     tokens = np.zeros((J, P), np.int32)
@@ -157,10 +160,10 @@ class SlotPool:
 
 def generate(params, cfg: model_lib.ModelConfig, specs: Sequence[sampling.RowSpec], *, max_rows: int,
              num_slots: int | None = None, chunk_steps: int = 8, cache_dtype: str | None = None,
-             min_rows: int = 8) -> list[sampling.RowResult]:
+             min_rows: int = 8, min_join: int | None = None) -> list[sampling.RowResult]:
   """Runs rows through a pool of `max_rows` slots, queued rows joining as others finish (continuous)."""
   pool = SlotPool(cfg, max_rows=max_rows, num_slots=num_slots or cfg.max_seq_len, chunk_steps=chunk_steps,
-                  cache_dtype=cache_dtype, min_rows=min_rows)
+                  cache_dtype=cache_dtype, min_rows=min_rows, min_join=min_join)
   out = [sampling.RowResult([], [], False, None, None, []) for _ in specs]
   queue = list(range(len(specs)))
 
