@@ -36,8 +36,9 @@ test-sglang: $(VENV)/.dev
 	SGLANG_PYTHON="$$(third_party/install_sglang_cpu.sh | tail -n 1)/bin/python" VCPO_TEST_SGLANG=1 \
 	  $(PY) -m pytest -q -s -m sglang $(PYTEST_ARGS) tests/sglang
 
+# make bench MODEL=qwen2.5-0.5b|countdown|tiny (default auto: countdown on CPU, the 0.5B shape on a GPU)
 bench: $(VENV)/.dev
-	$(PY) -m benchmarks.run $(BENCH_ARGS)
+	$(PY) -m benchmarks.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
 
 # The results pipeline end to end in <= 15 min on 2 cores (experiments/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.

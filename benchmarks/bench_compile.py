@@ -152,7 +152,9 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
         rows.append({**row, "error": "skipped: time limit spent"})
         continue
       try:
+        load_before = os.getloadavg()[0]  # the machine is shared: compile seconds scale with its load
         row.update(compile_one(dataclasses.replace(cfg, **overrides), lcs[step], optimizer, b, t))
+        row["load_avg_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
       except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
         row["error"] = f"{type(e).__name__}: {e}"[:400]
       print(f"[compile] {json.dumps(row)}", flush=True)
@@ -200,16 +202,17 @@ def render_markdown(result: dict) -> str:
            f"- machine: {result['cpu_model']}, {result['cpu_cores']} cores; backend {result['backend']}; "
            + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
            f"- knobs present: {result['knobs_present'] or 'none'}", "",
-           "| variant | layers | B x T | trace+lower s | XLA compile s | total s | temporaries GB | MB / token |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| variant | layers | B x T | trace+lower s | XLA compile s | total s | temporaries GB | MB / token "
+           "| load avg before/after |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in result["rows"]:
     if r.get("error"):
-      lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | error: {r['error']} |  |  |  |  |")
+      lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | error: {r['error']} |  |  |  |  |  |")
       continue
     temp = r["memory"].get("temp_size_in_bytes")
     lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | {r['lower_s']} | {r['compile_s']} | "
                  f"{r['total_s']} | {temp / 1e9 if temp is not None else float('nan'):.2f} | "
-                 f"{r['temp_mb_per_token']:.3f} |")
+                 f"{r['temp_mb_per_token']:.3f} | {'/'.join(map(str, r.get('load_avg_1min', ['-'])))} |")
   return "\n".join(lines) + "\n"
 
 
