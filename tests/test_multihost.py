@@ -1,22 +1,62 @@
-"""Multi-host on localhost: two processes with jax.distributed, 4 CPU devices each, one global mesh; the
-sharded forward over the global batch equals a single-process forward."""
+"""Multi-host on localhost: two processes with jax.distributed, 4 CPU devices each, one global mesh.
+
+The forward check is quick; the job checks (marked slow) run the tiny job as 2 processes x 4 devices: emulate
+mode equals 1 process x 8 devices (metrics and final params), async mode with one embedded server, SIGKILL of
+both + restart keeps the data order, and killing one process ends the other with a clear error.
+"""
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from tests import multihost_worker as worker
-from vcpo_jax import model as M
+from vcpo_jax import model as M, multihost, sharding
 from vcpo_jax.rollout.launcher import free_port
 
-pytestmark = pytest.mark.integration
+CPU_ONLY = pytest.mark.cpu_only(reason="each process fakes 4 CPU devices (XLA_FLAGS host device count)")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A mesh whose fsdp axis spans both processes, so exports and evaluation gather across processes.
+JOB_FLAGS = ["--config.rl.steps=4", "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2",
+             "--config.task.eval_size=2", "--config.eval_every=100", "--config.checkpoint_every=1"]
+TIMING = ("throughput/", "seconds", "_s", "time")
 
 
-@pytest.mark.cpu_only(reason="each process fakes 4 CPU devices (XLA_FLAGS host device count)")
+# ------------------------------------------------------------------------------------- one process
+def test_single_process_is_unchanged():
+  """With one process nothing is distributed: rows pass through, params come back whole."""
+  mesh = sharding.make_mesh({"data": -1})
+  assert multihost.process_rows(mesh, 16) == {0: (0, 16)}
+  batch = object()
+  assert multihost.feed_rows(batch, 0, mesh, 16, 1.0) is batch
+  x = jax.device_put(np.arange(16.0), sharding.batch_sharding(mesh, 1))
+  np.testing.assert_array_equal(multihost.to_host(x), np.arange(16.0))
+  np.testing.assert_array_equal(multihost.host_tree({"x": x}, "t", 1.0)["x"], np.arange(16.0))
+  multihost.barrier("nothing", 1.0)
+
+
+def test_distributed_config_errors_name_the_field():
+  from configs import tiny  # noqa: PLC0415
+  multihost.initialize(tiny.get_config().distributed)  # the default: one process, nothing starts
+  d = tiny.get_config().distributed
+  d.num_processes = 2
+  with pytest.raises(ValueError, match="distributed.coordinator_address"):
+    multihost.initialize(d)
+  d.coordinator_address, d.process_id = "localhost:1", 2
+  with pytest.raises(ValueError, match="distributed.process_id=2"):
+    multihost.initialize(d)
+
+
+@pytest.mark.integration
+@CPU_ONLY
 def test_two_process_forward_equals_single_process(tmp_path):
   port = str(free_port())
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
@@ -31,3 +71,140 @@ def test_two_process_forward_equals_single_process(tmp_path):
   want = np.asarray(M.token_logprobs(params, worker.CFG, tokens, jnp.ones_like(tokens)))
   for i in range(2):
     np.testing.assert_allclose(np.load(tmp_path / f"logp{i}.npy"), want, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the job
+def _launch(workdir, mode="emulate", processes=2, port=None, extra=()):
+  """Starts the job as `processes` processes (each with 8 / processes fake devices); returns the Popens."""
+  variant = "emulate" if mode == "emulate" else ""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", VCPO_PROGRESS="0",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
+  base = [sys.executable, "-m", "vcpo_jax.main", f"--config=configs/tiny.py:{variant}", f"--workdir={workdir}",
+          *JOB_FLAGS, *extra]
+  if processes > 1:
+    base += ["--config.distributed.num_processes=2", f"--config.distributed.coordinator_address=localhost:{port}",
+             "--config.distributed.heartbeat_timeout_s=10", "--config.distributed.timeout_s=300"]
+  procs = []
+  for i in range(processes):
+    log = open(os.path.join(workdir, f"process{i}.log"), "w")
+    args = base + ([f"--config.distributed.process_id={i}"] if processes > 1 else [])
+    procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    log.close()
+  return procs
+
+
+def _log(workdir, i):
+  with open(os.path.join(workdir, f"process{i}.log")) as f:
+    return f.read()
+
+
+def _run(workdir, **kw):
+  procs = _launch(workdir, port=free_port(), **kw)
+  for i, p in enumerate(procs):
+    assert p.wait(timeout=600) == 0, _log(workdir, i)[-4000:]
+
+
+def _lines(workdir, name):
+  """Last record per step (a resumed run appends the steps it re-ran)."""
+  with open(os.path.join(workdir, name)) as f:
+    records = {r["step"]: r for r in map(json.loads, f)}
+  return [records[s] for s in sorted(records)]
+
+
+def _final_params(workdir, step=4):
+  """The checkpointed params on one device here, whatever topology saved them."""
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  checkpointer = ocp.StandardCheckpointer()
+  meta = checkpointer.metadata(path)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        getattr(meta, "item_metadata", meta))
+  return jax.tree.map(np.asarray, checkpointer.restore(path, target)["params"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """1 process x 8 devices, emulate mode; its warm start is copied into the other runs (computed once)."""
+  workdir = tmp_path_factory.mktemp("one_process")
+  _run(str(workdir), processes=1)
+  return str(workdir)
+
+
+def _workdir_with_base(tmp_path, reference, name):
+  workdir = tmp_path / name
+  workdir.mkdir()
+  shutil.copytree(os.path.join(reference, "base"), workdir / "base")
+  return str(workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@CPU_ONLY
+def test_two_processes_emulate_equal_one_process(tmp_path, reference):
+  workdir = _workdir_with_base(tmp_path, reference, "two")
+  _run(workdir)
+  assert [r["indices"] for r in _lines(workdir, "consumed.jsonl")] == \
+      [r["indices"] for r in _lines(reference, "consumed.jsonl")]
+  got, want = _lines(workdir, "metrics.jsonl"), _lines(reference, "metrics.jsonl")
+  assert len(got) == len(want) == 4
+  for g, w in zip(got, want):
+    keys = [k for k in w if isinstance(w[k], (int, float)) and not any(t in k for t in TIMING)]
+    assert len(keys) > 20 and set(keys) <= set(g)
+    for k in keys:
+      np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-5, err_msg=f"step {w['step']} {k}")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _final_params(workdir), _final_params(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@CPU_ONLY
+def test_two_processes_async_with_one_embedded_server(tmp_path, reference):
+  workdir = _workdir_with_base(tmp_path, reference, "async")
+  _run(workdir, mode="async", extra=["--config.rollout.num_servers=1"])
+  assert [r["step"] for r in _lines(workdir, "consumed.jsonl")] == [1, 2, 3, 4]
+  with open(os.path.join(workdir, "result.json")) as f:
+    assert json.load(f)["steps"] == 4
+  assert os.path.isdir(os.path.join(workdir, "weights", "v4"))  # exported by gathering across processes
+
+
+def _wait_for(path, procs, timeout=300):
+  t0 = time.time()
+  while not os.path.exists(path):
+    assert all(p.poll() is None for p in procs), "a process ended early"
+    assert time.time() - t0 < timeout, f"{path} did not appear"
+    time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@CPU_ONLY
+def test_sigkill_both_then_restart_keeps_the_data_order(tmp_path, reference):
+  workdir = _workdir_with_base(tmp_path, reference, "killed")
+  procs = _launch(workdir, port=free_port())
+  _wait_for(os.path.join(workdir, "checkpoints", "2"), procs)
+  for p in procs:
+    p.send_signal(signal.SIGKILL)
+  for p in procs:
+    p.wait()
+  _run(workdir)
+  assert "resumed from checkpoint at step" in _log(workdir, 0)
+  assert [r["indices"] for r in _lines(workdir, "consumed.jsonl")] == \
+      [r["indices"] for r in _lines(reference, "consumed.jsonl")]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@CPU_ONLY
+def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path, reference):
+  workdir = _workdir_with_base(tmp_path, reference, "one_dies")
+  procs = _launch(workdir, port=free_port(), extra=["--config.rl.steps=100"])
+  _wait_for(os.path.join(workdir, "checkpoints", "1"), procs)
+  procs[1].send_signal(signal.SIGKILL)
+  t0 = time.time()
+  code = procs[0].wait(timeout=120)
+  assert code != 0
+  assert time.time() - t0 < 60  # heartbeat_timeout_s=10
+  log = _log(workdir, 0)
+  assert ("The following tasks are unhealthy (stopped sending heartbeats)" in log
+          or "ProcessGroupError" in log), log[-4000:]

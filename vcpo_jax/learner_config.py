@@ -136,6 +136,8 @@ def check_chunks(batch, micro_batch_size: int, row_shards: int = 1):
   if b % micro_batch_size or micro_batch_size % row_shards:
     raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch rows B={b} and be a multiple "
                      f"of the data shards ({row_shards})")
+  if not getattr(batch.group_B, "is_fully_addressable", True):
+    return  # rows on several processes: the leader checked its host batch (train.RLRun.learn)
   chunk_of_row = np.empty(b, np.int64)
   chunk_of_row[chunk_order(b, micro_batch_size, row_shards).reshape(-1)] = np.repeat(
       np.arange(b // micro_batch_size), micro_batch_size)

@@ -40,10 +40,12 @@ def initialize(d) -> None:
   Open MPI, ...); num_processes > 1: explicit coordinator address and process id; else nothing happens."""
   if d is None or (not d.get("auto", False) and d.num_processes == 1):
     return
-  kwargs = dict(heartbeat_timeout_seconds=int(d.heartbeat_timeout_s),
-                initialization_timeout=int(d.get("initialization_timeout_s", 300)))
   if d.heartbeat_timeout_s < 1:
     raise ValueError(f"invalid config: distributed.heartbeat_timeout_s={d.heartbeat_timeout_s!r}: must be >= 1")
+  # The shutdown barrier waits for the others as long as a heartbeat may be missing, not JAX's 5 minutes.
+  kwargs = dict(heartbeat_timeout_seconds=int(d.heartbeat_timeout_s),
+                shutdown_timeout_seconds=int(d.heartbeat_timeout_s),
+                initialization_timeout=int(d.get("initialization_timeout_s", 300)))
   if d.get("auto", False):
     jax.distributed.initialize(**kwargs)
   else:

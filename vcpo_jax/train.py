@@ -17,6 +17,7 @@ from vcpo_jax import tokenizer as tokenizer_lib
 from vcpo_jax.batch import RLBatch
 from vcpo_jax.configuration import build_optimizer, learner_config, validate_config  # noqa: F401
 from vcpo_jax.evaluation import evaluate, make_score_fn
+from vcpo_jax.learner_config import check_chunks
 from vcpo_jax.rollout import backend as backend_lib, batching, episodes, types
 
 
@@ -73,7 +74,8 @@ class RLRun:
     shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
     self.batch_rows = -(-rl.prompts_per_step * rl.group_size // shards) * shards
     self.optimizer = build_optimizer(config)
-    self.step_fn = learner.make_rl_step(model_cfg, learner_config(config), self.optimizer, mesh=self.mesh)
+    self.learner_cfg = learner_config(config)
+    self.step_fn = learner.make_rl_step(model_cfg, self.learner_cfg, self.optimizer, mesh=self.mesh)
     state = learner.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
                                        mesh=self.mesh)
     # Each parameter is read from disk straight into its sharding (no whole-model host copy).
@@ -138,6 +140,8 @@ class RLRun:
 
   def learn(self, batch: RLBatch) -> dict:
     """One learner step (blocking; the loop runs it in a worker thread while rollouts go on)."""
+    if multihost.multi_process() and self.leader:  # the step's own check cannot read rows on other hosts
+      check_chunks(batch, self.learner_cfg.micro_batch_size, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
     batch = multihost.feed_rows(batch, self.step, self.mesh, self.batch_rows, self.timeout_s)
     self.state, step_metrics = self.step_fn(self.state, batch)
     return jax.device_get(step_metrics)
