@@ -58,14 +58,21 @@ def cache_axes(cfg: model_lib.ModelConfig) -> tuple[tuple[int, int], ...]:
   return tuple((changed(a, b), changed(a, c)) for a, b, c in zip(*shapes))
 
 
-def _map_cache(fn, cfg, *caches):
-  """Applies fn(leaf, ...) to every cache leaf with its batch and slot axes moved to the front."""
-  flat = [jax.tree.flatten(c) for c in caches]
+def _write_rows(cfg, big, small, slots_J):
+  """Writes a J-row cache of P slots into rows slots_J (out of range: dropped), slots [0, P), of the pool's."""
+  big_leaves, treedef = jax.tree.flatten(big)
   out = []
-  for i, axes in enumerate(cache_axes(cfg)):
-    leaves = [jnp.moveaxis(f[0][i], axes, (0, 1)) for f in flat]
-    out.append(jnp.moveaxis(fn(*leaves), (0, 1), axes))
-  return jax.tree.unflatten(flat[0][1], out)
+  for x, y, (b_axis, s_axis) in zip(big_leaves, jax.tree.leaves(small), cache_axes(cfg)):
+    index = [slice(None)] * x.ndim
+    index[b_axis], index[s_axis] = slots_J, slice(0, y.shape[s_axis])
+    out.append(x.at[tuple(index)].set(y, mode="drop"))  # one array index: y's layout as it is
+  return jax.tree.unflatten(treedef, out)
+
+
+def _take_rows(cfg, cache, src_N):
+  leaves, treedef = jax.tree.flatten(cache)
+  return jax.tree.unflatten(treedef, [jnp.take(x, src_N, axis=b_axis)
+                                      for x, (b_axis, _) in zip(leaves, cache_axes(cfg))])
 
 
 def num_slots(pool: PoolState, cfg) -> int:
@@ -108,7 +115,7 @@ def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParam
   def put(x, y):
     return x.at[slots_J].set(y, mode="drop")
 
-  cache = _map_cache(lambda big, new: big.at[slots_J, :P].set(new, mode="drop"), cfg, pool.cache, small)
+  cache = _write_rows(cfg, pool.cache, small, slots_J)
   pool = pool._replace(
       cache=cache, rows=jax.tree.map(put, pool.rows, rows_J), index_B=put(pool.index_B, lens_J),
       last_token_B=put(pool.last_token_B, token_J), num_gen_B=put(pool.num_gen_B, num_gen_J),
@@ -153,7 +160,7 @@ def take(pool: PoolState, src_N, *, cfg):
   src_N = jnp.maximum(src_N, 0)
   gather = lambda x: x[src_N]
   return PoolState(
-      cache=_map_cache(gather, cfg, pool.cache), rows=jax.tree.map(gather, pool.rows),
+      cache=_take_rows(cfg, pool.cache, src_N), rows=jax.tree.map(gather, pool.rows),
       index_B=jnp.where(keep_N, pool.index_B[src_N], 0), last_token_B=gather(pool.last_token_B),
       num_gen_B=gather(pool.num_gen_B), done_B=jnp.where(keep_N, pool.done_B[src_N], True),
       stopped_B=gather(pool.stopped_B), out_ids_BxC=gather(pool.out_ids_BxC),
