@@ -87,6 +87,7 @@ def test_rl_step_with_tool_holes_matches_the_oracle():
     np.testing.assert_allclose(delta / top, want / top, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow  # two compiles, ~2 min on the loaded 2-core machine
 def test_tool_tokens_are_context_not_targets():
   """A hole's tokens change the later generated tokens' log-probs (attended to) but get no gradient score."""
   batch, holes = _episode_batch()
