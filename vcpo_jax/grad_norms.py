@@ -154,9 +154,43 @@ def _leaf_name(path) -> str:
   return "/".join(path)
 
 
+def _stacked(path, cfg: M.ModelConfig) -> bool:
+  return cfg.scan_layers and path[0] == "layers"
+
+
+def _per_layer(path, cfg: M.ModelConfig, rule, a, g):
+  """rule(a, g) of one layer; under scan a and g are stacked [L, ...] and the rule maps over the layers
+  (one layer's temporaries at a time), giving results stacked on the same leading axis."""
+  if _stacked(path, cfg):
+    return jax.lax.map(lambda ag: rule(*ag), (a, g))
+  return rule(a, g)
+
+
+def _layer_sq_rule(path, mode: str):
+  leaf = path[-1]
+  if leaf == "kernel":
+    return lambda a, g: dense_sq_norms(a, g, mode)
+  if leaf == "bias":
+    return lambda a, g: bias_sq_norms(g)
+  if leaf == "scale":
+    return scale_sq_norms
+  raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
+
+
+def _layer_grad_rule(path, c_B):
+  leaf = path[-1]
+  if leaf == "kernel":
+    return lambda a, g: dense_weighted_grad(a, g, c_B)
+  if leaf == "bias":
+    return lambda a, g: bias_weighted_grad(g, c_B)
+  if leaf == "scale":
+    return lambda a, g: scale_weighted_grad(a, g, c_B)
+  raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
+
+
 def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: M.ModelConfig, mode: str):
   """Per-sequence squared norm of one parameter leaf (for a tied embedding: embedding + head + cross)."""
-  module, leaf = path[:-1], path[-1]
+  module = path[:-1]
   x, w, mask = inputs[HEAD]
   if path == ("embed_tokens",):
     g_emb = out_grads[("embed_outputs",)]
@@ -168,17 +202,12 @@ def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: M.ModelConfig, mode
     return sq_B
   if path == ("lm_head", "kernel"):
     return lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, cfg.precision)
-  if leaf == "kernel":
-    return dense_sq_norms(inputs[module], out_grads[module], mode)
-  if leaf == "bias":
-    return bias_sq_norms(out_grads[module])
-  if leaf == "scale":
-    return scale_sq_norms(inputs[module], out_grads[module])
-  raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
+  sq = _per_layer(path, cfg, _layer_sq_rule(path, mode), inputs.get(module), out_grads.get(module))
+  return jnp.sum(sq, axis=0) if _stacked(path, cfg) else sq  # under scan [L, B]: summed over the layers
 
 
 def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: M.ModelConfig):
-  module, leaf = path[:-1], path[-1]
+  module = path[:-1]
   x, w, mask = inputs[HEAD]
   if path == ("embed_tokens",):
     grad = embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
@@ -187,13 +216,7 @@ def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: M.ModelCo
     return grad
   if path == ("lm_head", "kernel"):
     return lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, cfg.precision)
-  if leaf == "kernel":
-    return dense_weighted_grad(inputs[module], out_grads[module], c_B)
-  if leaf == "bias":
-    return bias_weighted_grad(out_grads[module], c_B)
-  if leaf == "scale":
-    return scale_weighted_grad(inputs[module], out_grads[module], c_B)
-  raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
+  return _per_layer(path, cfg, _layer_grad_rule(path, c_B), inputs.get(module), out_grads.get(module))
 
 
 def _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode):

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vcpo_jax import lm_head
+from vcpo_jax import attention as attention_lib, lm_head
 
 # Shape letters: B batch, T query length, S cache (key) length, D hidden, H query heads, K kv heads,
 # E head dim, F MLP hidden, V vocab.
@@ -18,6 +18,10 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 # on TPU); "highest" is true float32 everywhere; on CPU all three are float32.
 PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH,
               "default": jax.lax.Precision.DEFAULT}
+# What one layer keeps for the backward pass (jax.checkpoint policy); "none" = no rematerialisation.
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.checkpoint_dots,
+                  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,11 @@ class ModelConfig:
   dtype: str = "float32"
   # Every dot in the model (learner log-probs and the sampler alike) runs at this precision.
   matmul_precision: str = "highest"
+  # Layers under nn.scan: params (and the KV cache) stacked on a leading "layers" axis; compile time does not
+  # grow with depth. False = layers_0 .. layers_{L-1}, the layout of checkpoints written before scan.
+  scan_layers: bool = False
+  remat: str = "none"          # a REMAT_POLICIES name, applied to every layer
+  attention: str = "auto"      # attention.IMPLEMENTATIONS: auto | xla | cudnn | einsum
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -56,6 +65,13 @@ class ModelConfig:
     if self.matmul_precision not in PRECISIONS:
       raise ValueError(f"model.matmul_precision must be one of {sorted(PRECISIONS)}, "
                        f"got {self.matmul_precision!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"model.scan_layers must be a bool, got {self.scan_layers!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f"model.attention must be one of {attention_lib.IMPLEMENTATIONS}, "
+                       f"got {self.attention!r}")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
@@ -150,12 +166,16 @@ def apply_rope(x_BxTxNxE, cos_BxTxE, sin_BxTxE):
 
 
 class Attention(nn.Module):
-  """Grouped-query attention with q/k/v bias and an optional KV cache (functional: passed in and returned)."""
+  """Grouped-query attention with q/k/v bias and an optional KV cache (functional: passed in and returned).
+
+  With `layer` (under scan) kv_cache is the whole stacked cache [L, B, S, K, E]: the new entries are written
+  in place at that layer and only its slice is read.
+  """
   cfg: ModelConfig
   capture: bool = False
 
   @nn.compact
-  def __call__(self, x_BxTxD, cos_BxTxE, sin_BxTxE, mask_BxTxS, kv_cache=None, cache_index=None):
+  def __call__(self, x_BxTxD, cos_BxTxE, sin_BxTxE, mask_BxTxS, kv_cache=None, cache_index=None, layer=None):
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
     H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -167,16 +187,11 @@ class Attention(nn.Module):
     k = apply_rope(k, cos_BxTxE, sin_BxTxE)
     new_cache = None
     if kv_cache is not None:
-      k_cache, v_cache = kv_cache
-      k, v = write_cache(k_cache, k, cache_index), write_cache(v_cache, v, cache_index)
-      new_cache = (k, v)
-    q_BxTxKxGxE = q.reshape(B, T, K, H // K, E)
-    scores = jnp.einsum("btkge,bske->bkgts", q_BxTxKxGxE, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32, precision=cfg.precision) * (1.0 / float(E) ** 0.5)
-    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
-    out = jnp.einsum("bkgts,bske->btkge", probs, v.astype(cfg.jnp_dtype),
-                     preferred_element_type=jnp.float32, precision=cfg.precision).astype(cfg.jnp_dtype)
+      new_cache = tuple(write_cache(c, new, cache_index, layer) for c, new in zip(kv_cache, (k, v)))
+      k, v = new_cache if layer is None else (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+                                              for c in new_cache)
+    out = attention_lib.attend(q, k, v, mask_BxTxS, implementation=cfg.attention, precision=cfg.precision,
+                               dtype=cfg.jnp_dtype)
     out_BxTxD = dense(cfg.hidden_size, ("q_heads", "embed"), False, "o_proj")(out.reshape(B, T, H * E))
     return out_BxTxD, new_cache
 
@@ -195,17 +210,38 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+  """One decoder layer as a scan step: carry (x, kv cache or None) -> (carry, None).
+
+  `layer` is None when unrolled (kv cache = this layer's (k, v)); under scan it is the layer's index and the
+  kv cache is the stacked one.
+  """
   cfg: ModelConfig
   capture: bool = False
 
   @nn.compact
-  def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
-    h, new_cache = Attention(self.cfg, self.capture, name="self_attn")(
-        RMSNorm(self.cfg, self.capture, name="input_layernorm")(x), cos, sin, mask, kv_cache, cache_index)
+  def __call__(self, carry, layer, cos, sin, mask, cache_index):
+    x, kv_cache = carry
+    h, kv_cache = Attention(self.cfg, self.capture, name="self_attn")(
+        RMSNorm(self.cfg, self.capture, name="input_layernorm")(x), cos, sin, mask, kv_cache, cache_index,
+        layer)
     x = x + h
     x = x + MLP(self.cfg, self.capture, name="mlp")(
         RMSNorm(self.cfg, self.capture, name="post_attention_layernorm")(x))
-    return x, new_cache
+    return (nn.with_logical_constraint(x, ("batch", "length", "act_embed")), kv_cache), None
+
+
+def _layer_stack(cfg: ModelConfig, capture: bool):
+  """The module running all layers: Block unrolled (one per layer), or one Block under nn.scan."""
+  block = Block
+  if REMAT_POLICIES[cfg.remat] is not None:
+    # Under scan the loop already stops XLA from merging the recomputation with the forward (prevent_cse off).
+    block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+  if not cfg.scan_layers:
+    return block
+  # Params and the capture collections (sown inputs, perturbations) are stacked on axis 0, the layers axis.
+  return nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
+                 split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 4, length=cfg.num_layers,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
 
 
 class HeadKernel(nn.Module):
@@ -219,7 +255,8 @@ class HeadKernel(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Decoder-only LM. Params: embed_tokens, layers_{i}, norm, lm_head (absent when tied).
+  """Decoder-only LM. Params: embed_tokens, layers_{i} (or `layers`, stacked, under scan), norm, lm_head
+  (absent when tied).
 
   head=False returns the final normed hidden states [B, T, D] instead of float32 logits (the LM head is
   then applied by vcpo_jax.lm_head, in chunks, without [tokens, vocab] logits).
@@ -238,14 +275,19 @@ class Transformer(nn.Module):
       x = self.perturb("embed_outputs", x)
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
-    new_cache = []
-    for i in range(cfg.num_layers):
-      x, layer_cache = Block(cfg, self.capture, name=f"layers_{i}")(
-          x, cos, sin, mask_BxTxS, None if cache is None else cache[i], cache_index)
-      new_cache.append(layer_cache)
-      x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    stack = _layer_stack(cfg, self.capture)
+    if cfg.scan_layers:
+      layers_L = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+      (x, new_cache), _ = stack(cfg, self.capture, name="layers")((x, cache), layers_L, cos, sin, mask_BxTxS,
+                                                                  cache_index)
+    else:
+      new_cache = []
+      for i in range(cfg.num_layers):
+        (x, layer_cache), _ = stack(cfg, self.capture, name=f"layers_{i}")(
+            (x, None if cache is None else cache[i]), None, cos, sin, mask_BxTxS, cache_index)
+        new_cache.append(layer_cache)
+      new_cache = None if cache is None else tuple(new_cache)
     x = RMSNorm(cfg, self.capture, name="norm")(x)
-    new_cache = None if cache is None else tuple(new_cache)
     if not self.head:
       return x, new_cache
     w_DxV = embedding.T if cfg.tie_word_embeddings else HeadKernel(cfg, name="lm_head")()
@@ -320,10 +362,18 @@ def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT
   return token_logprobs_and_entropy(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT)[0]
 
 
-def write_cache(cache_BxSxKxE, new_BxTxKxE, cache_index):
-  """Writes T new entries at slot cache_index (scalar, or int32 [B]: one slot per row)."""
+def write_cache(cache_BxSxKxE, new_BxTxKxE, cache_index, layer=None):
+  """Writes T new entries at slot cache_index (scalar, or int32 [B]: one slot per row).
+
+  With `layer` the cache is stacked [L, B, S, K, E] and only that layer's T entries are written.
+  """
   new_BxTxKxE = new_BxTxKxE.astype(cache_BxSxKxE.dtype)
   index = jnp.asarray(cache_index, jnp.int32)
+  if layer is not None:
+    if index.ndim == 0:
+      return jax.lax.dynamic_update_slice(cache_BxSxKxE, new_BxTxKxE[None], (layer, 0, index, 0, 0))
+    return jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u[None], (layer, i, 0, 0)),
+                    in_axes=(1, 0, 0), out_axes=1)(cache_BxSxKxE, new_BxTxKxE, index)
   if index.ndim == 0:
     return jax.lax.dynamic_update_slice(cache_BxSxKxE, new_BxTxKxE, (0, index, 0, 0))
   return jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))(
@@ -331,8 +381,12 @@ def write_cache(cache_BxSxKxE, new_BxTxKxE, cache_index):
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
-  """Per-layer (k, v) buffers of shape [B, S, K, E] in the compute dtype."""
+  """An opaque pytree: per-layer (k, v) buffers [B, S, K, E] in the compute dtype, or under scan one stacked
+  (k, v) pair [L, B, S, K, E]."""
   shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+  if cfg.scan_layers:
+    shape = (cfg.num_layers,) + shape
+    return (jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype))
   return tuple((jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype))
                for _ in range(cfg.num_layers))
 
@@ -361,3 +415,18 @@ def param_logical_axes(cfg: ModelConfig):
 
 def count_params(params) -> int:
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+def stack_layers(params, num_layers: int):
+  """Unrolled params (layers_0 .. layers_{L-1}) -> the scan layout (one `layers` subtree, leaves [L, ...])."""
+  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(num_layers)])
+  return out
+
+
+def unstack_layers(params, num_layers: int):
+  """The scan layout -> layers_0 .. layers_{L-1} (e.g. to load into scan_layers=False)."""
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(num_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+  return out
