@@ -1,0 +1,102 @@
+"""Tool use (#14) against a real SGLang 0.5.23 server (CPU, float32): multi-turn episodes (a `stop` string per
+turn, the growing input as input_ids) and the countdown_tools job at k = 2, every token checked against the
+weights its version tag names."""
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.sglang import verify_tags
+from tests.sglang.conftest import requires_sglang, start_servers
+from tests.sglang.test_sglang_job import _env, _metrics  # noqa: F401  (the same job environment)
+from vcpo_jax.rollout import client as client_lib, episodes
+from vcpo_jax.tasks import calculator
+
+pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(3600)]
+CONFIG = "configs/countdown_tools.py"
+SMALL = ["--config.rl.prompts_per_step=4", "--config.rl.group_size=4", "--config.algo.micro_batch_size=16",
+         "--config.sft.steps=10", "--config.task.eval_size=8", "--config.eval_every=1000",
+         "--config.checkpoint_every=1000", "--config.rl.max_lag=2", "--config.rollout.keep_versions=100"]
+
+
+def _run(module, workdir, *flags, timeout=1800):
+  import subprocess
+  import sys
+  from tests.sglang.conftest import REPO
+  argv = [sys.executable, "-m", module, f"--config={CONFIG}", f"--workdir={workdir}", *SMALL, *flags]
+  with open(str(workdir) + ".log", "w") as log:
+    rc = subprocess.run(argv, cwd=REPO, env=_env(str(workdir)), stdout=log, stderr=subprocess.STDOUT,
+                        timeout=timeout).returncode
+  assert rc == 0, open(str(workdir) + ".log").read()[-5000:]
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory):
+  root = tmp_path_factory.mktemp("tools")
+  work = root / "w"
+  _run("vcpo_jax.rollout.export_base", work)
+  (server,) = start_servers(str(work / "base"), str(root), 1)
+  try:
+    yield work, server
+  finally:
+    server.stop()
+
+
+class MarkerEnv:
+  """Calls marked by a character the served model is known to write (a warm start of 10 steps rarely calls
+  the calculator on its own); replies come from the real calculator."""
+
+  def __init__(self, marker):
+    self.stop_strings, self.max_turns = (marker,), 3
+
+  def respond(self, turn_text):
+    return calculator.Calculator().run("6*7") if self.stop_strings[0] in turn_text else None
+
+
+def test_episode_turns_on_a_real_server(tools_server):
+  from vcpo_jax import hf, model, tokenizer
+  from vcpo_jax.evaluation import completion_text
+  work, server = tools_server
+  params, cfg = hf.import_hf(str(work / "base"))
+  tok = tokenizer.build_tokenizer()
+  prompt = tok.encode(tok.chat_prompt("Using the numbers [2, 3, 7], make 42."))
+  sp = {"max_new_tokens": 1, "temperature": 1.0, "no_stop_trim": True, "ignore_eos": True}
+
+  async def run():
+    async with client_lib.RolloutClient([server.url], vocab_size=cfg.vocab_size,
+                                        context_length=cfg.max_seq_len) as client:
+      (plain,) = await client.generate(prompt, dict(sp, max_new_tokens=60), n=1)
+      text = completion_text(tok, plain.output_ids)
+      marker = next(ch for ch in text[10:] if ch.isalnum())
+      runner = episodes.EpisodeRunner(MarkerEnv(marker), encode=tok.encode,
+                                      decode=lambda ids: completion_text(tok, ids), stop_ids=(),
+                                      max_new_tokens=100, context_length=cfg.max_seq_len)
+      return await runner.generate(client.generate, prompt, sp, n=4)
+
+  samples = asyncio.run(run())
+  import jax.numpy as jnp
+  for s in samples:
+    mask = np.asarray(s.output_mask)
+    assert s.tool_calls >= 1 and (mask == 0).sum() == s.tool_calls * len(tok.encode("<result>42</result>"))
+    seq = s.prompt_ids + s.output_ids
+    tokens = jnp.asarray(np.array([seq + [0] * (cfg.max_seq_len - len(seq))], np.int32))
+    ref = np.asarray(model.token_logprobs(params, cfg, tokens, jnp.ones_like(tokens)))[0, len(s.prompt_ids):len(seq)]
+    gap = np.abs(s.output_logprobs[mask > 0] - ref[mask > 0]).max()
+    print(f"\nepisode: {s.num_turns} turns, {s.tool_calls} calls, worst log-prob gap {gap:.2e}")
+    assert gap < 1e-4
+
+
+def test_tools_job_k2_on_a_real_server(tools_server):
+  work, server = tools_server
+  _run("vcpo_jax.main", work, "--config.rl.steps=4", f"--config.rollout.server_urls={server.url}")
+  rows = _metrics(str(work))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert all("tools/turns_per_episode" in r and r["lag/max"] <= 2 for r in rows)
+  with open(os.path.join(work, "result.json")) as f:
+    assert json.load(f)["steps"] == 4
+  # Every turn's /generate is logged as a sample (input = prompt + earlier turns + tool outputs).
+  tags = verify_tags.worst_gap(os.path.join(work, "samples.jsonl"), os.path.join(work, "weights"))
+  print(f"\ntools job: {[r['tools/calls_per_episode'] for r in rows]} calls/episode, tags {tags}")
+  assert tags["worst"] < 1e-4
