@@ -22,6 +22,7 @@ DEFAULT_RULES: tuple[tuple[str, object], ...] = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("norm", None),
+    ("layers", None),  # the stacked layers axis of params under scan (model.scan_layers): replicated
 )
 
 
