@@ -23,8 +23,9 @@ _INDEX_FILE = "model.safetensors.index.json"
 _TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def _layer_names(i: int) -> list[tuple[tuple[str, ...], str, bool]]:
-  """(param path, HF tensor name, transpose) for one decoder layer."""
+def _layer_names(i: int, scan: bool = False) -> list[tuple[tuple[str, ...], str, bool]]:
+  """(param path, HF tensor name, transpose) for one decoder layer; under scan the path is the stacked
+  leaf's (`layers/...`, layer i of its leading axis)."""
   pre = f"model.layers.{i}"
   out = []
   for proj in ("q_proj", "k_proj", "v_proj"):
@@ -35,14 +36,14 @@ def _layer_names(i: int) -> list[tuple[tuple[str, ...], str, bool]]:
     out.append((("mlp", proj, "kernel"), f"{pre}.mlp.{proj}.weight", True))
   out.append((("input_layernorm", "scale"), f"{pre}.input_layernorm.weight", False))
   out.append((("post_attention_layernorm", "scale"), f"{pre}.post_attention_layernorm.weight", False))
-  return [((f"layers_{i}",) + path, name, t) for path, name, t in out]
+  return [(("layers" if scan else f"layers_{i}",) + path, name, t) for path, name, t in out]
 
 
 def tensor_names(cfg: model_lib.ModelConfig) -> list[tuple[tuple[str, ...], str, bool]]:
-  """The full mapping between our param paths and HF tensor names."""
+  """The full mapping between our param paths and HF tensor names (per-layer HF tensors either way)."""
   names = [(("embed_tokens",), "model.embed_tokens.weight", False)]
   for i in range(cfg.num_layers):
-    names += _layer_names(i)
+    names += _layer_names(i, cfg.scan_layers)
   names.append((("norm", "scale"), "model.norm.weight", False))
   if not cfg.tie_word_embeddings:
     names.append((("lm_head", "kernel"), "lm_head.weight", True))
@@ -83,6 +84,9 @@ def hf_config(cfg: model_lib.ModelConfig, *, bos_token_id=None, eos_token_id=Non
       # Ours, ignored by transformers/SGLang: the compute dtype to use when re-imported.
       "vcpo_compute_dtype": cfg.dtype,
       "vcpo_matmul_precision": cfg.matmul_precision,
+      "vcpo_scan_layers": cfg.scan_layers,
+      "vcpo_remat": cfg.remat,
+      "vcpo_attention": cfg.attention,
   }
 
 
@@ -122,6 +126,13 @@ def replace_directory(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
+def _with_layer_index(cfg: model_lib.ModelConfig):
+  """(layer index of a stacked leaf or None, (path, HF name, transpose)) for every tensor."""
+  for path, name, transpose in tensor_names(cfg):
+    layer = int(name.split(".")[2]) if cfg.scan_layers and path[0] == "layers" else None
+    yield layer, (path, name, transpose)
+
+
 def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) -> str:
   """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir."""
   out_dir = os.path.abspath(out_dir)
@@ -129,10 +140,15 @@ def export_hf(params, cfg: model_lib.ModelConfig, out_dir: str, tokenizer=None) 
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
   try:
-    tensors = {}
-    for path, name, transpose in tensor_names(cfg):
-      # Device -> host one tensor at a time (gathered over the processes when sharded across hosts).
-      arr = multihost.to_host(_get(params, path))
+    tensors, stacked = {}, {}
+    for i, (path, name, transpose) in _with_layer_index(cfg):
+      if i is None:
+        # Device -> host one tensor at a time (gathered over the processes when sharded across hosts).
+        arr = multihost.to_host(_get(params, path))
+      else:  # a layer of a stacked leaf: the leaf comes to host once, then is cut into HF's per-layer tensors
+        if path not in stacked:
+          stacked[path] = multihost.to_host(_get(params, path))
+        arr = stacked[path][i]
       tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
     safetensors.numpy.save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata={"format": "pt"})
     eos = bos = stop = None
@@ -176,7 +192,9 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> mode
       tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
       max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
       param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype),
-      matmul_precision=d.get("vcpo_matmul_precision", "highest"))
+      matmul_precision=d.get("vcpo_matmul_precision", "highest"),
+      scan_layers=bool(d.get("vcpo_scan_layers", False)), remat=d.get("vcpo_remat", "none"),
+      attention=d.get("vcpo_attention", "auto"))
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -191,7 +209,7 @@ def read_config(model_dir: str) -> dict[str, Any]:
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "tie_word_embeddings")
 # Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
-_RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision")
+_RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "attention")
 
 
 def model_config(section) -> model_lib.ModelConfig:
@@ -251,17 +269,30 @@ def import_hf(model_dir: str, *, cfg: model_lib.ModelConfig | None = None, shard
   params: dict = {}
   with contextlib.ExitStack() as stack:
     handles = {f: stack.enter_context(safetensors.safe_open(f, "np")) for f in sorted(set(files.values()))}
+    leaves: dict = {}  # param path -> [(HF name, transpose)], in layer order for a stacked leaf
     for path, name, transpose in names:
+      leaves.setdefault(path, []).append((name, transpose))
+    for path, parts in leaves.items():
       want = tuple(_get(expected, path).shape)
-      want_hf = want[::-1] if transpose else want
-      tensor = handles[files[name]].get_slice(name)
-      if tuple(tensor.get_shape()) != want_hf:
-        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.get_shape())}, expected {want_hf}")
+      stacked = cfg.scan_layers and path[0] == "layers"
+      layer_shape = want[1:] if stacked else want
+      tensors = []
+      for name, transpose in parts:
+        want_hf = layer_shape[::-1] if transpose else layer_shape
+        tensors.append(handles[files[name]].get_slice(name))
+        if tuple(tensors[-1].get_shape()) != want_hf:
+          raise ValueError(f"tensor {name!r} has shape {tuple(tensors[-1].get_shape())}, expected {want_hf}")
 
-      def read(index, tensor=tensor, transpose=transpose):
-        index = tuple(index) + (slice(None),) * (len(want) - len(index))
+      def read_one(tensor, index, transpose=parts[0][1], ndim=len(layer_shape)):
+        index = tuple(index) + (slice(None),) * (ndim - len(index))
         block = tensor[index[::-1] if transpose else index]
         return np.ascontiguousarray(block.T if transpose else block).astype(dtype, copy=False)
+
+      def read(index, tensors=tensors, stacked=stacked, ndim=len(want), read_one=read_one):
+        if not stacked:
+          return read_one(tensors[0], index)
+        index = tuple(index) + (slice(None),) * (ndim - len(index))  # [layers, *one layer's index]
+        return np.stack([read_one(tensors[i], index[1:]) for i in range(len(tensors))[index[0]]])
 
       if shardings is None:
         _set(params, path, read(()))
