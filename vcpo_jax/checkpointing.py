@@ -11,7 +11,11 @@ import orbax.checkpoint as ocp
 
 class Checkpointer:
   """Saves {state (pytree), host (JSON)} per step; restores the latest. Orbax writes to a temporary directory
-  and renames on commit, so a failed save never damages the previous checkpoint."""
+  and renames on commit, so a failed save never damages the previous checkpoint.
+
+  Several processes: every process calls save/restore (collectives; each writes its own shards of the state
+  to the shared directory); the JSON part is written by process 0 (the leader's data iterator and rollout
+  state, multihost.py) and read back by all."""
 
   def __init__(self, directory: str, max_to_keep: int = 3):
     self.directory = os.path.abspath(directory)
