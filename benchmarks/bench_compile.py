@@ -109,30 +109,32 @@ def present_knobs(model_cfg) -> dict:
   return {k: v for k, v in MODEL_KNOBS.items() if k in fields}
 
 
-def variants(model_cfg, steps: tuple[str, ...] = ("vcpo", "grpo")) -> list[tuple[str, str, dict]]:
-  """(label, step, model overrides): both steps at the job's defaults; with scan_layers present, both steps
-  with it flipped; then the VCPO step with one other knob changed, on top of scan_layers=True when that
-  knob exists (an unrolled 24-layer compile takes minutes: only the scan on/off pair pays for it)."""
+def label(step: str, overrides: Mapping[str, Any]) -> str:
+  return " ".join([step] + [f"{k}={v}" for k, v in overrides.items()]) if overrides else f"{step} (defaults)"
+
+
+def variants(model_cfg, *, unrolled: bool = True) -> list[tuple[str, str, dict]]:
+  """(label, step, model overrides). First the headline pair, VCPO and GRPO: the job's defaults, with layers
+  under scan where the model has scan_layers. Then (unrolled=True) both steps unrolled, and the VCPO step
+  with one other knob changed on top of the headline's (scanned: cheap to compile)."""
   knobs = present_knobs(model_cfg)
-  out = [(f"{s} (defaults)", s, {}) for s in steps]
-  base: dict = {}
-  if "scan_layers" in knobs:
-    flipped = {"scan_layers": not model_cfg.scan_layers}
-    out += [(f"{s} scan_layers={flipped['scan_layers']}", s, flipped) for s in steps]
-    base = {} if model_cfg.scan_layers else {"scan_layers": True}
-  prefix = "".join(f"{k}={v} " for k, v in base.items())
+  head = {"scan_layers": True} if "scan_layers" in knobs and not model_cfg.scan_layers else {}
+  out = [(label(s, head), s, head) for s in ("vcpo", "grpo")]
+  if "scan_layers" in knobs and unrolled:
+    out += [(label(s, {"scan_layers": False}), s, {"scan_layers": False}) for s in ("vcpo", "grpo")]
   for knob, values in knobs.items():
     if knob == "scan_layers":
       continue
     for v in values:
       if v != getattr(model_cfg, knob):
-        out.append((f"vcpo {prefix}{knob}={v}", "vcpo", {**base, knob: v}))
+        out.append((label("vcpo", {**head, knob: v}), "vcpo", {**head, knob: v}))
   return out
 
 
 def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = None, layers=None,
-            only_defaults: bool = False, time_limit_s: float | None = None) -> dict:
-  """Every variant at every depth in `layers` (default: the model's own); stops starting new compiles once
+            only_defaults: bool = False, unrolled: bool = True, time_limit_s: float | None = None) -> dict:
+  """Every variant at every depth in `layers` (default: the model's own); only_defaults: the headline pair
+  only; unrolled=False: no unrolled variants (minutes each at 24 layers). Stops starting new compiles once
   time_limit_s is spent (the rest are recorded as skipped)."""
   import jax
   from vcpo_jax import configuration
@@ -145,7 +147,7 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
   rows, start = [], time.perf_counter()
   for depth in layers or (base.num_layers,):
     cfg = dataclasses.replace(base, num_layers=depth)
-    todo = variants(cfg)[:2] if only_defaults else variants(cfg)
+    todo = variants(cfg, unrolled=unrolled)[:2] if only_defaults else variants(cfg, unrolled=unrolled)
     for label, step, overrides in todo:
       row = {"variant": label, "step": step, "layers": depth, "B": b, "T": t, "overrides": overrides}
       if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
@@ -167,16 +169,16 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
 
 
 def figures(result: dict) -> list[dict]:
-  """Headline figures: compile seconds and temporaries per token of the VCPO step at the model's depth
-  (defaults), the GRPO step's beside it; every row in the details."""
+  """Headline figures: compile seconds and temporaries per token of the headline VCPO step (first VCPO row)
+  at the model's depth, the GRPO step's beside it; every row in the details."""
   depth = result["model_config"]["num_layers"]
-  by = {(r["variant"], r["layers"]): r for r in result["rows"]}
+  at_depth = [r for r in result["rows"] if r["layers"] == depth]
   shape = f"B={result['rows'][0]['B']}, T={result['rows'][0]['T']}, {depth} layers" if result["rows"] else ""
   details = {k: result[k] for k in ("commit", "model", "knobs_present", "backend")}
   details["rows"] = result["rows"]
   out = []
   for step, title in (("vcpo", "VCPO"), ("grpo", "GRPO")):
-    row = by.get((f"{step} (defaults)", depth), {})
+    row = next((r for r in at_depth if r["step"] == step), {})
     key = f"compile_{step}"
     if not row or row.get("error"):
       err = row.get("error", "not measured")
@@ -185,7 +187,7 @@ def figures(result: dict) -> list[dict]:
               common.failed_figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
                                    err, goal=TEMP_GOAL if step == "vcpo" else None)]
       continue
-    note = f"{shape}; lower {row['lower_s']} s + XLA compile {row['compile_s']} s; knobs {result['knobs_present']}"
+    note = f"{shape}, {row['variant']}; trace+lower {row['lower_s']} s + XLA compile {row['compile_s']} s"
     out += [common.figure(f"{key}_seconds", f"{title} step trace+compile seconds (abstract inputs)",
                           value=row["total_s"], unit="s", goal=COMPILE_GOAL if step == "vcpo" else None,
                           note=note, details=details if step == "vcpo" else {}),
@@ -220,7 +222,7 @@ def produce(quick: bool) -> list[dict]:
   # Always the 0.5B shape (the goals' shape; compiling allocates nothing), or tiny when asked for.
   name = "tiny" if common.resolve_model() == "tiny" else "qwen2.5-0.5b"
   limit = float(os.environ.get("BENCH_JOB_LIMIT_S", "0")) or None
-  fn = lambda: figures(measure(name, quick=quick, only_defaults=quick,
+  fn = lambda: figures(measure(name, quick=quick, only_defaults=quick, unrolled=False,
                                time_limit_s=None if limit is None else 0.6 * limit))
   return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile seconds (abstract inputs)", fn,
                            goal=COMPILE_GOAL)

@@ -300,13 +300,16 @@ def test_compile_variants_follow_the_knobs_present():
     scan_layers: bool = False
     remat: str = "none"
     num_layers: int = 2
-  labels = {label: (step, over) for label, step, over in bench_compile.variants(WithKnobs())}
-  assert labels["grpo scan_layers=True"] == ("grpo", {"scan_layers": True})
-  # Other knobs are compared under scan (cheap to compile); the default value is not repeated.
+  found = bench_compile.variants(WithKnobs())
+  # The headline pair runs under scan; other knobs are compared under scan too (cheap to compile).
+  assert [v[0] for v in found[:2]] == ["vcpo scan_layers=True", "grpo scan_layers=True"]
+  labels = {label: (step, over) for label, step, over in found}
+  assert labels["grpo scan_layers=False"] == ("grpo", {"scan_layers": False})
   assert labels["vcpo scan_layers=True remat=full"] == ("vcpo", {"scan_layers": True, "remat": "full"})
-  assert not any(over.get("remat") == "none" for _, over in labels.values())
-  scanned = {label for label, _, _ in bench_compile.variants(WithKnobs(scan_layers=True))}
-  assert "vcpo scan_layers=False" in scanned and "vcpo remat=dots" in scanned
+  assert not any(over.get("remat") == "none" for _, over in labels.values())  # the default is not repeated
+  assert not any(o.get("scan_layers") is False for _, _, o in bench_compile.variants(WithKnobs(), unrolled=False))
+  scanned = [v[0] for v in bench_compile.variants(WithKnobs(scan_layers=True))]
+  assert scanned[:2] == ["vcpo (defaults)", "grpo (defaults)"] and "vcpo remat=dots" in scanned
 
 
 def _compile_result(total_s, temp_bytes, error=None):
