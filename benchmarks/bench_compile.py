@@ -236,7 +236,8 @@ def main(argv=None):
   parser.add_argument("--B", type=int, default=None)
   parser.add_argument("--T", type=int, default=None)
   parser.add_argument("--layers", default=None, help="comma list of depths, e.g. 2,24 (default the model's)")
-  parser.add_argument("--only-defaults", action="store_true", help="the VCPO and GRPO steps only, no knobs")
+  parser.add_argument("--only-defaults", action="store_true", help="the headline VCPO and GRPO steps only")
+  parser.add_argument("--no-unrolled", action="store_true", help="no unrolled variants (minutes at 24 layers)")
   parser.add_argument("--out", default=None, help="write the raw rows here (.json) and a table (.md beside)")
   args = parser.parse_args(argv)
   if args.model:
@@ -252,7 +253,7 @@ def main(argv=None):
     return figs
   layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
   result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
-                   only_defaults=args.only_defaults)
+                   only_defaults=args.only_defaults, unrolled=not args.no_unrolled)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
