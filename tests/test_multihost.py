@@ -60,7 +60,7 @@ def test_distributed_config_errors_name_the_field():
 def test_two_process_forward_equals_single_process(tmp_path):
   port = str(free_port())
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), port,
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), port, "forward",
                              str(tmp_path / f"logp{i}.npy")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
   for p in procs:
@@ -71,6 +71,20 @@ def test_two_process_forward_equals_single_process(tmp_path):
   want = np.asarray(M.token_logprobs(params, worker.CFG, tokens, jnp.ones_like(tokens)))
   for i in range(2):
     np.testing.assert_allclose(np.load(tmp_path / f"logp{i}.npy"), want, atol=1e-5)
+
+
+@pytest.mark.integration
+@CPU_ONLY
+def test_a_hung_leader_ends_the_follower_with_a_clear_error():
+  port = str(free_port())
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), port, "hung_leader"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  follower, _ = procs[1].communicate(timeout=300)
+  procs[0].communicate(timeout=300)
+  assert procs[1].returncode != 0, follower[-3000:]  # 3, or an abort if JAX's shutdown barrier gives up first
+  assert ("process 1 of 2: the leader's batch for step 0 did not happen within 2 s (distributed.timeout_s): "
+          "another process is hung or dead") in follower
 
 
 # ------------------------------------------------------------------------------------------- the job
