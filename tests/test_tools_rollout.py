@@ -110,11 +110,12 @@ def test_http_episodes_span_an_abort_and_a_weight_update(embedded):
       (calm,) = await runner.generate(client.generate, PROMPT, dict(sp, ignore_eos=True), n=1)
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, weights, client)
       try:
+        before = client.stats["requests"]
         task = asyncio.create_task(runner.generate(client.generate, PROMPT, dict(sp, ignore_eos=True,
                                                                                  sampling_seed=31), n=1))
         while True:  # abort once the episode is past its first turn and a request is in the engine
           _, info = await client.request_json(server.url, "GET", "/get_model_info")
-          if info["num_in_flight"] >= 1 and client.stats["requests"] >= 4:
+          if info["num_in_flight"] >= 1 and client.stats["requests"] >= before + 2:
             break
           await asyncio.sleep(0.002)
         await client.request_json(server.url, "POST", "/pause_generation", {"mode": "abort"})

@@ -170,10 +170,13 @@ class EpisodeRunner:
                 temperature: float, version: int = 0) -> list[Episode]:
     """Episodes for every prompt with the in-process sampler: one batch of rows per turn."""
     eps = [Episode(server_url="in-process") for _ in prompts]
-    active = [i for i in range(len(prompts)) if self.room(len(prompts[i]), eps[i]) >= 1]
+    # The sampler's rows hold prompt + output within the model's max_seq_len.
+    room = lambda i: min(self.room(len(prompts[i]), eps[i]),  # noqa: E731
+                         cfg.max_seq_len - len(prompts[i]) - len(eps[i].output_ids))
+    active = [i for i in range(len(prompts)) if room(i) >= 1]
     while active:
       rows = [sampling.RowSpec(prompt=tuple(int(t) for t in prompts[i]) + tuple(eps[i].output_ids),
-                               max_new_tokens=self.room(len(prompts[i]), eps[i]), temperature=temperature,
+                               max_new_tokens=room(i), temperature=temperature,
                                stop_token_ids=tuple(sorted(self.stop_ids)),
                                seed=turn_seed(int(seeds[i]), eps[i].turns)) for i in active]
       batch = sampling.start_batch(params, cfg, rows)
@@ -183,7 +186,7 @@ class EpisodeRunner:
       for i, r in zip(active, sampling.results(batch)):
         n = len(r.output_ids)
         if (self.after_turn(eps[i], r.output_ids, r.logprobs, [version] * n, r.finish_reason or "length",
-                            len(prompts[i])) and self.room(len(prompts[i]), eps[i]) >= 1):
+                            len(prompts[i])) and room(i) >= 1):
           going.append(i)
       active = going
     return eps
