@@ -23,7 +23,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.model.max_seq_len = 200
   # The episode's whole response, generated and tool tokens together (prompt + response <= max_seq_len - 2).
   c.rl.max_new_tokens = 112
-  c.rl.steps = 40
-  c.sft.steps = 300
-  c.eval_every = 10
+  # A short run (minutes on a loaded 2-core CPU machine): rows here are twice the main job's length.
+  c.sft.update(steps=100, batch_size=16)
+  c.rl.update(steps=12, prompts_per_step=4, group_size=8)
+  c.task.eval_size = 32
+  c.eval_every = 12
+  c.checkpoint_every = 6
   return c
