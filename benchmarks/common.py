@@ -379,7 +379,7 @@ GOALS = (
     Goal("GRPO-step MFU >= 45% (H100, 0.5B shape)", ("grpo_mfu",), "gpu"),
     Goal("VCPO / GRPO step time <= 1.05x (H100, 0.5B shape)", ("learner_vcpo_over_grpo",), "gpu"),
     Goal("decode at B=256 >= 50% of the memory floor (H100, 0.5B shape)",
-         ("decode_floor_b256", "decode_memory_floor_b256"), "gpu"),
+         ("decode_floor_fraction_b256",), "gpu"),
 )
 
 
