@@ -89,18 +89,21 @@ def memory_bytes(compiled) -> dict:
 
 
 def compile_one(model_cfg, lc, optimizer, b: int, t: int) -> dict:
-  """Seconds to trace+lower and to XLA-compile the step on abstract inputs, and its memory analysis."""
+  """Seconds to trace+lower and to XLA-compile the step on abstract inputs, and its memory analysis.
+
+  Wall seconds and this process's CPU seconds (all threads): on a shared machine the wall time grows with
+  the load while the CPU time does not, so cpu_s is the figure compared across runs."""
   import jax
   state, batch = abstract_state(model_cfg, optimizer), abstract_batch(b, t, group=b)
-  t0 = time.perf_counter()
+  c0, t0 = time.process_time(), time.perf_counter()
   lowered = jax.jit(step_fn(model_cfg, lc, optimizer), donate_argnums=0).lower(state, batch)
   t1 = time.perf_counter()
   compiled = lowered.compile()
-  t2 = time.perf_counter()
+  c2, t2 = time.process_time(), time.perf_counter()
   mem = memory_bytes(compiled)
   tokens = b * t
   return {"lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2),
-          "tokens": tokens, "memory": mem,
+          "cpu_s": round(c2 - c0, 2), "tokens": tokens, "memory": mem,
           "temp_mb_per_token": mem["temp_size_in_bytes"] / tokens / 1e6 if "temp_size_in_bytes" in mem else None}
 
 
@@ -132,7 +135,8 @@ def variants(model_cfg, *, unrolled: bool = True) -> list[tuple[str, str, dict]]
 
 
 def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = None, layers=None,
-            only_defaults: bool = False, unrolled: bool = True, time_limit_s: float | None = None) -> dict:
+            only_defaults: bool = False, unrolled: bool = True, time_limit_s: float | None = None,
+            steps: tuple[str, ...] = ("vcpo", "grpo")) -> dict:
   """Every variant at every depth in `layers` (default: the model's own); only_defaults: the headline pair
   only; unrolled=False: no unrolled variants (minutes each at 24 layers). Stops starting new compiles once
   time_limit_s is spent (the rest are recorded as skipped)."""
@@ -148,7 +152,7 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
   for depth in layers or (base.num_layers,):
     cfg = dataclasses.replace(base, num_layers=depth)
     todo = variants(cfg, unrolled=unrolled)[:2] if only_defaults else variants(cfg, unrolled=unrolled)
-    for label, step, overrides in todo:
+    for label, step, overrides in [v for v in todo if v[1] in steps]:
       row = {"variant": label, "step": step, "layers": depth, "B": b, "T": t, "overrides": overrides}
       if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
         rows.append({**row, "error": "skipped: time limit spent"})
@@ -182,14 +186,15 @@ def figures(result: dict) -> list[dict]:
     key = f"compile_{step}"
     if not row or row.get("error"):
       err = row.get("error", "not measured")
-      out += [common.failed_figure(f"{key}_seconds", f"{title} step trace+compile seconds (abstract inputs)",
+      out += [common.failed_figure(f"{key}_seconds", f"{title} step trace+compile CPU seconds (abstract inputs)",
                                    err, goal=COMPILE_GOAL if step == "vcpo" else None),
               common.failed_figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
                                    err, goal=TEMP_GOAL if step == "vcpo" else None)]
       continue
-    note = f"{shape}, {row['variant']}; trace+lower {row['lower_s']} s + XLA compile {row['compile_s']} s"
-    out += [common.figure(f"{key}_seconds", f"{title} step trace+compile seconds (abstract inputs)",
-                          value=row["total_s"], unit="s", goal=COMPILE_GOAL if step == "vcpo" else None,
+    note = (f"{shape}, {row['variant']}; process CPU seconds (wall {row['total_s']} s: trace+lower "
+            f"{row['lower_s']} + XLA compile {row['compile_s']}, load avg {row.get('load_avg_1min', '-')})")
+    out += [common.figure(f"{key}_seconds", f"{title} step trace+compile CPU seconds (abstract inputs)",
+                          value=row.get("cpu_s", row["total_s"]), unit="s", goal=COMPILE_GOAL if step == "vcpo" else None,
                           note=note, details=details if step == "vcpo" else {}),
             common.figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
                           value=row["temp_mb_per_token"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
@@ -204,16 +209,16 @@ def render_markdown(result: dict) -> str:
            f"- machine: {result['cpu_model']}, {result['cpu_cores']} cores; backend {result['backend']}; "
            + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
            f"- knobs present: {result['knobs_present'] or 'none'}", "",
-           "| variant | layers | B x T | trace+lower s | XLA compile s | total s | temporaries GB | MB / token "
-           "| load avg before/after |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| variant | layers | B x T | trace+lower s | XLA compile s | total s (wall) | CPU s | temporaries GB "
+           "| MB / token | load avg before/after |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in result["rows"]:
     if r.get("error"):
-      lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | error: {r['error']} |  |  |  |  |  |")
+      lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | error: {r['error']} |  |  |  |  |  |  |")
       continue
     temp = r["memory"].get("temp_size_in_bytes")
     lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | {r['lower_s']} | {r['compile_s']} | "
-                 f"{r['total_s']} | {temp / 1e9 if temp is not None else float('nan'):.2f} | "
+                 f"{r['total_s']} | {r.get('cpu_s', '-')} | {temp / 1e9 if temp is not None else float('nan'):.2f} | "
                  f"{r['temp_mb_per_token']:.3f} | {'/'.join(map(str, r.get('load_avg_1min', ['-'])))} |")
   return "\n".join(lines) + "\n"
 
@@ -224,7 +229,7 @@ def produce(quick: bool) -> list[dict]:
   limit = float(os.environ.get("BENCH_JOB_LIMIT_S", "0")) or None
   fn = lambda: figures(measure(name, quick=quick, only_defaults=quick, unrolled=False,
                                time_limit_s=None if limit is None else 0.6 * limit))
-  return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile seconds (abstract inputs)", fn,
+  return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile CPU seconds (abstract inputs)", fn,
                            goal=COMPILE_GOAL)
 
 
@@ -238,6 +243,7 @@ def main(argv=None):
   parser.add_argument("--layers", default=None, help="comma list of depths, e.g. 2,24 (default the model's)")
   parser.add_argument("--only-defaults", action="store_true", help="the headline VCPO and GRPO steps only")
   parser.add_argument("--no-unrolled", action="store_true", help="no unrolled variants (minutes at 24 layers)")
+  parser.add_argument("--steps", default="vcpo,grpo", help="comma list of vcpo, grpo")
   parser.add_argument("--out", default=None, help="write the raw rows here (.json) and a table (.md beside)")
   args = parser.parse_args(argv)
   if args.model:
@@ -253,7 +259,8 @@ def main(argv=None):
     return figs
   layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
   result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
-                   only_defaults=args.only_defaults, unrolled=not args.no_unrolled)
+                   only_defaults=args.only_defaults, unrolled=not args.no_unrolled,
+                   steps=tuple(args.steps.split(",")))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)
