@@ -1,4 +1,5 @@
 """learner: RL step vs the float64 micro-batch-1 oracle, path agreement, NaN skipping, sharding, SFT step."""
+import dataclasses
 import functools
 
 import jax
@@ -271,3 +272,41 @@ def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
     on = dlogp[i][batch.mask_BxT[i] > 0]
     np.testing.assert_allclose(on, np.full_like(on, on[0]), rtol=1e-6, atol=1e-9, err_msg=f"{name} row {i}")
     assert np.all(dlogp[i][batch.mask_BxT[i] == 0] == 0)
+
+
+def test_bfloat16_params_and_compute_train():
+  """Mixed precision (#12 item 4): bf16 params and compute, float32 optimizer state (the float32 master copy)
+  and float32 log-probs, IS log-weights and loss. Two REINFORCE steps at lr 1e-5 move the master by <= lr
+  each and the bf16 params follow it (bf16 Adam alone rounds such steps away); then, at lr 3e-3, the loss
+  on the fixed batch goes down step after step. One compile: the lr is a schedule."""
+  cfg = dataclasses.replace(CFG, param_dtype="bfloat16", dtype="bfloat16")
+  small, steps = 1e-5, 2
+  opt = O.build_optimizer(learning_rate=optax.piecewise_constant_schedule(small, {steps: 300.0}),
+                          weight_decay=0.0, ess_scaling=False)
+  state = Lr.create_train_state(cfg, opt, jax.random.PRNGKey(0))
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(state.opt_state)} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
+  p0 = jax.tree.map(lambda x: np.asarray(x, np.float32), state.params)
+  master = lambda: jax.tree.leaves(state.opt_state.master)
+  for m, p in zip(master(), jax.tree.leaves(p0)):
+    np.testing.assert_array_equal(np.asarray(m), p)  # the master starts at the bf16 values exactly
+  step = Lr.make_rl_step(cfg, Lr.LearnerConfig(advantage="grpo", policy_loss="pg"), opt)
+  losses = []
+  for i in range(steps + 4):
+    state, metrics = step(state, _batch())
+    assert float(metrics["update_applied"]) == 1.0
+    losses.append(float(metrics["loss"]))
+    if i == steps - 1:   # still at the small lr
+      moved = max(float(np.max(np.abs(np.asarray(m) - p))) for m, p in zip(master(), jax.tree.leaves(p0)))
+      assert 0.5 * small < moved <= steps * small * 1.01  # Adam: <= lr per step
+      for m, p in zip(master(), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(m.astype(jnp.bfloat16), np.float32), np.asarray(p, np.float32))
+      assert any(np.any(np.asarray(p, np.float32) != q) for p, q in zip(jax.tree.leaves(state.params),
+                                                                        jax.tree.leaves(p0)))
+  for key in ("loss", "is/logw_max", "hist/logw_B", "ess", "entropy"):
+    assert metrics[key].dtype == jnp.float32, key
+  big = losses[steps:]
+  assert all(b < a for a, b in zip(big, big[1:])), losses
+  logp = jax.eval_shape(functools.partial(M.token_logprobs, cfg=cfg), state.params,
+                        tokens_BxT=_batch().tokens_BxT, mask_BxT=_batch().mask_BxT)
+  assert logp.dtype == jnp.float32

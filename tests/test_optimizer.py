@@ -193,3 +193,23 @@ def test_bfloat16_params_get_float32_state_and_small_steps_accumulate():
   moved = np.asarray(params['w'], np.float64) - start
   assert np.all(moved < 0), moved   # three accumulated steps of ~-1e-6 cross the rounding boundary
   np.testing.assert_allclose(moved, -3e-6, atol=2e-6)
+
+
+def test_master_copy_made_under_jit_equals_the_bfloat16_params():
+  """bf16 params drawn inside the same jit as optimizer.init: XLA may keep the
+  unrounded float32 for the master (excess precision); the master must hold the bf16 values exactly, or the
+  first update moves every param by up to half an ulp at any learning rate (here lr = 0)."""
+  tx = optimizer.build_optimizer(learning_rate=0.0, weight_decay=0.0, ess_scaling=False)
+
+  @jax.jit
+  def init(key):
+    params = {'w': 0.02 * jax.random.normal(key, (256,), jnp.bfloat16)}   # as flax initialises bf16 params
+    return params, tx.init(params)
+
+  params, state = init(jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(np.asarray(state.master['w']), np.asarray(params['w'], np.float32))
+  updates, _ = jax.jit(tx.update)({'w': jnp.ones((256,), jnp.bfloat16)}, state, params)
+  np.testing.assert_array_equal(np.asarray(optax.apply_updates(params, updates)['w'], np.float32),
+                                np.asarray(params['w'], np.float32))
+  reset = jax.jit(optimizer.reset_master)(state, params)
+  np.testing.assert_array_equal(np.asarray(reset.master['w']), np.asarray(params['w'], np.float32))

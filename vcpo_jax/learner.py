@@ -123,7 +123,7 @@ def _chunked_loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg
   grads, (loss_n, stats, ent, sq, aux) = jax.lax.scan(body, zeros, chunks)
   inverse = np.argsort(order.reshape(-1))
   rows = lambda x: x.reshape((b,) + x.shape[2:])[inverse]
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  # Accumulated in float32 and kept so: the optimizer runs in float32 (float32_master) for bf16 params anyway.
   return (jnp.sum(loss_n), grads, jax.tree.map(rows, stats), rows(ent), None if sq is None else rows(sq),
           jax.tree.map(jnp.mean, aux))
 

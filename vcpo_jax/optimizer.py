@@ -131,6 +131,18 @@ def _low_precision(params) -> bool:
              for x in jax.tree.leaves(params))
 
 
+def _exact_float32(x, dtype):
+  """x (float32 or lower) as float32 holding exactly its value rounded to `dtype`. Under jit XLA may drop a
+  bf16 -> float32 round trip (excess precision) and hand back the unrounded float32 a bf16 value was computed
+  from: a master copy made that way differs from the params by up to half a bf16 ulp, and the first update
+  then moves every param by that much whatever the learning rate."""
+  x = jnp.asarray(x, jnp.float32)
+  if jnp.dtype(dtype).itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating):
+    return x
+  fi = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
 def float32_master(inner: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
   """Runs `inner` in float32 on a float32 master copy of low-precision params (a no-op for float32 ones).
 
@@ -141,7 +153,7 @@ def float32_master(inner: optax.GradientTransformationExtraArgs) -> optax.Gradie
   def init_fn(params):
     if not _low_precision(params):
       return Float32MasterState(master=None, inner=inner.init(params))
-    master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    master = jax.tree.map(lambda p: _exact_float32(p, p.dtype), params)
     return Float32MasterState(master=master, inner=inner.init(master))
 
   def update_fn(updates, state, params=None, **extra):
@@ -153,8 +165,7 @@ def float32_master(inner: optax.GradientTransformationExtraArgs) -> optax.Gradie
     grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
     steps, inner_state = inner.update(grads, state.inner, state.master, **extra)
     master = optax.apply_updates(state.master, steps)
-    updates = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32),
-                           master, params)
+    updates = jax.tree.map(lambda m, p: _exact_float32(m, p.dtype) - _exact_float32(p, p.dtype), master, params)
     return updates, Float32MasterState(master=master, inner=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -165,7 +176,7 @@ def reset_master(opt_state, params):
   e.g. the warm-start weights loaded into a freshly initialised state)."""
   def reset(s):
     if isinstance(s, Float32MasterState) and s.master is not None:
-      return s._replace(master=jax.tree.map(lambda p, m: jnp.asarray(p, jnp.float32).astype(m.dtype), params,
+      return s._replace(master=jax.tree.map(lambda p, m: _exact_float32(p, p.dtype).astype(m.dtype), params,
                                             s.master))
     return s
   return jax.tree.map(reset, opt_state, is_leaf=lambda x: isinstance(x, Float32MasterState))
