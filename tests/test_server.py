@@ -78,7 +78,7 @@ def server(tmp_path_factory):
   log_path = root.parent / "server.log"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   cmd = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", dirs["m0"], "--port", str(port),
-         "--weights-root", str(root), "--max-prompt-len", "32", "--context-length", "302",
+         "--weights-root", str(root), "--max-prompt-len", "260", "--context-length", "302",
          # One shape for every test (8 rows, 16 prompt slots, 256 new slots): one jit compile.
          "--min-batch-bucket", "8", "--min-new-bucket", "256", "--max-batch", "8",
          # One token per chunk: long generations last long enough to be interrupted mid-way.
@@ -238,7 +238,8 @@ def test_stop_ids_stop_strings_and_trim(server):
     ({"input_ids": PROMPT, "bogus_top": 1}, "unknown field `bogus_top`"),
     ({"input_ids": [1, 128]}, "input_ids[1]=128"),
     ({"input_ids": [[1, 2], [3, -1]]}, "input_ids[1][1]=-1"),
-    ({"input_ids": list(range(33))}, "max_prompt_len=32"),
+    # 260: room for the client's resumed prompt (prompt + partial output) however late an abort lands.
+    ({"input_ids": [1] * 261}, "max_prompt_len=260"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be at least 0"),
     ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": PROMPT, "sampling_params": {"temperature": "hot"}}, "temperature"),

@@ -73,6 +73,7 @@ class Engine:
     self.pool = slot_pool.SlotPool(cfg, **self._pool_kwargs)
     self._stop_string_check = stop_string_check
     self._pending: collections.deque[Row] = collections.deque()
+    self._joining: list[Row] = []
     self._wake = asyncio.Event()
     self._resume = asyncio.Event()
     self._resume.set()
@@ -102,7 +103,9 @@ class Engine:
 
   @property
   def _running(self) -> list[Row]:
-    return [r for r in self.pool.owners if r is not None]
+    """Rows in the pool, and those being prefilled into it right now (an abort must see them too)."""
+    rows = [r for r in self.pool.owners if r is not None]
+    return rows + [r for r in self._joining if r not in rows]
 
   @property
   def num_in_flight(self) -> int:
@@ -205,7 +208,10 @@ class Engine:
       joining = []
       while self._pending and len(joining) < self.pool.num_free and not self._draining:
         row = self._pending.popleft()
-        if row.finish_reason is None:
+        if len(row.spec.prompt) + row.spec.max_new_tokens > self.pool.S:  # the server's limits prevent it
+          log.warning("row of %s needs more than the %d cache slots per row: aborted", row.rid, self.pool.S)
+          row.finish("abort")
+        elif row.finish_reason is None:
           joining.append(row)
       if joining or self._running:
         self._idle.clear()
@@ -226,6 +232,7 @@ class Engine:
     version, params = self.weight_version, self.params
     if joining:
       self.stats["num_batches"] += 1
+    self._joining = joining
     try:
       joined, chunk = await asyncio.to_thread(self._compute, params, joining)
     except Exception:  # a failed step must not kill the server: abort its rows, start a fresh pool
@@ -234,6 +241,8 @@ class Engine:
         r.finish("abort")
       self.pool = slot_pool.SlotPool(self.cfg, **self._pool_kwargs)
       return
+    finally:
+      self._joining = []
     for t in joined + chunk:
       self._record(t, version)
     if chunk:
