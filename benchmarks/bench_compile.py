@@ -107,6 +107,19 @@ def compile_one(model_cfg, lc, optimizer, b: int, t: int) -> dict:
           "temp_mb_per_token": mem["temp_size_in_bytes"] / tokens / 1e6 if "temp_size_in_bytes" in mem else None}
 
 
+def temp_fit(b: int, t: int, temp_bytes: int, b2: int, temp2_bytes: int, predict_tokens: int = 64 * 1024) -> dict:
+  """Temporaries = fixed + per_token * tokens, from two batch sizes at one length.
+
+  Why a fit: part of the temporaries scales with the parameters (gradients, optimizer update), not with the
+  tokens; divided by B*T it reads as a per-token cost that a bigger batch would not pay again."""
+  if b == b2:
+    raise ValueError(f"temp_fit needs two batch sizes, got b={b} and b2={b2}")
+  per_token = (temp_bytes - temp2_bytes) / ((b - b2) * t)
+  fixed = temp_bytes - per_token * b * t
+  return {"B2": b2, "temp_bytes_B2": temp2_bytes, "per_token_mb": per_token / 1e6, "fixed_gb": fixed / 1e9,
+          "predict_tokens": predict_tokens, "predicted_gb": (fixed + per_token * predict_tokens) / 1e9}
+
+
 def present_knobs(model_cfg) -> dict:
   fields = {f.name for f in dataclasses.fields(model_cfg)}
   return {k: v for k, v in MODEL_KNOBS.items() if k in fields}
@@ -136,9 +149,10 @@ def variants(model_cfg, *, unrolled: bool = True) -> list[tuple[str, str, dict]]
 
 def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = None, layers=None,
             only_defaults: bool = False, unrolled: bool = True, time_limit_s: float | None = None,
-            steps: tuple[str, ...] = ("vcpo", "grpo")) -> dict:
+            steps: tuple[str, ...] = ("vcpo", "grpo"), fit: bool = True) -> dict:
   """Every variant at every depth in `layers` (default: the model's own); only_defaults: the headline pair
-  only; unrolled=False: no unrolled variants (minutes each at 24 layers). Stops starting new compiles once
+  only; unrolled=False: no unrolled variants (minutes each at 24 layers); fit: the headline pair compiled
+  again at B/2 for the per-token slope of the temporaries (temp_fit). Stops starting new compiles once
   time_limit_s is spent (the rest are recorded as skipped)."""
   import jax
   from vcpo_jax import configuration
@@ -152,6 +166,7 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
   for depth in layers or (base.num_layers,):
     cfg = dataclasses.replace(base, num_layers=depth)
     todo = variants(cfg, unrolled=unrolled)[:2] if only_defaults else variants(cfg, unrolled=unrolled)
+    headline = {v[0] for v in todo[:2]}
     for label, step, overrides in [v for v in todo if v[1] in steps]:
       row = {"variant": label, "step": step, "layers": depth, "B": b, "T": t, "overrides": overrides}
       if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
@@ -161,6 +176,10 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
         load_before = os.getloadavg()[0]  # the machine is shared: compile seconds scale with its load
         row.update(compile_one(dataclasses.replace(cfg, **overrides), lcs[step], optimizer, b, t))
         row["load_avg_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+        if fit and label in headline and b >= 2 and "temp_size_in_bytes" in row["memory"]:
+          half = compile_one(dataclasses.replace(cfg, **overrides), lcs[step], optimizer, b // 2, t)
+          row["temp_fit"] = temp_fit(b, t, row["memory"]["temp_size_in_bytes"], b // 2,
+                                     half["memory"]["temp_size_in_bytes"])
       except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
         row["error"] = f"{type(e).__name__}: {e}"[:400]
       print(f"[compile] {json.dumps(row)}", flush=True)
@@ -199,7 +218,14 @@ def figures(result: dict) -> list[dict]:
             common.figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
                           value=row["temp_mb_per_token"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
                           note=f"{shape}; {row['memory'].get('temp_size_in_bytes', 0) / 1e9:.2f} GB temporaries "
-                               f"(XLA memory_analysis)")]
+                               f"/ tokens (XLA memory_analysis)")]
+    if row.get("temp_fit"):
+      f = row["temp_fit"]
+      out.append(common.figure(
+          f"{key}_temp_mb_per_extra_token", f"{title} step XLA temporaries, MB per extra token (fit over B)",
+          value=f["per_token_mb"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
+          note=f"{shape}; B={f['B2']} and B={row['B']}: {f['fixed_gb']:.2f} GB fixed + {f['per_token_mb']:.3f} MB "
+               f"per token -> {f['predicted_gb']:.1f} GB at {f['predict_tokens']} tokens"))
   return out
 
 
@@ -220,6 +246,12 @@ def render_markdown(result: dict) -> str:
     lines.append(f"| {r['variant']} | {r['layers']} | {r['B']} x {r['T']} | {r['lower_s']} | {r['compile_s']} | "
                  f"{r['total_s']} | {r.get('cpu_s', '-')} | {temp / 1e9 if temp is not None else float('nan'):.2f} | "
                  f"{r['temp_mb_per_token']:.3f} | {'/'.join(map(str, r.get('load_avg_1min', ['-'])))} |")
+  for r in result["rows"]:
+    if r.get("temp_fit"):
+      f = r["temp_fit"]
+      lines.append(f"\n{r['variant']} ({r['layers']} layers): compiled again at B={f['B2']}: temporaries = "
+                   f"{f['fixed_gb']:.2f} GB + {f['per_token_mb']:.3f} MB x tokens "
+                   f"(-> {f['predicted_gb']:.1f} GB at B x T = {f['predict_tokens']})")
   return "\n".join(lines) + "\n"
 
 
@@ -227,7 +259,7 @@ def produce(quick: bool) -> list[dict]:
   # Always the 0.5B shape (the goals' shape; compiling allocates nothing), or tiny when asked for.
   name = "tiny" if common.resolve_model() == "tiny" else "qwen2.5-0.5b"
   limit = float(os.environ.get("BENCH_JOB_LIMIT_S", "0")) or None
-  fn = lambda: figures(measure(name, quick=quick, only_defaults=quick, unrolled=False,
+  fn = lambda: figures(measure(name, quick=quick, only_defaults=quick, unrolled=False, fit=not quick,
                                time_limit_s=None if limit is None else 0.6 * limit))
   return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile CPU seconds (abstract inputs)", fn,
                            goal=COMPILE_GOAL)
@@ -244,6 +276,7 @@ def main(argv=None):
   parser.add_argument("--only-defaults", action="store_true", help="the headline VCPO and GRPO steps only")
   parser.add_argument("--no-unrolled", action="store_true", help="no unrolled variants (minutes at 24 layers)")
   parser.add_argument("--steps", default="vcpo,grpo", help="comma list of vcpo, grpo")
+  parser.add_argument("--no-fit", action="store_true", help="no second compile at B/2 (per-token slope)")
   parser.add_argument("--out", default=None, help="write the raw rows here (.json) and a table (.md beside)")
   args = parser.parse_args(argv)
   if args.model:
@@ -260,7 +293,7 @@ def main(argv=None):
   layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
   result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
                    only_defaults=args.only_defaults, unrolled=not args.no_unrolled,
-                   steps=tuple(args.steps.split(",")))
+                   steps=tuple(args.steps.split(",")), fit=not args.no_fit)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)

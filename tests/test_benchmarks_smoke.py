@@ -337,6 +337,22 @@ def test_compile_figures_goals_and_table():
   assert "abc1234" in md and "| vcpo (defaults) | 24 | 8 x 1024 | 1.0 | 196.0 | 197.0 | 98.5 | 77.00 | 9.399 | - |" in md
 
 
+def test_temp_fit_separates_fixed_and_per_token_parts():
+  from benchmarks import bench_compile
+  fixed, per_token = 6e9, 0.25e6
+  f = bench_compile.temp_fit(8, 1024, fixed + per_token * 8192, 4, fixed + per_token * 4096)
+  assert f["per_token_mb"] == pytest.approx(0.25) and f["fixed_gb"] == pytest.approx(6.0)
+  assert f["predicted_gb"] == pytest.approx(6.0 + 0.25e6 * 65536 / 1e9)
+  with pytest.raises(ValueError, match="b2"):
+    bench_compile.temp_fit(8, 1024, 1, 8, 1)
+  result = _compile_result(16.0, fixed + per_token * 8192)
+  result["rows"][0]["temp_fit"] = f
+  figs = {fig["key"]: fig for fig in bench_compile.figures(result)}
+  assert figs["compile_vcpo_temp_mb_per_extra_token"]["value"] == pytest.approx(0.25)
+  assert figs["compile_vcpo_temp_mb_per_extra_token"]["goal_met"] is False
+  assert "6.00 GB + 0.250 MB x tokens" in bench_compile.render_markdown(result)
+
+
 @pytest.mark.slow
 def test_compile_one_on_abstract_inputs_allocates_nothing():
   """The tiny model's GRPO step compiled from ShapeDtypeStructs; XLA reports its temporaries."""
