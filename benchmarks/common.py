@@ -287,6 +287,7 @@ def environment() -> dict:
       "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
       "cpu_model": cpu_model(),
       "cpu_cores": os.cpu_count(),
+      "load_avg": [round(x, 1) for x in os.getloadavg()],  # 1, 5, 15 min: a shared machine's timings follow it
       "python": sys.version.split()[0],
       "platform": platform.platform(),
       "backend": jax.default_backend(),
@@ -332,7 +333,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
   if env:
     versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
     lines += [f"- date: {env.get('date_utc')}",
-              f"- machine: {env.get('cpu_model')}, {env.get('cpu_cores')} cores; {env.get('platform')}",
+              f"- machine: {env.get('cpu_model')}, {env.get('cpu_cores')} cores; {env.get('platform')}"
+              + (f"; load average at the start {env['load_avg']}" if env.get("load_avg") else ""),
               f"- backend: {env.get('backend')} ({env.get('devices')}); model: {env.get('model', 'main')}",
               f"- commit: {env.get('commit', 'unknown')}",
               f"- versions: python {env.get('python')}, {versions}"]

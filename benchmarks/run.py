@@ -74,12 +74,13 @@ def child_env() -> dict:
 
 
 def run_job(job: Job, *, quick: bool, python: str = sys.executable, limit_s: float | None = None,
+            limit_scale: float = 1.0,
             runner: Callable[..., subprocess.CompletedProcess] = common.run_subprocess) -> list[dict]:
   """Runs one figure module in a subprocess; failures (exit code, timeout, bad JSON) become error figures."""
   with tempfile.TemporaryDirectory(prefix=f"bench_{job.name}_") as tmp:
     out = os.path.join(tmp, "out.json")
     cmd = [python, "-m", job.module, "--json", out] + (["--quick"] if quick and job.quick_flag else [])
-    limit = job.quick_timeout_s if quick else job.timeout_s
+    limit = (job.quick_timeout_s if quick else job.timeout_s) * limit_scale
     if limit_s is not None:
       limit = min(limit, limit_s)
     env = dict(child_env(), BENCH_JOB_LIMIT_S=str(int(limit)))  # lets a long job fit its runs to the limit
@@ -150,6 +151,9 @@ def main(argv=None) -> dict:
                       help=f"default {DEFAULT_OUT_DIR} (full) or {QUICK_OUT_DIR} (--quick)")
   parser.add_argument("--budget-s", type=float, default=SUITE_BUDGET_S,
                       help="wall-clock budget of the whole suite; a job's limit shrinks to what is left")
+  parser.add_argument("--limit-scale", type=float, default=1.0,
+                      help="multiplies every job's time limit and the suite budget (a loaded machine: its "
+                           "load average over its cores, e.g. 3)")
   parser.add_argument("--model", default=None, choices=common.MODELS,
                       help="model of the figures: main = countdown (the main CPU job's), tiny (configs/tiny.py), "
                            "qwen2.5-0.5b (the Qwen2.5-0.5B shape), auto (default: main on CPU, qwen2.5-0.5b on "
@@ -167,13 +171,13 @@ def main(argv=None) -> dict:
   results = {"environment": env, "mode": "quick" if args.quick else "full", "command": command_line(argv),
              "figures": []}
   for job in jobs:
-    left = args.budget_s - (time.perf_counter() - start)
+    left = args.budget_s * args.limit_scale - (time.perf_counter() - start)
     print(f"[bench] {job.name}: python -m {job.module} ({left:.0f} s of the suite budget left)", flush=True)
     t0 = time.perf_counter()
     if left < MIN_JOB_S:
       figures = [common.failed_figure(job.name, job.title, f"skipped: suite budget of {args.budget_s:.0f} s spent")]
     else:
-      figures = run_job(job, quick=args.quick, limit_s=left)
+      figures = run_job(job, quick=args.quick, limit_s=left, limit_scale=args.limit_scale)
     results["figures"].extend(figures)
     for fig in figures:
       status = f"ERROR {fig['error']}" if fig.get("error") else f"{fig.get('value')} {fig.get('unit', '')}"

@@ -145,6 +145,8 @@ def test_run_job_isolates_failures(fake_modules):
   assert "figure exploded" in crash["error"]
   [hang] = run.run_job(run.Job("hang", "fake_bench_hang", "hang", 1, 1), quick=False)
   assert hang["error"] == "timed out after 1 s"
+  [scaled] = run.run_job(run.Job("hang", "fake_bench_hang", "hang", 1, 1), quick=False, limit_scale=2.0)
+  assert scaled["error"] == "timed out after 2 s"
   [missing] = run.run_job(run.Job("m", "fake_bench_missing", "m", 30, 30), quick=False)
   assert "No module named" in missing["error"]
 
