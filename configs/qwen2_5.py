@@ -38,6 +38,9 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
       # ratios); the 7B uses bfloat16 compute to fit (see README for bf16's measured mismatch).
       dtype="bfloat16" if size == "7b" else "float32",
       matmul_precision="default" if size == "7b" else "highest",
+      scan_layers=True,            # one compiled layer: the step compiles in the same time at any depth
+      remat="none",                # none | full | dots | dots_no_batch (jax.checkpoint policy per layer)
+      attention="auto",            # cuDNN flash attention on GPU with bf16/fp16, else jax.nn's XLA path
       hf_path="",                  # a local Hugging Face Qwen2/Qwen2.5 directory; "" = random init
   ))
   c.mesh.update(data=1, fsdp=-1, tensor=1)   # parameters and optimizer state sharded over every device
