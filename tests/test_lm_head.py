@@ -115,7 +115,7 @@ def test_bfloat16_inputs_give_float32_logprobs_close_to_float32():
 @pytest.mark.parametrize("chunk", [-1, 2.5, True, "8"])
 def test_bad_chunk_names_the_field(chunk):
   x, w, tokens, mask = _inputs()
-  with pytest.raises(ValueError, match="logits_chunk"):
+  with pytest.raises(ValueError, match="chunk="):
     L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)
 
 

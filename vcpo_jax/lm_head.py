@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vcpo_jax import lm_head_plain as plain
+from vcpo_jax.lm_head_plain import logit_grads, logits  # noqa: F401  (re-exported: lm_head.logits)
+
 # Shape letters: B batch, T/S length, D hidden, V vocab, C vocab chunk, N tokens (B*T). Position t's logits
 # predict token t+1: logp[:, t] is log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0, as in
 # model.logprobs_from_logits. The head kernel w_DxV is lm_head/kernel, or embed_tokens.T when tied.
@@ -25,34 +28,21 @@ import numpy as np
 # chunk: vocabulary columns per chunk. None -> DEFAULT_CHUNK; 0 -> the plain formulation (full logits; the
 # reference the tests compare with); >= V -> one chunk. Chunks have equal size: the last one starts at V - C
 # and owns only the columns no earlier chunk had, so V need not be a multiple of C (no padded copy of w).
+# Default 2048, measured (head_grad_temporaries, Qwen2.5-0.5B head D=896 V=151936, B=8 T=1024, CPU compile):
+# XLA temporaries of grad(sum logp) 8.2 / 16.4 / 32.8 KB per token at C = 1024 / 2048 / 4096, against 1.21 MB
+# per token for the plain path; 2048-wide chunk matmuls ([tokens, D] x [D, 2048]) stay large enough to keep
+# a GPU's matmul units busy (75 scan steps at that vocabulary; GPU speed not measured here).
 DEFAULT_CHUNK = 2048
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def logits(x_BxTxD, w_DxV, precision=_HIGHEST):
-  """Float32 logits (inputs in their compute dtype, float32 accumulation)."""
-  return jnp.einsum("btd,dv->btv", x_BxTxD, w_DxV.astype(x_BxTxD.dtype), preferred_element_type=_F32,
-                    precision=precision)
 
 
 def vocab_chunk(chunk, vocab_size: int) -> int:
   """Columns per chunk for this vocabulary (0: plain path), or a ValueError naming the bad value."""
   chunk = DEFAULT_CHUNK if chunk is None else chunk
   if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 0:
-    raise ValueError(f"lm_head chunk (model.logits_chunk) must be an int >= 0 (0: plain), got {chunk!r}")
+    raise ValueError(f"lm_head chunk must be an int >= 0 (0: the plain path), got chunk={chunk!r}")
   return min(int(chunk), vocab_size)
-
-
-def _next_tokens(tokens_BxT):
-  """nxt[:, t] = tokens[:, t+1]; the last position's target is a dummy (its predicting mask is 0)."""
-  return jnp.concatenate([tokens_BxT[:, 1:], tokens_BxT[:, :1]], axis=1)
-
-
-def _shift_mask(mask_BxT):
-  """Mask of the predicting positions: m'[:, t] = mask[:, t+1], m'[:, T-1] = 0."""
-  m = mask_BxT.astype(_F32)
-  return jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
 
 
 def _chunk_starts(vocab_size: int, c: int):
@@ -160,9 +150,9 @@ def token_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_
   vaxis = _vaxis(vocab_major)
   c = vocab_chunk(chunk, w_DxV.shape[vaxis])
   if c == 0:
-    return _plain_logprobs_and_entropy(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, precision)
+    return plain.logprobs_and_entropy(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, precision)
   b, t, d = x_BxTxD.shape
-  logp_N, ent_N = _logp_ent(x_BxTxD.reshape(b * t, d), w_DxV, _next_tokens(tokens_BxT).reshape(-1), c,
+  logp_N, ent_N = _logp_ent(x_BxTxD.reshape(b * t, d), w_DxV, plain.next_tokens(tokens_BxT).reshape(-1), c,
                             precision, vaxis)
   pad, m = jnp.zeros((b, 1), _F32), mask_BxT.astype(_F32)
   shift = lambda v_N: jnp.concatenate([pad, v_N.reshape(b, t)[:, :-1]], axis=1) * m
@@ -228,7 +218,7 @@ def _prepare(x_BxTxD, w, tokens_BxT, mask_BxT, precision, chunk, lse_BxT, vocab_
   c = vocab_chunk(chunk, w.shape[vaxis])
   if c and lse_BxT is None:
     lse_BxT = logsumexp(x_BxTxD, w, precision, c, vocab_major=vocab_major)
-  return c, vaxis, _next_tokens(tokens_BxT), _shift_mask(mask_BxT), lse_BxT
+  return c, vaxis, plain.next_tokens(tokens_BxT), plain.shift_mask(mask_BxT), lse_BxT
 
 
 def head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode: str = "auto", precision=_HIGHEST, chunk=None,
@@ -241,10 +231,10 @@ def head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode: str = "auto", prec
   c, vaxis, nxt, mp, lse = _prepare(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT,
                                     vocab_major)
   if c == 0:
-    return _plain_head_sq_norms(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, mode, precision)
+    return plain.head_sq_norms(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, mode, precision)
   b, t, d = x_BxTxD.shape
   x32 = x_BxTxD.astype(_F32)
-  if _use_ghost(mode, t, d, w_DxV.shape[vaxis]):
+  if plain.use_ghost(mode, t, d, w_DxV.shape[vaxis]):
     def body(pp_BxTxS, starts):
       p, _, _ = _chunk_p(x_BxTxD, w_DxV, lse, starts, c, precision, vaxis)
       return pp_BxTxS + jnp.einsum("btc,bsc->bts", p, p, preferred_element_type=_F32), None
@@ -269,7 +259,7 @@ def head_weighted_grad(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, c_B, precision=_HIG
   c, vaxis, nxt, mp, lse = _prepare(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT,
                                     vocab_major)
   if c == 0:
-    dw_DxV = _plain_head_weighted_grad(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, c_B, precision)
+    dw_DxV = plain.head_weighted_grad(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, c_B, precision)
     return _as_DxV(dw_DxV, vaxis)
   xc_BxTxD = x_BxTxD.astype(_F32) * c_B.astype(_F32)[:, None, None]
 
@@ -288,7 +278,7 @@ def tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT, precis
   c, vaxis, nxt, mp, lse = _prepare(x_BxSxD, w_DxV, tokens_BxT, mask_BxT, precision, chunk, lse_BxT,
                                     vocab_major)
   if c == 0:
-    return _plain_tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, _as_DxV(w_DxV, vaxis), mask_BxT,
+    return plain.tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, _as_DxV(w_DxV, vaxis), mask_BxT,
                                    precision)
   q_BxSxT = _prob_at(x_BxSxD, w_DxV, tokens_BxT, lse, precision, vaxis)
   same_BxSxT = (nxt[:, :, None] == tokens_BxT[:, None, :]).astype(_F32)
@@ -296,54 +286,3 @@ def tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT, precis
   ex_BxSxT = jnp.einsum("btd,bsd->bst", g_embed_BxTxD.astype(_F32), x_BxSxD.astype(_F32),
                         preferred_element_type=_F32)
   return jnp.sum(gh_BxSxT * ex_BxSxT, axis=(1, 2))
-
-
-def _use_ghost(mode: str, t: int, d: int, v: int) -> bool:
-  return t * (d + v) < d * v if mode == "auto" else mode == "ghost"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The plain formulation (full [B, T, V] float32 logits): chunk=0, and the reference of tests/test_lm_head.py.
-# ---------------------------------------------------------------------------------------------------------
-
-def _plain_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_HIGHEST):
-  logz_BxTxV = jax.nn.log_softmax(logits(x_BxTxD[:, :-1], w_DxV, precision), axis=-1)
-  logp_BxTm1 = jnp.take_along_axis(logz_BxTxV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
-  ent_BxTm1 = -jnp.sum(jnp.exp(logz_BxTxV) * logz_BxTxV, axis=-1)
-  pad = jnp.zeros((tokens_BxT.shape[0], 1), _F32)
-  m = mask_BxT.astype(_F32)
-  return (jnp.concatenate([pad, logp_BxTm1], axis=1) * m, jnp.concatenate([pad, ent_BxTm1], axis=1) * m)
-
-
-def logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_HIGHEST):
-  """Plain g[b, t] = m'_t (onehot(tokens[t+1]) - softmax(logits[t])), [B, T, V]."""
-  p_BxTxV = jax.nn.softmax(logits(x_BxTxD, w_DxV, precision), axis=-1)
-  onehot = jax.nn.one_hot(_next_tokens(tokens_BxT), w_DxV.shape[-1], dtype=_F32)
-  return (onehot - p_BxTxV) * _shift_mask(mask_BxT)[:, :, None]
-
-
-def _plain_head_sq_norms(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, mode="auto", precision=_HIGHEST):
-  g_BxTxV = logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision)
-  x = x_BxTxD.astype(_F32)
-  if _use_ghost(mode, x.shape[1], x.shape[2], w_DxV.shape[1]):
-    gram_x = jnp.einsum("btd,bsd->bts", x, x, preferred_element_type=_F32)
-    gram_g = jnp.einsum("btv,bsv->bts", g_BxTxV, g_BxTxV, preferred_element_type=_F32)
-    return jnp.maximum(jnp.sum(gram_x * gram_g, axis=(1, 2)), 0.0)
-  dw_BxDxV = jnp.einsum("btd,btv->bdv", x, g_BxTxV, preferred_element_type=_F32)
-  return jnp.sum(jnp.square(dw_BxDxV), axis=(1, 2))
-
-
-def _plain_head_weighted_grad(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, c_B, precision=_HIGHEST):
-  g_BxTxV = logit_grads(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision)
-  xc_BxTxD = x_BxTxD.astype(_F32) * c_B.astype(_F32)[:, None, None]
-  return jnp.einsum("btd,btv->dv", xc_BxTxD, g_BxTxV, preferred_element_type=_F32)
-
-
-def _plain_tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxSxD, w_DxV, mask_BxT, precision=_HIGHEST):
-  g_BxSxV = logit_grads(x_BxSxD, w_DxV, tokens_BxT, mask_BxT, precision)
-  s = x_BxSxD.shape[1]
-  ids_BxSxT = jnp.broadcast_to(tokens_BxT[:, None, :], (tokens_BxT.shape[0], s, tokens_BxT.shape[1]))
-  gh_at_ids_BxSxT = jnp.take_along_axis(g_BxSxV, ids_BxSxT, axis=2)
-  ex_BxSxT = jnp.einsum("btd,bsd->bst", g_embed_BxTxD.astype(_F32), x_BxSxD.astype(_F32),
-                        preferred_element_type=_F32)
-  return jnp.sum(gh_at_ids_BxSxT * ex_BxSxT, axis=(1, 2))
