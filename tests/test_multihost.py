@@ -55,6 +55,16 @@ def test_distributed_config_errors_name_the_field():
     multihost.initialize(d)
 
 
+def test_xm_multihost_gives_each_process_its_flags():
+  from experiments import xm_multihost  # noqa: PLC0415
+  args = xm_multihost.process_args("configs/tiny.py", "w", 2, 1, 1234, False, ["--config.rl.steps=5"])
+  assert args["config.distributed.process_id"] == "1" and args["config.distributed.num_processes"] == "2"
+  assert args["config.distributed.coordinator_address"] == "localhost:1234"
+  assert args["config.rl.steps"] == "5" and os.path.isabs(args["workdir"])
+  auto = xm_multihost.process_args("configs/tiny.py", "w", 2, 1, 1234, True, [])
+  assert auto["config.distributed.auto"] == "True" and "config.distributed.process_id" not in auto
+
+
 @pytest.mark.integration
 @CPU_ONLY
 def test_two_process_forward_equals_single_process(tmp_path):
