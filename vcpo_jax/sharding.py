@@ -1,4 +1,4 @@
-"""Device mesh, logical axis rules and directly-sharded state creation; multi-host initialisation."""
+"""Device mesh, logical axis rules and directly-sharded state creation (multi-host set-up: multihost.py)."""
 from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
@@ -66,10 +66,3 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
-
-
-def initialize_distributed(coordinator_address: str | None, num_processes: int, process_id: int):
-  """Multi-host: one process per host (or per fake host on localhost); no-op for a single process."""
-  if num_processes > 1:
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
