@@ -131,6 +131,8 @@ def test_bfloat16_kv_cache(params):
 
 def test_cache_axes_found_from_shapes():
   assert pool_kernels.cache_axes(CFG) == ((0, 1),) * (2 * CFG.num_layers)
+  # Layers under scan: one stacked (k, v) pair [L, B, S, K, E].
+  assert pool_kernels.cache_axes(dataclasses.replace(CFG, scan_layers=True)) == ((1, 2), (1, 2))
 
 
 def test_rows_too_long_for_the_cache_raise_naming_the_field(params):
