@@ -149,7 +149,7 @@ def variants(model_cfg, *, unrolled: bool = True) -> list[tuple[str, str, dict]]
 
 def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = None, layers=None,
             only_defaults: bool = False, unrolled: bool = True, time_limit_s: float | None = None,
-            steps: tuple[str, ...] = ("vcpo", "grpo"), fit: bool = True) -> dict:
+            steps: tuple[str, ...] = ("vcpo", "grpo"), fit: bool = True, base_overrides=None) -> dict:
   """Every variant at every depth in `layers` (default: the model's own); only_defaults: the headline pair
   only; unrolled=False: no unrolled variants (minutes each at 24 layers); fit: the headline pair compiled
   again at B/2 for the per-token slope of the temporaries (temp_fit). Stops starting new compiles once
@@ -160,7 +160,7 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would time nothing
   b, t = (b or (QUICK_SHAPE if quick else FULL_SHAPE)[0]), (t or (QUICK_SHAPE if quick else FULL_SHAPE)[1])
   base = job_model_config(name, quick)
-  base = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, t))
+  base = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, t), **(base_overrides or {}))
   optimizer = configuration.build_optimizer(common.job_config(name))
   lcs = learner_configs(name)
   rows, start, longest = [], time.perf_counter(), 0.0
@@ -268,6 +268,20 @@ def produce(quick: bool) -> list[dict]:
                            goal=COMPILE_GOAL)
 
 
+def parse_sets(items) -> dict:
+  """['remat=full', 'scan_layers=true'] -> {'remat': 'full', 'scan_layers': True} (JSON value, else a string)."""
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise ValueError(f"--set must look like FIELD=VALUE, got {item!r}")
+    try:
+      out[key] = json.loads(value)
+    except ValueError:
+      out[key] = value
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
@@ -280,6 +294,8 @@ def main(argv=None):
   parser.add_argument("--no-unrolled", action="store_true", help="no unrolled variants (minutes at 24 layers)")
   parser.add_argument("--steps", default="vcpo,grpo", help="comma list of vcpo, grpo")
   parser.add_argument("--no-fit", action="store_true", help="no second compile at B/2 (per-token slope)")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="model config field for every variant, e.g. --set remat=full (JSON values)")
   parser.add_argument("--out", default=None, help="write the raw rows here (.json) and a table (.md beside)")
   args = parser.parse_args(argv)
   if args.model:
@@ -296,7 +312,7 @@ def main(argv=None):
   layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
   result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
                    only_defaults=args.only_defaults, unrolled=not args.no_unrolled,
-                   steps=tuple(args.steps.split(",")), fit=not args.no_fit)
+                   steps=tuple(args.steps.split(",")), fit=not args.no_fit, base_overrides=parse_sets(args.set))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)

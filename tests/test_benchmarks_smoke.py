@@ -339,6 +339,14 @@ def test_compile_figures_goals_and_table():
   assert "abc1234" in md and "| vcpo (defaults) | 24 | 8 x 1024 | 1.0 | 196.0 | 197.0 | 98.5 | 77.00 | 9.399 | - |" in md
 
 
+def test_compile_set_parses_json_values():
+  from benchmarks import bench_compile
+  assert bench_compile.parse_sets(["remat=full", "scan_layers=true", "logits_chunk=0"]) == {
+      "remat": "full", "scan_layers": True, "logits_chunk": 0}
+  with pytest.raises(ValueError, match="--set"):
+    bench_compile.parse_sets(["remat"])
+
+
 def test_temp_fit_separates_fixed_and_per_token_parts():
   from benchmarks import bench_compile
   fixed, per_token = 6e9, 0.25e6
