@@ -62,13 +62,12 @@ def test_stacked_layout_and_helpers():
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)))
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
-def test_scanned_equals_unrolled(remat):
-  """Logits, log-probs and grads: scan (+ remat, + jax.nn attention) vs the plain einsum path, 1e-5 in float32;
+def test_scanned_equals_unrolled():
+  """Logits, log-probs and grads: scan (+ jax.nn attention) vs the plain einsum path, 1e-5 in float32;
   left-padded rows (fully masked queries) stay finite and equal too."""
   params, stacked, tokens, mask, key_mask = _setup()
   logits0, logp0, grad0 = _outputs(params, PLAIN, tokens, mask, key_mask)
-  logits1, logp1, grad1 = _outputs(stacked, dataclasses.replace(SCAN, remat=remat), tokens, mask, key_mask)
+  logits1, logp1, grad1 = _outputs(stacked, SCAN, tokens, mask, key_mask)
   assert np.all(np.isfinite(logits1))
   np.testing.assert_allclose(logits1, logits0, atol=1e-5)
   np.testing.assert_allclose(logp1, logp0, atol=1e-5)
@@ -102,19 +101,21 @@ def _coef_fn(sq_B, logp_BxT, ent_BxT):
   return -jnp.sqrt(sq_B) / (1.0 + jnp.sqrt(sq_B)) + 0.1 * jnp.sum(ent_BxT, axis=1), {}
 
 
-def test_per_sequence_norms_and_weighted_grad_under_scan():
-  """Under scan (stacked a and g), per-leaf per-sequence norms equal vmap(grad), and the book-keeping
-  weighted gradient equals sum_i c_i grad_i; every stacked leaf contributes."""
-  _, stacked, tokens, mask, key_mask = _setup()
+def test_per_sequence_norms_and_weighted_grad_under_scan_and_remat():
+  """Under scan + remat (stacked a and g), per-leaf per-sequence norms equal vmap(grad), and the book-keeping
+  weighted gradient equals sum_i c_i grad_i; every stacked leaf contributes; log-probs equal the plain path."""
+  params, stacked, tokens, mask, key_mask = _setup()
+  cfg = dataclasses.replace(SCAN, remat="dots")
 
   @jax.jit
   def run(p):
     def seq_logp(p, tok_T, m_T, k_T):
-      return jnp.sum(M.token_logprobs(p, SCAN, tok_T[None], m_T[None], key_mask_BxT=k_T[None]))
+      return jnp.sum(M.token_logprobs(p, cfg, tok_T[None], m_T[None], key_mask_BxT=k_T[None]))
     per_seq = jax.vmap(jax.grad(seq_logp), in_axes=(None, 0, 0, 0))(p, tokens, mask, key_mask)
-    return per_seq, G.per_sequence_sq_norms_and_grad(p, SCAN, tokens, mask, _coef_fn, key_mask_BxT=key_mask)
+    return per_seq, G.per_sequence_sq_norms_and_grad(p, cfg, tokens, mask, _coef_fn, key_mask_BxT=key_mask)
 
   per_seq, (grads, sq_B, aux) = run(stacked)
+  np.testing.assert_allclose(aux["logp_BxT"], _outputs(params, PLAIN, tokens, mask, key_mask)[1], atol=1e-5)
   want = {"/".join(k): np.sum(np.square(np.asarray(v, np.float64).reshape(B, -1)), axis=1)
           for k, v in traverse_util.flatten_dict(per_seq).items()}
   got = aux["leaf_sq_norms"]
