@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdir/countdown
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core on the 2-core CI machine; PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
 .PHONY: train test test-sglang bench install-gpu reproduce-quick clean-venv
@@ -27,7 +29,7 @@ train: $(VENV)/.runtime
 	$(PY) -m vcpo_jax.main --config=configs/countdown.py --workdir=$(WORKDIR)
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
 
 # Opt-in, not part of `make test` or CI: real SGLang 0.5.23 servers on CPU (installs a cached venv under
 # ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~27 min on 2 busy cores).
