@@ -150,3 +150,28 @@ def test_bad_mode_names_field():
   cfg, params, tokens, mask = _setup(False)
   with pytest.raises(ValueError, match="mode"):
     G.per_sequence_sq_norms(params, cfg, tokens, mask, mode="fast")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_head_norms_and_grad_equal_the_full_logits_path(tied):
+  """model.logits_chunk < vocab (3 chunks, the last overlapping) gives the full-logits path's norms, log-probs
+  and weighted gradient: the capture's shared log-sum-exp pass feeds every head term."""
+  import dataclasses
+  cfg, params, tokens, mask = _setup(tied)
+  coef = lambda sq_B, logp_BxT, ent_BxT: (1.0 / (1.0 + sq_B), None)
+  out = {}
+  for chunk in (0, 16):
+    c = dataclasses.replace(cfg, logits_chunk=chunk)
+    fn = jax.jit(functools.partial(G.per_sequence_sq_norms_and_grad, cfg=c, coef_fn=coef))
+    out[chunk] = fn(params, tokens_BxT=tokens, mask_BxT=mask)
+  (g0, sq0, aux0), (g1, sq1, aux1) = out[0], out[16]
+  np.testing.assert_allclose(sq1, sq0, rtol=1e-5)
+  np.testing.assert_allclose(aux1["logp_BxT"], aux0["logp_BxT"], rtol=1e-5, atol=1e-6)
+  for k, v in aux0["leaf_sq_norms"].items():
+    np.testing.assert_allclose(aux1["leaf_sq_norms"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
+
+
+def test_logits_chunk_is_validated():
+  with pytest.raises(ValueError, match="model.logits_chunk"):
+    M.ModelConfig(logits_chunk=-1)

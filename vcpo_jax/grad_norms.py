@@ -137,14 +137,17 @@ def capture(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None
         {"params": params, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask,
         mutable=["intermediates"])
     logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(x_BxTxD, M.head_kernel(params, cfg), tokens_BxT,
-                                                           mask_BxT, cfg.precision)
+                                                           mask_BxT, cfg.precision, cfg.logits_chunk)
     return jnp.sum(logp_BxT), (logp_BxT, ent_BxT, state["intermediates"], x_BxTxD)
 
   out_grads, (logp_BxT, ent_BxT, inputs, x_BxTxD) = jax.grad(total_logp, has_aux=True)(perts)
   inputs = {k[:-1] if k[-1] == "inputs" else k: v[0]  # sow keeps a tuple
             for k, v in traverse_util.flatten_dict(inputs).items()}
-  # The LM head's per-sequence terms are computed by vcpo_jax.lm_head from its input and the mask.
-  inputs[HEAD] = (x_BxTxD, M.head_kernel(params, cfg), mask_BxT)
+  # The LM head's per-sequence terms are computed by vcpo_jax.lm_head from its input and the mask; one
+  # log-sum-exp pass over the vocabulary serves all of them.
+  w_DxV = M.head_kernel(params, cfg)
+  lse_BxT = lm_head.logsumexp(x_BxTxD, w_DxV, cfg.precision, cfg.logits_chunk)
+  inputs[HEAD] = (x_BxTxD, w_DxV, mask_BxT, lse_BxT)
   out_grads = {k[:-1] if k[-1] == "outputs" else k: v
                for k, v in traverse_util.flatten_dict(out_grads).items()}
   return logp_BxT, ent_BxT, inputs, out_grads
@@ -191,31 +194,33 @@ def _layer_grad_rule(path, c_B):
 def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: M.ModelConfig, mode: str):
   """Per-sequence squared norm of one parameter leaf (for a tied embedding: embedding + head + cross)."""
   module = path[:-1]
-  x, w, mask = inputs[HEAD]
+  x, w, mask, lse = inputs[HEAD]
+  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse)
   if path == ("embed_tokens",):
     g_emb = out_grads[("embed_outputs",)]
     sq_B = embedding_sq_norms(tokens_BxT, g_emb, cfg.vocab_size, mode)
     if cfg.tie_word_embeddings:
-      sq_B = sq_B + lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, cfg.precision)
+      sq_B = sq_B + lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, **head)
       sq_B = jnp.maximum(
-          sq_B + 2.0 * lm_head.tied_cross_terms(tokens_BxT, g_emb, x, w, mask, cfg.precision), 0.0)
+          sq_B + 2.0 * lm_head.tied_cross_terms(tokens_BxT, g_emb, x, w, mask, **head), 0.0)
     return sq_B
   if path == ("lm_head", "kernel"):
-    return lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, cfg.precision)
+    return lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, **head)
   sq = _per_layer(path, cfg, _layer_sq_rule(path, mode), inputs.get(module), out_grads.get(module))
   return jnp.sum(sq, axis=0) if _stacked(path, cfg) else sq  # under scan [L, B]: summed over the layers
 
 
 def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: M.ModelConfig):
   module = path[:-1]
-  x, w, mask = inputs[HEAD]
+  x, w, mask, lse = inputs[HEAD]
+  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse)
   if path == ("embed_tokens",):
     grad = embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
     if cfg.tie_word_embeddings:
-      grad = grad + lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, cfg.precision).T
+      grad = grad + lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, **head).T
     return grad
   if path == ("lm_head", "kernel"):
-    return lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, cfg.precision)
+    return lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, **head)
   return _per_layer(path, cfg, _layer_grad_rule(path, c_B), inputs.get(module), out_grads.get(module))
 
 

@@ -87,6 +87,7 @@ def hf_config(cfg: model_lib.ModelConfig, *, bos_token_id=None, eos_token_id=Non
       "vcpo_scan_layers": cfg.scan_layers,
       "vcpo_remat": cfg.remat,
       "vcpo_attention": cfg.attention,
+      "vcpo_logits_chunk": cfg.logits_chunk,
   }
 
 
@@ -194,7 +195,7 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> mode
       param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype),
       matmul_precision=d.get("vcpo_matmul_precision", "highest"),
       scan_layers=bool(d.get("vcpo_scan_layers", False)), remat=d.get("vcpo_remat", "none"),
-      attention=d.get("vcpo_attention", "auto"))
+      attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)))
 
 
 def read_config(model_dir: str) -> dict[str, Any]:

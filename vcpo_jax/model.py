@@ -271,7 +271,7 @@ def token_logprobs_and_entropy(params, cfg: ModelConfig, tokens_BxT, mask_BxT, p
                                key_mask_BxT=None):
   x_BxTxD = hidden_states(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
   return lm_head.token_logprobs_and_entropy(x_BxTxD, head_kernel(params, cfg), tokens_BxT, mask_BxT,
-                                            cfg.precision)
+                                            cfg.precision, cfg.logits_chunk)
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):

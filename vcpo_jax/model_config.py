@@ -43,6 +43,9 @@ class ModelConfig:
   scan_layers: bool = False
   remat: str = "none"          # a REMAT_POLICIES name, applied to every layer
   attention: str = "auto"      # attention.IMPLEMENTATIONS: auto | xla | cudnn | einsum
+  # Vocabulary columns per LM-head chunk (vcpo_jax.lm_head): [tokens, vocab] float32 logits never exist at
+  # once in the learner; 0 = the plain full-logits path.
+  logits_chunk: int = 2048
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -63,6 +66,8 @@ class ModelConfig:
                        f"got {self.matmul_precision!r}")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"model.scan_layers must be a bool, got {self.scan_layers!r}")
+    if isinstance(self.logits_chunk, bool) or not isinstance(self.logits_chunk, int) or self.logits_chunk < 0:
+      raise ValueError(f"model.logits_chunk must be an int >= 0 (0: full logits), got {self.logits_chunk!r}")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
     if self.attention not in attention_lib.IMPLEMENTATIONS:
