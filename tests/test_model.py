@@ -117,3 +117,22 @@ def test_every_dot_runs_at_the_configured_precision(precision):
 def test_matmul_precision_is_validated():
   with pytest.raises(ValueError, match="model.matmul_precision"):
     M.ModelConfig(matmul_precision="tf32")
+
+
+def test_prefill_outputs_from_hidden_states_equal_the_full_logits():
+  """prompt_logprobs_and_logits (chunked head, 3 chunks) = log_softmax of the full forward's logits, and the
+  logits at each row's own last position (right-padded prompts)."""
+  cfg = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8, max_seq_len=16, logits_chunk=16)
+  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 40)
+  last_B = jnp.array([6, 3])
+  x = M.hidden_states(params, cfg, tokens)
+  logp, last = M.prompt_logprobs_and_logits(params, cfg, x, tokens, last_B)
+  logits = np.asarray(M.forward(params, cfg, tokens), np.float64)
+  logz = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  ref = np.concatenate([np.zeros((2, 1)), np.take_along_axis(logz[:, :-1], np.asarray(tokens)[:, 1:, None],
+                                                               -1)[..., 0]], axis=1)
+  np.testing.assert_allclose(logp, ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(last, logits[np.arange(2), np.asarray(last_B)], rtol=1e-5, atol=1e-6)

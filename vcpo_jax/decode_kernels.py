@@ -116,20 +116,23 @@ def prefill(params, tokens_BxP, positions_BxP, seeds_Bx2, st: DecodeState, *, cf
   """Writes the prompts' K/V at slots [0, P), samples token 0, returns state and prompt log-probs."""
   B, P = tokens_BxP.shape
   cache = model_lib.init_cache(cfg, B, P + num_new)
-  logits_BxPxV, cache = model_lib.decode(params, cfg, tokens_BxP, positions_BxP, cache, 0, st.key_mask_BxS)
-  prompt_logp_BxP = model_lib.logprobs_from_logits(logits_BxPxV, tokens_BxP, jnp.ones_like(tokens_BxP))[0]
+  x_BxPxD, cache = model_lib.decode(params, cfg, tokens_BxP, positions_BxP, cache, 0, st.key_mask_BxS,
+                                    head=False)
+  prompt_logp_BxP, last_BxV = model_lib.prompt_logprobs_and_logits(params, cfg, x_BxPxD, tokens_BxP,
+                                                                   jnp.full((B,), P - 1, jnp.int32))
   st = st._replace(cache=cache, key_data_Bx2=row_keys(seeds_Bx2))
-  return sample_step(logits_BxPxV[:, -1], st), prompt_logp_BxP
+  return sample_step(last_BxV, st), prompt_logp_BxP
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def prefill_no_cache(params, tokens_BxP, positions_BxP, seeds_Bx2, st: DecodeState, *, cfg):
   """The no-cache baseline's prefill: a plain forward over the prompts, then token 0."""
-  P = tokens_BxP.shape[1]
-  logits_BxPxV = model_lib.forward(params, cfg, tokens_BxP, positions_BxP, st.key_mask_BxS[:, :P])
-  prompt_logp_BxP = model_lib.logprobs_from_logits(logits_BxPxV, tokens_BxP, jnp.ones_like(tokens_BxP))[0]
+  B, P = tokens_BxP.shape
+  x_BxPxD = model_lib.hidden_states(params, cfg, tokens_BxP, positions_BxP, st.key_mask_BxS[:, :P])
+  prompt_logp_BxP, last_BxV = model_lib.prompt_logprobs_and_logits(params, cfg, x_BxPxD, tokens_BxP,
+                                                                   jnp.full((B,), P - 1, jnp.int32))
   st = st._replace(key_data_Bx2=row_keys(seeds_Bx2))
-  return sample_step(logits_BxPxV[:, -1], st), prompt_logp_BxP
+  return sample_step(last_BxV, st), prompt_logp_BxP
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_steps"), donate_argnames=("st",))

@@ -13,7 +13,7 @@ from vcpo_jax.lm_head_plain import logit_grads, logits  # noqa: F401  (re-export
 
 # Shape letters: B batch, T/S length, D hidden, V vocab, C vocab chunk, N tokens (B*T). Position t's logits
 # predict token t+1: logp[:, t] is log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0, as in
-# model.logprobs_from_logits. The head kernel w_DxV is lm_head/kernel, or embed_tokens.T when tied.
+# model.token_logprobs. The head kernel w_DxV is lm_head/kernel, or embed_tokens.T when tied.
 #
 # Why chunks over the vocabulary (not over tokens): each chunk's [tokens, C] logits are recomputed, used and
 # dropped; the running per-token statistics (max, sum of exp, sum of exp * logit) are [tokens] vectors, the

@@ -242,17 +242,6 @@ def forward(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_B
   return logits
 
 
-def logprobs_from_logits(logits_BxTxV, tokens_BxT, mask_BxT):
-  """logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) * mask[:, t]; logp[:, 0] = 0; entropies likewise."""
-  logz_BxTm1xV = jax.nn.log_softmax(logits_BxTxV[:, :-1].astype(jnp.float32), axis=-1)
-  logp_BxTm1 = jnp.take_along_axis(logz_BxTm1xV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
-  ent_BxTm1 = -jnp.sum(jnp.exp(logz_BxTm1xV) * logz_BxTm1xV, axis=-1)
-  pad = jnp.zeros((tokens_BxT.shape[0], 1), jnp.float32)
-  m = mask_BxT.astype(jnp.float32)
-  return (jnp.concatenate([pad, logp_BxTm1], axis=1) * m,
-          jnp.concatenate([pad, ent_BxTm1], axis=1) * m)
-
-
 def hidden_states(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None):
   """Final normed hidden states [B, T, D] in the compute dtype (the LM head's input)."""
   if positions_BxT is None:
@@ -307,10 +296,12 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
                for _ in range(cfg.num_layers))
 
 
-def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_index, key_mask_BxS):
+def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_index, key_mask_BxS, *,
+           head: bool = True):
   """Incremental step: writes k/v of T new tokens at [cache_index, cache_index+T); returns logits and cache.
 
   cache_index is a scalar (all rows at one slot) or int32 [B] (each row at its own slot: continuous batching).
+  head=False returns the final hidden states instead of logits (prefill: see prompt_logprobs_and_logits).
   """
   B, T = tokens_BxT.shape
   S = key_mask_BxS.shape[1]
@@ -318,9 +309,19 @@ def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_ind
   index_B = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (B,))
   query_slot_BxT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   mask_BxTxS = (slot_S[None, None, :] <= query_slot_BxT[:, :, None]) & key_mask_BxS[:, None, :].astype(bool)
-  logits, new_cache = Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT, mask_BxTxS,
-                                             cache, cache_index)
-  return logits, new_cache
+  out, new_cache = Transformer(cfg, head=head).apply({"params": params}, tokens_BxT, positions_BxT, mask_BxTxS,
+                                                     cache, cache_index)
+  return out, new_cache
+
+
+def prompt_logprobs_and_logits(params, cfg: ModelConfig, x_BxPxD, tokens_BxP, last_B):
+  """Prefill's outputs from hidden states, without [B, P, V] logits: the prompt tokens' log-probs [B, P]
+  (chunked LM head; position 0 gets 0) and float32 logits [B, V] at each row's position last_B."""
+  w_DxV = head_kernel(params, cfg)
+  logp_BxP = lm_head.token_logprobs_and_entropy(x_BxPxD, w_DxV, tokens_BxP, jnp.ones_like(tokens_BxP),
+                                                cfg.precision, cfg.logits_chunk)[0]
+  x_Bx1xD = jnp.take_along_axis(x_BxPxD, jnp.asarray(last_B, jnp.int32)[:, None, None], axis=1)
+  return logp_BxP, lm_head.logits(x_Bx1xD, w_DxV, cfg.precision)[:, 0]
 
 
 def param_logical_axes(cfg: ModelConfig):

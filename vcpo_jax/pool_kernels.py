@@ -102,10 +102,9 @@ def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParam
   small = jax.tree.map(lambda s, p: s.astype(p.dtype), model_lib.init_cache(cfg, J, P), pool.cache)
   positions_JxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (J, P))
   # Right padding: the causal mask alone hides the pad slots from every real prompt token.
-  logits_JxPxV, small = model_lib.decode(params, cfg, tokens_JxP, positions_JxP, small, 0,
-                                         jnp.ones((J, P), bool))
-  prompt_logp_JxP = model_lib.logprobs_from_logits(logits_JxPxV, tokens_JxP, jnp.ones_like(tokens_JxP))[0]
-  last_JxV = jnp.take_along_axis(logits_JxPxV, (lens_J - 1)[:, None, None], axis=1)[:, 0]
+  x_JxPxD, small = model_lib.decode(params, cfg, tokens_JxP, positions_JxP, small, 0, jnp.ones((J, P), bool),
+                                    head=False)
+  prompt_logp_JxP, last_JxV = model_lib.prompt_logprobs_and_logits(params, cfg, x_JxPxD, tokens_JxP, lens_J - 1)
   rows_J = rows_J._replace(key_data_Bx2=kernels.row_keys(seeds_Jx2))
   active_J = rows_J.max_new_B > 0
   token_J, logp_J, stop_J = kernels.draw(last_JxV, rows_J, jnp.zeros_like(lens_J), active_J)
