@@ -192,6 +192,22 @@ class Engine:
 
   async def _loop(self):
     while True:
+      try:
+        await self._loop_body()
+      except Exception:  # the loop must outlive any one failure, or every pause and request waits forever
+        log.exception("engine loop failed; aborting its %d rows (clients resume them)", self.num_in_flight)
+        self._fail_rows()
+
+  def _fail_rows(self):
+    for r in self._running + list(self._pending):
+      r.finish("abort")
+    self._pending.clear()
+    self._joining = []
+    self.pool = slot_pool.SlotPool(self.cfg, **self._pool_kwargs)
+    self._idle.set()
+
+  async def _loop_body(self):
+    while True:
       self._settle()
       can_join = bool(self._pending) and not self._draining and self.pause_mode is None
       if self.pause_mode is not None or (not self._running and not can_join):
