@@ -287,8 +287,12 @@ class Engine:
       if t.ids:
         row.updated.set()
       self._finish_if_done(row, t.done, t.stopped)
-    if row.finish_reason is not None and self.pool.owners[t.slot] is row:
-      self.pool.release(t.slot)
+    if row.finish_reason is not None:
+      # By identity, not t.slot: a join's tokens carry the slot from before the chunk, and the chunk's step
+      # may have compacted the pool since (the slot index then names another row, or none).
+      slot = next((s for s, owner in enumerate(self.pool.owners) if owner is row), None)
+      if slot is not None:
+        self.pool.release(slot)
 
   def _finish_if_done(self, row: Row, done: bool, stopped: bool):
     if row.stop_strings and self._stop_string_check is not None:
