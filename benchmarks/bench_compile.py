@@ -301,14 +301,7 @@ def main(argv=None):
   if args.model:
     os.environ[common.MODEL_ENV] = args.model
   if args.out is None and args.B is None and args.T is None and args.layers is None:  # as a suite job
-    figs = produce(args.quick)
-    text = json.dumps(figs, indent=2, default=float)
-    if args.json:
-      with open(args.json, "w") as f:
-        f.write(text)
-    else:
-      print(text)
-    return figs
+    return common.emit_figures(produce(args.quick), args.json)
   layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
   result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
                    only_defaults=args.only_defaults, unrolled=not args.no_unrolled,

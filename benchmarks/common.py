@@ -436,10 +436,14 @@ def module_main(produce: Callable[[bool], list[dict]], description: str, argv=No
   args = parser.parse_args(argv)
   if args.model:
     os.environ[MODEL_ENV] = args.model
-  figures = produce(args.quick)
+  return emit_figures(produce(args.quick), args.json)
+
+
+def emit_figures(figures: list[dict], json_path: str | None) -> list[dict]:
+  """A bench module's figures as JSON: written to json_path, or printed when there is none."""
   text = json.dumps(figures, indent=2, default=float)
-  if args.json:
-    with open(args.json, "w") as f:
+  if json_path:
+    with open(json_path, "w") as f:
       f.write(text)
   else:
     print(text)
