@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vcpo_jax import tasks
+from vcpo_jax import data, tasks
 from vcpo_jax.evaluation import completion_text
 from vcpo_jax.rollout import batching, episodes, types
 from vcpo_jax.tasks import calculator
@@ -146,7 +146,8 @@ def _runner(max_turns=3, max_new_tokens=80, context_length=None):
                                 max_new_tokens=max_new_tokens, context_length=context_length)
 
 
-PROMPT = TOK.encode(TOK.chat_prompt("Using the numbers [2, 3], make 6."))
+PROMPT_TEXT = TOK.chat_prompt("Using the numbers [2, 3], make 6.")
+PROMPT = TOK.encode(PROMPT_TEXT)
 END = "<|im_end|>"
 
 
@@ -240,3 +241,54 @@ def test_first_stop_finds_the_fewest_tokens():
   ids = TOK.encode("ab</calc>cd</calc>")
   assert episodes.first_stop(ids, TOK.decode, ["</calc>"]) == 9
   assert episodes.first_stop(ids, TOK.decode, ["zz"]) is None
+
+
+# --- warm start: the SFT row of a trace is the episode's row, tool replies are not targets -----------------
+
+def test_sft_row_of_a_hand_built_trace_targets_exactly_the_generated_tokens():
+  turns = ["<calc>2+3</calc>", "<calc>2*3</calc>", "<answer>2*3</answer>"]
+  replies = ["<result>5</result>", "<result>6</result>"]
+  trace = turns[0] + replies[0] + turns[1] + replies[1] + turns[2]
+  tokens_T, mask_T = data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=len(PROMPT) + 80, env=CALC)
+  gen = lambda t: (TOK.encode(t), [1.0] * len(TOK.encode(t)))  # noqa: E731
+  tool = lambda t: (TOK.encode(t), [0.0] * len(TOK.encode(t)))  # noqa: E731
+  parts = [gen(turns[0]), tool(replies[0]), gen(turns[1]), tool(replies[1]), gen(turns[2]), ([TOK.eos_id], [1.0])]
+  want_ids, want_mask = sum((p[0] for p in parts), []), sum((p[1] for p in parts), [])
+  P, L = len(PROMPT), len(want_ids)
+  np.testing.assert_array_equal(tokens_T[:P + L], PROMPT + want_ids)
+  np.testing.assert_array_equal(mask_T, [0.0] * P + want_mask + [0.0] * (len(mask_T) - P - L))
+  # The same trace written turn by turn as an episode: the same tokens and the same mask.
+  policy = ScriptedPolicy([turns[0], turns[1], turns[2] + END])
+  (sample,) = asyncio.run(_runner().generate(policy, PROMPT, {"max_new_tokens": 80}))
+  assert sample.output_ids == want_ids
+  np.testing.assert_array_equal(sample.output_mask, want_mask)
+  # Without an environment (single-turn tasks) the whole completion is the target.
+  _, plain_T = data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=len(PROMPT) + 80)
+  assert plain_T.sum() == L
+
+
+@pytest.mark.parametrize("trace,match", [
+    ("<calc>2+3</calc><result>7</result><answer>5</answer>", "not its reply"),  # a forged reply
+    ("<calc>2+3</calc> <result>5</result>", "not its reply"),
+    ("<calc>1</calc><result>1</result>" * 3 + "<answer>1</answer>", "max_turns=3"),  # an episode stops earlier
+])
+def test_traces_no_episode_could_hold_are_refused(trace, match):
+  with pytest.raises(ValueError, match=match):
+    data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=200, env=CALC)
+
+
+def test_tool_task_sft_batches_mask_exactly_the_replies():
+  task = tasks.get_task("countdown_tools", num_numbers=3, max_number=10, max_target=100, max_turns=3,
+                        render_prompt=TOK.chat_prompt)
+  batch = next(data.make_sft_iterator(task, TOK, seed=3, batch_size=16, seq_len=200, error_rate=0.5,
+                                      shard_index=0, shard_count=1, prefetch=0))
+  replies = 0
+  for tokens_T, mask_T in zip(batch["tokens"], batch["mask"]):
+    start, end = np.flatnonzero(mask_T)[[0, -1]]
+    text = TOK.decode(tokens_T[start:end])
+    want = re.findall(r"<result>.*?</result>", text)
+    response_T, target_T = tokens_T[start:end + 1], mask_T[start:end + 1] > 0
+    assert TOK.decode(response_T[~target_T]) == "".join(want)
+    assert TOK.decode(response_T[target_T][:-1]) == re.sub(r"<result>.*?</result>", "", text)
+    replies += len(want)
+  assert replies >= 8

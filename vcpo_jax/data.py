@@ -9,6 +9,7 @@ import grain
 import jax
 import numpy as np
 
+from vcpo_jax.rollout import episodes
 from vcpo_jax.tasks import base as tasks_base
 from vcpo_jax.tokenizer import Tokenizer
 
@@ -114,18 +115,28 @@ def make_prompt_iterator(task: tasks_base.Task, *, seed: int, split: str = "trai
   return _to_iter(ds, batch_size, list, prefetch)
 
 
-def encode_sft_example(tokenizer: Tokenizer, prompt: str, completion: str,
-                       seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-padded [prompt | completion <|im_end|> | pad] and its mask (1 exactly on completion + stop)."""
+def encode_sft_example(tokenizer: Tokenizer, prompt: str, completion: str, seq_len: int,
+                       env: episodes.Environment | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Right-padded [prompt | completion <|im_end|> | pad] and its mask: 1 exactly on the completion's generated
+  tokens + stop. With a tool environment (task.environment()) the completion is a multi-turn trace, cut and
+  encoded segment by segment as episodes are (episodes.trace_segments): tool replies get mask 0, since the
+  model never generates them."""
   prompt_ids = tokenizer.encode(prompt)
-  response_ids = tokenizer.encode(completion) + [tokenizer.eos_id]
+  segments = [(completion, False)] if env is None else episodes.trace_segments(env, completion)
+  response_ids, response_mask = [], []
+  for text, is_tool in segments:
+    ids = tokenizer.encode(text)
+    response_ids += ids
+    response_mask += [0.0 if is_tool else 1.0] * len(ids)
+  response_ids.append(tokenizer.eos_id)
+  response_mask.append(1.0)
   length = len(prompt_ids) + len(response_ids)
   if length > seq_len:
     raise ValueError(f"seq_len={seq_len} is shorter than prompt + completion ({length} tokens)")
   tokens_T = np.full((seq_len,), tokenizer.pad_id, np.int32)
   tokens_T[:length] = prompt_ids + response_ids
   mask_T = np.zeros((seq_len,), np.float32)
-  mask_T[len(prompt_ids):length] = 1.0
+  mask_T[len(prompt_ids):length] = response_mask
   return tokens_T, mask_T
 
 
@@ -141,7 +152,8 @@ class _SftAt:
     example = self.task.sample([self.problem_seed, _STREAM_SFT, int(index)], 1, split="train")[0]
     rng = np.random.default_rng([self.seed, _STREAM_SFT_COMPLETION, int(index)])
     completion = self.task.sft_completion(example, rng, self.error_rate)
-    tokens_T, mask_T = encode_sft_example(self.tokenizer, example["prompt"], completion, self.seq_len)
+    tokens_T, mask_T = encode_sft_example(self.tokenizer, example["prompt"], completion, self.seq_len,
+                                          env=self.task.environment())
     return {"tokens": tokens_T, "mask": mask_T,
             "reward": np.float32(self.task.reward(example, completion))}
 
@@ -157,7 +169,8 @@ def make_sft_iterator(task: tasks_base.Task, tokenizer: Tokenizer, *, seed: int,
   """Infinite iterator of SFT batches {'tokens': int32[B, T], 'mask': float32[B, T], 'reward': float32[B]}.
 
   Problems come from the train split (a different seed stream from make_prompt_iterator's); with
-  probability error_rate a completion is a plausible wrong answer (its 'reward' is then 0).
+  probability error_rate a completion is a plausible wrong answer (its 'reward' is then 0). A tool task's
+  traces have mask 0 on the tool's replies (encode_sft_example).
   positions are arange(T) (right padding), so none are returned.
   """
   _check_positive("batch_size", batch_size)

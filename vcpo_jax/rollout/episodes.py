@@ -88,6 +88,32 @@ def first_stop(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stops
   return lo
 
 
+def trace_segments(env: Environment, text: str) -> list[tuple[str, bool]]:
+  """A written episode (turns and tool replies as one text, e.g. a warm-start trace) cut the way episodes are
+  built: a turn ends at its first stop string (first_stop, characters as tokens) and the environment's reply
+  to its call follows as a tool segment. Returns (text, is_tool) pairs in order; ValueError for a text no
+  episode could hold (text after a turn without a call or after the max_turns-th turn, or after a call but
+  other than its reply)."""
+  segments, rest, turns = [], text, 0
+  while rest:
+    cut = first_stop(rest, str, env.stop_strings)
+    turn, rest = (rest, "") if cut is None else (rest[:cut], rest[cut:])
+    segments.append((turn, False))
+    turns += 1
+    if not rest:  # the last turn (it may end at a call: the reply would follow)
+      break
+    reply = env.respond(turn)
+    if reply is None or turns >= env.max_turns:
+      raise ValueError(f"trace goes on after turn {turns} (max_turns={env.max_turns}), where an episode ends: "
+                       f"{text!r}")
+    if not rest.startswith(reply.text):
+      raise ValueError(f"trace turn {turns} calls the tool, but what follows is not its reply "
+                       f"{reply.text!r}: {rest[:len(reply.text) + 16]!r}")
+    segments.append((reply.text, True))
+    rest = rest[len(reply.text):]
+  return segments
+
+
 class EpisodeRunner:
   """Drives episodes of one environment. max_new_tokens caps an episode's response (generated + tool tokens),
   so episodes fit the rows single-turn samples use; context_length (the servers') caps every turn's input."""
