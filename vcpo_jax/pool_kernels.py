@@ -92,14 +92,24 @@ def empty(*, cfg, B, S, C, K, cache_dtype):
                    jnp.zeros((B, C), jnp.int32), jnp.zeros((B, C), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
-def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParams, seeds_Jx2, *, cfg):
-  """Prefills J right-padded prompts, samples their token 0 and writes them into `slots_J` (B: dropped).
+class Joined(NamedTuple):
+  """Prefilled rows, ready to be placed in a pool (`place`)."""
+  cache: tuple  # J rows x P slots
+  rows: RowParams
+  lens_J: jax.Array
+  token_J: jax.Array
+  logp_J: jax.Array
+  done_J: jax.Array
+  stopped_J: jax.Array
+  prompt_logp_JxP: jax.Array
 
-  Returns the pool and, per joining row, (token 0, its log-prob, done, stopped, prompt log-probs [J, P]).
-  """
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype"))
+def prefill(params, tokens_JxP, lens_J, rows_J: RowParams, seeds_Jx2, *, cfg, cache_dtype) -> Joined:
+  """Prefills J right-padded prompts and samples their token 0. Compiled per (J, P) only, not per pool size:
+  the model's compile is the expensive one, and `place` (per pool size) holds no model."""
   J, P = tokens_JxP.shape
-  small = jax.tree.map(lambda s, p: s.astype(p.dtype), model_lib.init_cache(cfg, J, P), pool.cache)
+  small = jax.tree.map(lambda s: s.astype(cache_dtype), model_lib.init_cache(cfg, J, P))
   positions_JxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (J, P))
   # Right padding: the causal mask alone hides the pad slots from every real prompt token.
   x_JxPxD, small = model_lib.decode(params, cfg, tokens_JxP, positions_JxP, small, 0, jnp.ones((J, P), bool),
@@ -108,18 +118,33 @@ def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParam
   rows_J = rows_J._replace(key_data_Bx2=kernels.row_keys(seeds_Jx2))
   active_J = rows_J.max_new_B > 0
   token_J, logp_J, stop_J = kernels.draw(last_JxV, rows_J, jnp.zeros_like(lens_J), active_J)
-  num_gen_J = active_J.astype(jnp.int32)
-  done_J = ~active_J | stop_J | (num_gen_J >= rows_J.max_new_B)
+  done_J = ~active_J | stop_J | (active_J.astype(jnp.int32) >= rows_J.max_new_B)
+  return Joined(small, rows_J, lens_J, token_J, logp_J, done_J, stop_J, prompt_logp_JxP)
 
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
+def place(pool: PoolState, joined: Joined, slots_J, *, cfg) -> PoolState:
+  """Writes prefilled rows into pool slots `slots_J` (an index >= B: that row is dropped, e.g. padding)."""
   def put(x, y):
     return x.at[slots_J].set(y, mode="drop")
 
-  cache = _write_rows(cfg, pool.cache, small, slots_J)
-  pool = pool._replace(
-      cache=cache, rows=jax.tree.map(put, pool.rows, rows_J), index_B=put(pool.index_B, lens_J),
-      last_token_B=put(pool.last_token_B, token_J), num_gen_B=put(pool.num_gen_B, num_gen_J),
-      done_B=put(pool.done_B, done_J), stopped_B=put(pool.stopped_B, stop_J))
-  return pool, (token_J, logp_J, done_J, stop_J, prompt_logp_JxP)
+  num_gen_J = (joined.rows.max_new_B > 0).astype(jnp.int32)
+  return pool._replace(
+      cache=_write_rows(cfg, pool.cache, joined.cache, slots_J), rows=jax.tree.map(put, pool.rows, joined.rows),
+      index_B=put(pool.index_B, joined.lens_J), last_token_B=put(pool.last_token_B, joined.token_J),
+      num_gen_B=put(pool.num_gen_B, num_gen_J), done_B=put(pool.done_B, joined.done_J),
+      stopped_B=put(pool.stopped_B, joined.stopped_J))
+
+
+def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParams, seeds_Jx2, *, cfg):
+  """Prefills J right-padded prompts, samples their token 0 and writes them into `slots_J` (B: dropped).
+
+  Returns the pool and, per joining row, (token 0, its log-prob, done, stopped, prompt log-probs [J, P]).
+  """
+  cache_dtype = jax.tree.leaves(pool.cache)[0].dtype
+  joined = prefill(params, tokens_JxP, lens_J, rows_J, seeds_Jx2, cfg=cfg, cache_dtype=jnp.dtype(cache_dtype))
+  pool = place(pool, joined, slots_J, cfg=cfg)
+  return pool, (joined.token_J, joined.logp_J, joined.done_J, joined.stopped_J, joined.prompt_logp_JxP)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))

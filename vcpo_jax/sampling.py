@@ -50,11 +50,11 @@ class RowResult:
   prompt_logprobs: list[float]  # log p(prompt[t] | prompt[:t]) for t >= 1
 
 
-def bucket(n: int, minimum: int) -> int:
-  """Smallest power of two >= max(n, minimum): jit compiles a handful of shapes, not one per size."""
+def bucket(n: int, minimum: int, factor: int = 2) -> int:
+  """Smallest minimum * factor**i >= n: jit compiles a handful of shapes, not one per size."""
   size = max(int(minimum), 1)
   while size < n:
-    size *= 2
+    size *= factor
   return size
 
 

@@ -1,7 +1,10 @@
 """Host side of continuous batching: rows join free decode slots and leave between chunks (pool_kernels.py).
 
-The pool's batch size follows its load: it grows to the next power of two (at most `max_rows`) when rows
-join and compacts to a quarter when most slots are free, so a few rows do not pay for a large pool.
+The pool's batch size follows its load: it grows to the next size min_rows * 4**i (at most `max_rows`) when
+rows join and compacts when at most a quarter of its slots are live, so a few rows do not pay for a large pool.
+Pool and join sizes step by 4, not 2: every pool size is one decode compile and every (pool, join, prompt)
+size one prefill and one placement compile, and on the 2-core CPU main job the compiles of a 2x ladder
+outweighed the padding they saved (measured: README "Embedded server: continuous batching").
 Every row's tokens depend on its own prompt, parameters and random stream only, not on its slot or on the
 other rows (the same per-row keys as sampling.py: a row resumed with sample_offset draws what it would have).
 """
@@ -15,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax import model as model_lib, pool_kernels as pk, sampling
+
+
+GROWTH = 4  # ratio between consecutive pool sizes and between join sizes
 
 
 @dataclasses.dataclass
@@ -82,7 +88,7 @@ class SlotPool:
     self.owners[slot] = None
 
   def _size_for(self, n: int) -> int:
-    return min(sampling.bucket(n, self.min_rows), self.max_rows)
+    return min(sampling.bucket(n, self.min_rows, GROWTH), self.max_rows)
 
   def _resize(self, B: int):
     if self.state is None:
@@ -116,7 +122,7 @@ class SlotPool:
       rows = self.state.rows._replace(stop_ids_BxK=jnp.concatenate([self.state.rows.stop_ids_BxK, pad], 1))
       self.state, self.K = self.state._replace(rows=rows), K
     B, V = len(self.owners), self.cfg.vocab_size
-    J = min(sampling.bucket(len(specs), self.min_join), B)
+    J = min(sampling.bucket(len(specs), self.min_join, GROWTH), B)
     P = min(sampling.bucket(max(len(r.prompt) for r in specs), self.min_prompt_len), self.S)
     free = [s for s, o in enumerate(self.owners) if o is None][:len(specs)]
     tokens = np.zeros((J, P), np.int32)
