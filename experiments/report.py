@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from experiments import analysis, workunit
+from experiments import analysis, claims, workunit
 
 ACC = "eval/greedy_accuracy"
 SAMPLED = "eval/sampled_accuracy"
@@ -262,6 +262,9 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
     plots_lib.aggregate_figure([(a, p, lo, hi) for a, _, _, p, lo, hi in rows], os.path.join(out, "aggregate.png"))
     md += ["![aggregate](aggregate.png)", ""]
   md += ["## C1: ESS drop before collapse", "", *lead_table(runs, summaries), ""]
+  claim_lines = claims.section(groups, summaries)
+  if claim_lines:
+    md += ["## Claims C1-C4: paired comparisons and stability", "", *claim_lines, ""]
   text = "\n".join(md)
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(text)

@@ -1,0 +1,89 @@
+"""The numbers behind each claim C1-C4 (vcpo-algorithm.md §7), paired by seed: a report section, not a verdict.
+
+Units of one seed share that seed's warm start (experiments/launch.py), so the comparison of two arms is
+made seed by seed: d_s = final_a(s) - final_b(s), reported as mean ± 95% Student-t interval over seeds with
+every d_s listed. A claim's verdict (docs/results/) is written by a person from these rows and the curves.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from experiments import analysis
+
+Summary = dict  # report.run_summary's dict
+Finder = Callable[[str, int], dict]  # (arm, lag) -> {seed: summary}
+
+# (claim, label, (arm a, lag a or None = the study's largest lag), (arm b, lag b)): a - b
+COMPARISONS = (
+    ("C1", "no correction at k vs sync", ("no_correction", None), ("sync", 0)),
+    ("C1", "seq-TIS at k vs sync", ("seq_tis", None), ("sync", 0)),
+    ("C2", "VCPO at k vs sync", ("vcpo", None), ("sync", 0)),
+    ("C2", "VCPO at k vs sync at the lr VCPO's ESS scaling averaged (0.5x)", ("vcpo", None), ("sync_lr0.5x", 0)),
+    ("C3", "VCPO vs ESS scaling only (OPOB's share)", ("vcpo", None), ("ess_only", None)),
+    ("C3", "VCPO vs OPOB only (ESS scaling's share)", ("vcpo", None), ("opob_only", None)),
+    ("C3", "ESS scaling only vs seq-TIS (ESS scaling added to seq-TIS)", ("ess_only", None), ("seq_tis", None)),
+    ("C3", "OPOB only vs seq-TIS (OPOB replacing GRPO advantages)", ("opob_only", None), ("seq_tis", None)),
+    ("C3", "VCPO vs seq-TIS", ("vcpo", None), ("seq_tis", None)),
+    ("C3", "VCPO vs no correction", ("vcpo", None), ("no_correction", None)),
+)
+
+
+def paired(a: dict[int, Summary], b: dict[int, Summary], key: str = "final") -> list[float]:
+  """a[s][key] - b[s][key] for every seed s both finished, in seed order."""
+  return [a[s][key] - b[s][key] for s in sorted(set(a) & set(b))
+          if a[s].get(key) is not None and b[s].get(key) is not None]
+
+
+def _pts(values: list[float]) -> str:
+  m, h = analysis.mean_ci([100 * v for v in values])
+  if not math.isfinite(m):
+    return "-"
+  return f"{m:+.1f} ± {h:.1f}" if math.isfinite(h) else f"{m:+.1f} (n=1)"
+
+
+def comparison_rows(find: Finder, k: int) -> list[str]:
+  lines = ["| claim | comparison (lag k = %d) | seeds | Δ final greedy acc, pts (mean ± 95%% CI) | per seed |" % k,
+           "|---|---|---|---|---|"]
+  for claim, label, (arm_a, lag_a), (arm_b, lag_b) in COMPARISONS:
+    a, b = find(arm_a, k if lag_a is None else lag_a), find(arm_b, k if lag_b is None else lag_b)
+    d = paired(a, b)
+    if d:
+      lines.append(f"| {claim} | {label} | {len(d)} | {_pts(d)} | {', '.join(f'{100 * x:+.1f}' for x in d)} |")
+  return lines
+
+
+def stability_rows(find: Finder, lags: list[int], arms: list[str]) -> list[str]:
+  """Per arm and lag: finished seeds, how many collapsed, the worst final and the worst drop from the base."""
+  lines = ["| arm | lag | seeds | collapsed | worst final greedy acc % | worst final - base (pts) | "
+           "min ESS ratio | mean lr scale |", "|---|---|---|---|---|---|---|---|"]
+  for arm in arms:
+    for lag in lags:
+      runs = [s for s in find(arm, lag).values() if s["done"]]
+      if not runs:
+        continue
+      worst = min(r["final"] for r in runs)
+      drop = min(r["final"] - r["base"] for r in runs if r["base"] is not None)
+      mins = [r["min_ess"] for r in runs if r["min_ess"] is not None]
+      scales = [r["lr_scale"] for r in runs if r["lr_scale"] is not None]
+      lines.append(f"| {arm} | {lag} | {len(runs)} | {sum(r['collapse'] is not None for r in runs)} | "
+                   f"{100 * worst:.1f} | {100 * drop:+.1f} | {min(mins) if mins else float('nan'):.3g} | "
+                   f"{sum(scales) / len(scales) if scales else float('nan'):.2f} |")
+  return lines
+
+
+def section(groups, summaries) -> list[str]:
+  """Markdown lines: paired comparisons at the largest lag, and stability per arm and lag."""
+  lags = sorted(groups)
+  stale = [k for k in lags if k > 0]
+  if not stale:
+    return []
+
+  def find(arm: str, lag: int) -> dict[int, Summary]:
+    return {r.seed: summaries[r.name] for r in groups.get(lag, {}).get(arm, []) if summaries[r.name]["done"]}
+
+  arms = sorted({a for k in lags for a in groups[k]})
+  return ["Seed-paired differences of final held-out greedy accuracy (both units of a pair share the seed's "
+          "warm start); a verdict needs the interval to exclude 0.", "",
+          *comparison_rows(find, max(stale)), "", *stability_rows(find, lags, arms)]
+
