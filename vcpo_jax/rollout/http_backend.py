@@ -75,7 +75,9 @@ class HttpBackend(backend.RolloutBackend):
         base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
         weight_version=wire, envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
-                    "--compilation-cache-dir", os.path.join(workdir, "jax_cache")))
+                    # A cache named in the environment is shared (the test suite's jobs share one per run).
+                    "--compilation-cache-dir",
+                    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "jax_cache")))
     return [s.url for s in self._servers]
 
   async def start(self, version: int, params: Any) -> None:
