@@ -4,8 +4,9 @@
 (defaults shown). Units are ordered by priority, seed-major inside each tier, so that a study cut short still
 has whole seeds of the most important arms: (1) sync, the lr control nearest VCPO's measured mean lr scale,
 no correction, seq-TIS and VCPO's components at k; (2) the other baselines at k; (3) the lag sweep; with
-extra=1 also (4) the lower lr controls and the lags 4 (sized to what 2 cores run in ~2 h). Every unit: lag emulation, 60 RL steps, 128 held-out problems evaluated every 10 steps (the main job
-otherwise). With 60 steps a lag k >= 60 never binds: every batch comes from the warm-start policy.
+extra=1 also (4) the lower lr controls and lag 4 (the default is sized to what 2 cores run in ~2 h). Every
+unit: lag emulation, 60 RL steps, 128 held-out problems evaluated every 10 steps, the main job otherwise.
+With 60 steps a lag k >= 60 never binds: every batch comes from the warm-start policy (C4: sweeps/long.py).
 """
 from experiments.sweep import chain, fixed, parse_arg, product, seeds, sweep
 from experiments.sweeps import arms
