@@ -8,7 +8,7 @@ extra=1 also (4) the lower lr controls and lag 4 (the default is sized to what 2
 unit: lag emulation, 60 RL steps, 128 held-out problems evaluated every 10 steps, the main job otherwise.
 With 60 steps a lag k >= 60 never binds: every batch comes from the warm-start policy (C4: sweeps/long.py).
 """
-from experiments.sweep import chain, fixed, parse_arg, product, seeds, sweep
+from experiments.sweep import chain, fixed, parse_arg, product, sweep
 from experiments.sweeps import arms
 
 STUDY = {"rl.mode": "emulate", "rl.steps": 60, "task.eval_size": 128, "eval_every": 10, "checkpoint_every": 20}
