@@ -391,7 +391,7 @@ EMBEDDED_ROOT = {}
 def embedded_pair(tmp_path_factory):
   base = tmp_path_factory.mktemp("client_e2e")
   model_dir = fake_sglang.export_tiny(fake_sglang.tiny_params(0), str(base / "weights" / "v0"))
-  cache = str(tmp_path_factory.getbasetemp() / "jax_cache")
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
   servers = [fake_sglang.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
              for _ in range(2)]
   try:

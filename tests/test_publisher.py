@@ -27,7 +27,7 @@ def cluster(tmp_path_factory):
   init_dir = fake_sglang.export_tiny(_params(0), str(base / "init" / "v0"))
   root = str(base / "weights")
   os.makedirs(root)
-  cache = str(tmp_path_factory.getbasetemp() / "jax_cache")
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
   servers = [fake_sglang.start_embedded(init_dir, root, cache, str(base / "logs")) for _ in range(2)]
   try:
     for s in servers:

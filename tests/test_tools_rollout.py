@@ -3,6 +3,7 @@ embedded server over HTTP with an abort + weight update mid-episode), the schedu
 episodes, and the tool task's job for 3 steps."""
 import asyncio
 import json
+import os
 import random
 
 import numpy as np
@@ -81,7 +82,7 @@ def test_local_episodes_continue_after_tool_outputs_with_the_learners_logprobs()
 def embedded(tmp_path_factory):
   base = tmp_path_factory.mktemp("tools_e2e")
   model_dir = fake_sglang.export_tiny(fake_sglang.tiny_params(0), str(base / "weights" / "v0"))
-  cache = str(tmp_path_factory.getbasetemp() / "jax_cache")
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
   server = fake_sglang.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
   try:
     server.wait_healthy(300)
