@@ -100,11 +100,11 @@ def test_a_hung_leader_ends_the_follower_with_a_clear_error():
 # ------------------------------------------------------------------------------------------- the job
 def _launch(workdir, mode="emulate", processes=2, port=None, extra=()):
   """Starts the job as `processes` processes (each with 8 / processes fake devices); returns the Popens.
-  The runs share one persistent compilation cache: the later ones load what the first compiled."""
+  The runs share the suite's persistent compilation cache (conftest.py): the later ones load what the first
+  compiled, on whichever xdist worker it ran."""
   variant = "emulate" if mode == "emulate" else ""
   env = dict(os.environ, JAX_PLATFORMS="cpu", VCPO_PROGRESS="0",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
-             JAX_COMPILATION_CACHE_DIR=_CACHE[0], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
   base = [sys.executable, "-m", "vcpo_jax.main", f"--config=configs/tiny.py:{variant}", f"--workdir={workdir}",
           *JOB_FLAGS, *extra]
   if processes > 1:
@@ -148,13 +148,9 @@ def _final_params(workdir, step=4):
   return jax.tree.map(np.asarray, checkpointer.restore(path, target)["params"])
 
 
-_CACHE = [""]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   """1 process x 8 devices, emulate mode; its warm start is copied into the other runs (computed once)."""
-  _CACHE[0] = str(tmp_path_factory.mktemp("jax_cache"))
   workdir = tmp_path_factory.mktemp("one_process")
   _run(str(workdir), processes=1)
   return str(workdir)
