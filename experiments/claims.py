@@ -87,3 +87,20 @@ def section(groups, summaries) -> list[str]:
           "warm start); a verdict needs the interval to exclude 0.", "",
           *comparison_rows(find, max(stale)), "", *stability_rows(find, lags, arms)]
 
+
+
+# The arms the claims compare, in legend order: (arm, lag or None = the largest lag).
+FOCUS = (("sync", 0), ("sync_lr0.5x", 0), ("no_correction", None), ("seq_tis", None), ("ess_only", None),
+         ("opob_only", None), ("vcpo", None))
+
+
+def focus_arms(groups) -> dict:
+  """{'arm (k=K)': runs} for the FOCUS arms that have runs, for one uncluttered figure."""
+  k = max(groups)
+  out = {}
+  for arm, lag in FOCUS:
+    lag = k if lag is None else lag
+    runs = groups.get(lag, {}).get(arm, [])
+    if runs:
+      out[f"{arm} (k={lag})"] = runs
+  return out

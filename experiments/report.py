@@ -265,6 +265,13 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
   claim_lines = claims.section(groups, summaries)
   if claim_lines:
     md += ["## Claims C1-C4: paired comparisons and stability", "", *claim_lines, ""]
+    focus = claims.focus_arms(groups)
+    if plots and focus:
+      from experiments import plots as plots_lib  # noqa: PLC0415
+      k = max(groups)
+      plots_lib.curves_figure(focus, CURVES, f"the claims' arms (stale arms at k = {k})",
+                              os.path.join(out, "claims.png"))
+      md += ["![the claims' arms](claims.png)", ""]
   text = "\n".join(md)
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(text)

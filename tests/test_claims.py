@@ -35,3 +35,8 @@ def test_section_rows_from_groups():
 
 def test_no_stale_lag_no_section():
   assert claims.section({0: {}}, {}) == []
+
+
+def test_focus_arms_take_sync_at_zero_and_the_rest_at_the_largest_lag():
+  groups = {0: {"sync": ["s"], "no_correction": ["n0"]}, 16: {"vcpo": ["v16"]}, 64: {"vcpo": ["v64"]}}
+  assert claims.focus_arms(groups) == {"sync (k=0)": ["s"], "vcpo (k=64)": ["v64"]}
