@@ -33,6 +33,15 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]
   return float(x.mean()), float(half)
 
 
+def format_mean_ci(values: Sequence[Optional[float]], scale: float = 100.0, signed: bool = False) -> str:
+  """'m ± h' (one decimal, values x scale; None skipped), 'm (n=1)' for one value, '-' for none."""
+  m, h = mean_ci([v * scale for v in values if v is not None])
+  if not math.isfinite(m):
+    return "-"
+  mean = f"{m:+.1f}" if signed else f"{m:.1f}"
+  return f"{mean} ± {h:.1f}" if math.isfinite(h) else f"{mean} (n=1)"
+
+
 def _iqm_rows(x_RxN: np.ndarray) -> np.ndarray:
   """IQM of each row: sort, drop floor(n/4) values at each end (scipy.stats.trim_mean(x, 0.25)), average."""
   n = x_RxN.shape[1]

@@ -6,7 +6,6 @@ every d_s listed. A claim's verdict (docs/results/) is written by a person from 
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 from experiments import analysis
@@ -35,13 +34,6 @@ def paired(a: dict[int, Summary], b: dict[int, Summary], key: str = "final") -> 
           if a[s].get(key) is not None and b[s].get(key) is not None]
 
 
-def _pts(values: list[float]) -> str:
-  m, h = analysis.mean_ci([100 * v for v in values])
-  if not math.isfinite(m):
-    return "-"
-  return f"{m:+.1f} ± {h:.1f}" if math.isfinite(h) else f"{m:+.1f} (n=1)"
-
-
 def comparison_rows(find: Finder, k: int) -> list[str]:
   lines = ["| claim | comparison (lag k = %d) | seeds | Δ final greedy acc, pts (mean ± 95%% CI) | per seed |" % k,
            "|---|---|---|---|---|"]
@@ -49,7 +41,7 @@ def comparison_rows(find: Finder, k: int) -> list[str]:
     a, b = find(arm_a, k if lag_a is None else lag_a), find(arm_b, k if lag_b is None else lag_b)
     d = paired(a, b)
     if d:
-      lines.append(f"| {claim} | {label} | {len(d)} | {_pts(d)} | {', '.join(f'{100 * x:+.1f}' for x in d)} |")
+      lines.append(f"| {claim} | {label} | {len(d)} | {analysis.format_mean_ci(d, signed=True)} | {', '.join(f'{100 * x:+.1f}' for x in d)} |")
   return lines
 
 

@@ -107,13 +107,6 @@ def _fmt(v, spec="{:.3f}") -> str:
   return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else spec.format(v)
 
 
-def _pm(values, scale=100.0) -> str:
-  m, h = analysis.mean_ci([v * scale for v in values if v is not None])
-  if not math.isfinite(m):
-    return "-"
-  return f"{m:.1f} ± {h:.1f}" if math.isfinite(h) else f"{m:.1f} (n=1)"
-
-
 def group_runs(runs: list[Run]) -> dict[int, dict[str, list[Run]]]:
   out: dict[int, dict[str, list[Run]]] = collections.defaultdict(lambda: collections.defaultdict(list))
   for run in sorted(runs, key=lambda r: (r.lag, r.arm, r.seed)):
@@ -136,8 +129,8 @@ def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], references
     drops = [x["ess_drop"] for x in s if x["ess_drop"] is not None]
     minutes = [x["rl_minutes"] for x in s if x["rl_minutes"] is not None]
     lines.append(
-        f"| {arm} | {len(runs)} ({sum(x['done'] for x in s)}) | {_pm(finals)} | {delta} "
-        f"| {_pm([x['final_sampled'] for x in s])} | {_fmt(min(mins) if mins else None, '{:.3g}')} "
+        f"| {arm} | {len(runs)} ({sum(x['done'] for x in s)}) | {analysis.format_mean_ci(finals)} | {delta} "
+        f"| {analysis.format_mean_ci([x['final_sampled'] for x in s])} | {_fmt(min(mins) if mins else None, '{:.3g}')} "
         f"| {_fmt(float(np.mean(lrs)) if lrs else None)} | {len(collapsed)}/{len(s)}"
         f"{' (' + ', '.join(map(str, collapsed)) + ')' if collapsed else ''} "
         f"| {', '.join(map(str, drops)) or '-'} | {_fmt(float(np.mean(minutes)) if minutes else None, '{:.1f}')} |")

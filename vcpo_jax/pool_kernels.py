@@ -142,7 +142,7 @@ def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParam
   Returns the pool and, per joining row, (token 0, its log-prob, done, stopped, prompt log-probs [J, P]).
   """
   cache_dtype = jax.tree.leaves(pool.cache)[0].dtype
-  joined = prefill(params, tokens_JxP, lens_J, rows_J, seeds_Jx2, cfg=cfg, cache_dtype=jnp.dtype(cache_dtype))
+  joined = prefill(params, tokens_JxP, lens_J, rows_J, seeds_Jx2, cfg=cfg, cache_dtype=cache_dtype)
   pool = place(pool, joined, slots_J, cfg=cfg)
   return pool, (joined.token_J, joined.logp_J, joined.done_J, joined.stopped_J, joined.prompt_logp_JxP)
 
