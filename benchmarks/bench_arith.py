@@ -16,7 +16,7 @@ GOAL = "< 0.01"
 @functools.partial(jax.jit, static_argnames=("tau",))
 def vcpo_arithmetic(logp_BxT, sampler_logp_BxT, mask_BxT, rewards_B, group_B, sq_norms_B, *, tau=8.0):
   """What VCPO adds on top of a plain step, given log-probs and per-sequence norms: IS weights, ESS, OPOB."""
-  from vcpo_jax import vcpo
+  from vcpo_jax.algo import vcpo
   logw_B = vcpo.seq_log_weights(logp_BxT, sampler_logp_BxT, mask_BxT)
   wt_B = vcpo.truncated_weights(logw_B, tau)
   rho = vcpo.ess_ratio(logw_B)

@@ -44,34 +44,35 @@ def job_model_config(name: str, quick: bool):
 
 def learner_configs(name: str) -> dict:
   """{'vcpo': the job's learner, 'grpo': plain GRPO + PPO}, both on the whole batch (no micro-batching)."""
-  from vcpo_jax import configuration, learner
+  from vcpo_jax.job import configuration
+  from vcpo_jax.learner import config as learner_config
   vcpo = dataclasses.replace(configuration.learner_config(common.job_config(name)), micro_batch_size=0)
-  grpo = learner.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=vcpo.aggregation)
+  grpo = learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=vcpo.aggregation)
   return {"vcpo": vcpo, "grpo": grpo}
 
 
 def abstract_batch(b: int, t: int, group: int):
   """An RLBatch of jax.ShapeDtypeStruct (what the job feeds the step, dtypes included)."""
+  from vcpo_jax.learner import batch as batch_lib
   import jax
   import jax.numpy as jnp
-  from vcpo_jax import learner
   s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   del group  # the group ids are data; only their shape matters here
-  return learner.RLBatch(tokens_BxT=s((b, t), jnp.int32), mask_BxT=s((b, t), jnp.float32),
+  return batch_lib.RLBatch(tokens_BxT=s((b, t), jnp.int32), mask_BxT=s((b, t), jnp.float32),
                          sampler_logp_BxT=s((b, t), jnp.float32), rewards_B=s((b,), jnp.float32),
                          group_B=s((b,), jnp.int32), lag_B=s((b,), jnp.int32), valid_B=s((b,), jnp.float32))
 
 
 def abstract_state(model_cfg, optimizer):
+  from vcpo_jax.learner import train_state
   import jax
-  from vcpo_jax import learner
-  return jax.eval_shape(lambda k: learner.create_train_state(model_cfg, optimizer, k), jax.random.PRNGKey(0))
+  return jax.eval_shape(lambda k: train_state.create_train_state(model_cfg, optimizer, k), jax.random.PRNGKey(0))
 
 
 def step_fn(model_cfg, lc, optimizer):
   """The function make_rl_step jits (same precision context), without its host-side checks."""
   import jax
-  from vcpo_jax import learner
+  from vcpo_jax.learner import step as learner
 
   def fn(state, batch):
     with jax.default_matmul_precision(model_cfg.matmul_precision):
@@ -156,7 +157,7 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
   time_limit_s would be passed by one more compile as long as the longest so far (the rest are recorded as
   skipped: a job killed at its limit would lose every row)."""
   import jax
-  from vcpo_jax import configuration
+  from vcpo_jax.job import configuration
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would time nothing
   b, t = (b or (QUICK_SHAPE if quick else FULL_SHAPE)[0]), (t or (QUICK_SHAPE if quick else FULL_SHAPE)[1])
   base = job_model_config(name, quick)

@@ -97,7 +97,7 @@ def best_of_rounds(*samples: list[float]) -> list[float]:
 
 
 def sampling_bucket(prompt_len: int) -> int:
-  from vcpo_jax import sampling
+  from vcpo_jax.model import sampling
   return sampling.bucket(prompt_len, 16)
 
 
@@ -111,7 +111,7 @@ def forward_flops(cfg, params, batch: int, positions: int) -> float:
 
 
 def ours_greedy(params, cfg, prompts, new_tokens: int, use_cache: bool = True) -> np.ndarray:
-  from vcpo_jax import sampling
+  from vcpo_jax.model import sampling
   rows = sampling.generate(params, cfg, prompts, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True,
                            seeds=[0] * len(prompts), use_cache=use_cache)
   return np.array([r.output_ids for r in rows])
@@ -123,8 +123,8 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(setup: DecodeSetup) -> list[dict]:
   import jax
-  from vcpo_jax import hf
-  from vcpo_jax import model as model_lib
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import transformer as model_lib
 
   cfg = main_job_model_config()
   params = model_lib.init_params(cfg, jax.random.key(0))
@@ -155,7 +155,7 @@ def floor_goal(batch: int) -> str | None:
 
 def mixed_rows(batch: int, setup: DecodeSetup, vocab: int) -> list:
   """2 x batch greedy rows whose lengths spread over [new/4, new], as RL samples ending on EOS do."""
-  from vcpo_jax import sampling
+  from vcpo_jax.model import sampling
   rng = np.random.default_rng(batch)
   news = rng.integers(max(1, setup.new_tokens // 4), setup.new_tokens + 1, size=2 * batch)
   prompts = random_prompts(2 * batch, setup.prompt_len, vocab, seed=batch)
@@ -166,7 +166,7 @@ def mixed_rows(batch: int, setup: DecodeSetup, vocab: int) -> list:
 def windowed(params, cfg, specs, batch: int, chunk: int) -> int:
   """The previous engine: windows of `batch` rows, each decoded (host read-back per chunk) until its
   longest row finishes; returns the tokens generated."""
-  from vcpo_jax import sampling
+  from vcpo_jax.model import sampling
   total = 0
   for i in range(0, len(specs), batch):
     b = sampling.start_batch(params, cfg, specs[i:i + batch], min_batch=batch)
@@ -180,13 +180,13 @@ def windowed(params, cfg, specs, batch: int, chunk: int) -> int:
 
 def pool_slots(setup: DecodeSetup) -> int:
   """Cache slots per row: the windowed batch's prompt + new-token buckets (same attention length)."""
-  from vcpo_jax import sampling
+  from vcpo_jax.model import sampling
   return sampling_bucket(setup.prompt_len) + sampling.bucket(setup.new_tokens, 16)
 
 
 def continuous(params, cfg, specs, batch: int, chunk: int, num_slots: int) -> int:
   """The embedded server's engine without HTTP: rows join a `batch`-slot pool as others finish."""
-  from vcpo_jax import slot_pool
+  from vcpo_jax.serving import slot_pool
   rows = slot_pool.generate(params, cfg, specs, max_rows=batch, num_slots=num_slots, chunk_steps=chunk)
   return sum(len(r.output_ids) for r in rows)
 
@@ -240,7 +240,8 @@ def floor_bytes(params, cfg, pool, live_tokens: int) -> tuple[float, float]:
 
 def floor_fraction(setup: DecodeSetup, batch: int, params, cfg, bandwidth: float) -> list[dict]:
   """Steady-state decode step of a full pool (every row live) against params + live KV read once per step."""
-  from vcpo_jax import sampling, slot_pool
+  from vcpo_jax.model import sampling
+  from vcpo_jax.serving import slot_pool
   C = setup.chunk_steps
   chunks = max(2, setup.new_tokens // C - 2)
   S = setup.prompt_len + (chunks + 2) * C + 1
@@ -268,7 +269,7 @@ def floor_fraction(setup: DecodeSetup, batch: int, params, cfg, bandwidth: float
 
 
 def _measure_batch(setup: DecodeSetup, batch: int, headline: bool, params, cfg, hf_model) -> list[dict]:
-  from vcpo_jax import model as model_lib
+  from vcpo_jax.model import transformer as model_lib
   prompts = random_prompts(batch, setup.prompt_len, cfg.vocab_size, seed=batch)
   n = setup.new_tokens
   ours_ids = ours_greedy(params, cfg, prompts, n)

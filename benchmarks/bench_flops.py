@@ -96,7 +96,7 @@ def main_job_config():
 def synthetic_batch(batch: int, seq_len: int, group_size: int, vocab: int, seed: int = 0):
   """Right-padded rows [prompt | response | pad] with stale-ish sampler log-probs and 0/1 rewards."""
   import jax.numpy as jnp
-  from vcpo_jax import learner
+  from vcpo_jax.learner import batch as batch_lib
   rng = np.random.default_rng(seed)
   prompt = seq_len // 4
   end = rng.integers(prompt + seq_len // 4, seq_len + 1, size=batch)
@@ -104,7 +104,7 @@ def synthetic_batch(batch: int, seq_len: int, group_size: int, vocab: int, seed:
   mask = ((t >= prompt) & (t < end[:, None])).astype(np.float32)
   tokens = np.where(t < end[:, None], rng.integers(1, vocab, size=(batch, seq_len)), 0).astype(np.int32)
   sampler_logp = (-np.log(vocab) + 0.1 * rng.standard_normal((batch, seq_len))).astype(np.float32) * mask
-  return learner.RLBatch(
+  return batch_lib.RLBatch(
       tokens_BxT=jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), sampler_logp_BxT=jnp.asarray(sampler_logp),
       rewards_B=jnp.asarray(rng.integers(0, 2, size=batch).astype(np.float32)),
       group_B=jnp.asarray((np.arange(batch) // group_size).astype(np.int32)),
@@ -130,8 +130,8 @@ def _flat(params) -> dict:
 
 def grpo_config(lc):
   """Plain GRPO + PPO clipping with the job learner's aggregation and micro-batching (the MFU baseline)."""
-  from vcpo_jax import learner
-  return learner.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=lc.aggregation,
+  from vcpo_jax.learner import config as learner_config
+  return learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=lc.aggregation,
                                micro_batch_size=lc.micro_batch_size)
 
 
@@ -148,8 +148,12 @@ def _threaded(step_fn, state, batch):
 def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = False) -> LearnerBench:
   """The main job's model, learner (make_rl_step, unsharded) and batch shape, on synthetic data; with_grpo
   also builds the plain GRPO step on the same state shape and batch."""
+  from vcpo_jax.learner import train_state
   import jax
-  from vcpo_jax import configuration, hf, learner, model as model_lib
+  from vcpo_jax.job import configuration
+  from vcpo_jax.learner import step as learner
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import transformer as model_lib
   config = main_job_config()
   model_cfg = hf.model_config(config.model)
   if common.small_model():
@@ -162,7 +166,7 @@ def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = 
   lc = configuration.learner_config(config)
   optimizer = configuration.build_optimizer(config)
   batch = synthetic_batch(B, T, G, model_cfg.vocab_size)
-  state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
+  state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
   # FLOPs come from the same step without micro-batching (identical arithmetic): XLA's cost_analysis()
   # counts the body of the micro-batch scan once, not once per chunk.
   whole = dataclasses.replace(lc, micro_batch_size=0)
@@ -172,7 +176,7 @@ def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = 
   step = _threaded(learner.make_rl_step(model_cfg, lc, optimizer), state, batch)
   grpo_step = None
   if with_grpo:
-    grpo_state = learner.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
+    grpo_state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(0))
     grpo_step = _threaded(learner.make_rl_step(model_cfg, grpo_config(lc), optimizer), grpo_state, batch)
   describe = {"shape": f"B={B}, T={T}", "learner_config": dataclasses.asdict(lc),
               "num_params": model_lib.count_params(state.params), "model": model_cfg.to_dict()}

@@ -9,13 +9,17 @@ import numpy as np
 import optax
 
 from benchmarks import common, oracle
-from vcpo_jax import learner as Lr
-from vcpo_jax import model as M
-from vcpo_jax import optimizer as O
-from vcpo_jax import vcpo
+from vcpo_jax.algo import vcpo
+from vcpo_jax.learner import batch as batch_lib
+from vcpo_jax.learner import config as learner_config
+from vcpo_jax.learner import optimizer as O
+from vcpo_jax.learner import step as Lr
+from vcpo_jax.learner import train_state
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
 
 # The main CPU job's model (configs/countdown.py) at max_seq_len 256; B = 8 prompts x 8 samples.
-MODEL = M.ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
+MODEL = model_config.ModelConfig(vocab_size=128, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=32, max_seq_len=256)
 GROUP = 8
 # (B, T, micro-batch rows) per model and mode. On the 0.5B shape a whole-batch step holds [B*T, 151936]
@@ -25,7 +29,7 @@ SIZES = {("main", False): (64, 128, 8), ("main", True): (16, 64, 8),
          ("qwen2.5-0.5b", False): (16, 256, 8), ("qwen2.5-0.5b", True): (8, 64, 8)}
 
 
-def bench_model(name: str) -> M.ModelConfig:
+def bench_model(name: str) -> model_config.ModelConfig:
   if name == "main":
     return MODEL
   import dataclasses
@@ -33,7 +37,7 @@ def bench_model(name: str) -> M.ModelConfig:
   return dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, 256))
 
 
-def make_batch(cfg: M.ModelConfig, params, b: int, t: int, seed: int = 0) -> Lr.RLBatch:
+def make_batch(cfg: model_config.ModelConfig, params, b: int, t: int, seed: int = 0) -> batch_lib.RLBatch:
   """Right-padded rows: prompts of 16-32 tokens, responses up to the end, sampler log-probs a little stale."""
   rng = np.random.default_rng(seed)
   tokens = rng.integers(1, cfg.vocab_size, (b, t)).astype(np.int32)
@@ -45,7 +49,7 @@ def make_batch(cfg: M.ModelConfig, params, b: int, t: int, seed: int = 0) -> Lr.
   logp = np.asarray(jax.jit(functools.partial(M.token_logprobs, cfg=cfg))(params, tokens_BxT=tokens,
                                                                            mask_BxT=mask))
   sampler = (logp + 0.05 * rng.standard_normal((b, t))) * mask
-  return Lr.RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=sampler.astype(np.float32),
+  return batch_lib.RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=sampler.astype(np.float32),
                     rewards_B=rng.integers(0, 2, b).astype(np.float32),
                     group_B=np.repeat(np.arange(b // GROUP), GROUP).astype(np.int32),
                     lag_B=rng.integers(0, 3, b).astype(np.float32), valid_B=np.ones(b, np.float32))
@@ -55,7 +59,7 @@ def _jit_rl(cfg, lc, opt):
   return jax.jit(functools.partial(Lr.rl_step, model_cfg=cfg, learner_cfg=lc, optimizer=opt), donate_argnums=0)
 
 
-def _oracle_step(state: Lr.TrainState, batch: Lr.RLBatch, *, cfg, opt, tau: float = 8.0):
+def _oracle_step(state: train_state.TrainState, batch: batch_lib.RLBatch, *, cfg, opt, tau: float = 8.0):
   """Micro-batch-1 VCPO update: per-sequence backward loop, then the same ESS-scaled optimizer step."""
   grads, stats = oracle.oracle_grads(state.params, cfg, batch.tokens_BxT, batch.mask_BxT,
                                      batch.sampler_logp_BxT, batch.rewards_B, GROUP, tau=tau)
@@ -66,7 +70,7 @@ def _oracle_step(state: Lr.TrainState, batch: Lr.RLBatch, *, cfg, opt, tau: floa
                        opt_state=opt_state), stats
 
 
-def _arith(batch: Lr.RLBatch, logw_B, sq_B, tau: float = 8.0):
+def _arith(batch: batch_lib.RLBatch, logw_B, sq_B, tau: float = 8.0):
   """The ESS + OPOB arithmetic of one step, alone (given log-weights and per-sequence norms)."""
   wt_B = vcpo.truncated_weights(logw_B, tau)
   lengths_B = jnp.sum(batch.mask_BxT, axis=1)
@@ -106,14 +110,14 @@ def produce(quick: bool) -> list[dict]:
   opt = O.build_optimizer(learning_rate=1e-5)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
   batch = jax.device_put(make_batch(cfg, params, b, t))
-  fresh = lambda: Lr.TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, params),
+  fresh = lambda: train_state.TrainState(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, params),
                                 opt_state=opt.init(params), skipped_updates=jnp.zeros((), jnp.int32))
   configs = {
-      "grpo": Lr.LearnerConfig(advantage="grpo", policy_loss="ppo"),
-      "vcpo": Lr.LearnerConfig(),
-      "two_pass": Lr.LearnerConfig(grad_path="two_pass"),
-      "grpo_mb": Lr.LearnerConfig(advantage="grpo", policy_loss="ppo", micro_batch_size=micro),
-      "vcpo_mb": Lr.LearnerConfig(micro_batch_size=micro),
+      "grpo": learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo"),
+      "vcpo": learner_config.LearnerConfig(),
+      "two_pass": learner_config.LearnerConfig(grad_path="two_pass"),
+      "grpo_mb": learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo", micro_batch_size=micro),
+      "vcpo_mb": learner_config.LearnerConfig(micro_batch_size=micro),
   }
   jitted = {name: _jit_rl(cfg, lc, opt) for name, lc in configs.items()}
   jitted["oracle"] = jax.jit(functools.partial(_oracle_step, cfg=cfg, opt=opt), donate_argnums=0)

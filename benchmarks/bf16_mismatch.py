@@ -18,8 +18,15 @@ import numpy as np
 
 def main(argv=None) -> dict:
   from configs import countdown
-  from vcpo_jax import configuration, data, diagnostics, hf, learner, model as model_lib, sampling, tasks
-  from vcpo_jax import tokenizer as tokenizer_lib
+  from vcpo_jax import tasks
+  from vcpo_jax.algo import diagnostics
+  from vcpo_jax.job import configuration
+  from vcpo_jax.job import data
+  from vcpo_jax.learner import train_state
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import sampling
+  from vcpo_jax.model import tokenizer as tokenizer_lib
+  from vcpo_jax.model import transformer as model_lib
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--sft-steps", type=int, default=100)
   p.add_argument("--prompts", type=int, default=64)
@@ -30,8 +37,8 @@ def main(argv=None) -> dict:
   tok = tokenizer_lib.build_tokenizer()
   task = tasks.get_task(config.task.name, **config.task.kwargs)
   opt = configuration.build_optimizer(config, sft=True)
-  state = learner.create_train_state(cfg32, opt, jax.random.PRNGKey(0))
-  step = learner.make_sft_step(cfg32, opt)
+  state = train_state.create_train_state(cfg32, opt, jax.random.PRNGKey(0))
+  step = train_state.make_sft_step(cfg32, opt)
   it = data.make_sft_iterator(task, tok, seed=0, batch_size=config.sft.batch_size, seq_len=cfg32.max_seq_len,
                               error_rate=config.sft.error_rate)
   for _ in range(args.sft_steps):

@@ -67,7 +67,7 @@ def job_config(name: str | None = None):
 
 
 def model_config(name: str | None = None):
-  from vcpo_jax import hf
+  from vcpo_jax.model import hf
   return hf.model_config(job_config(name).model)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from vcpo_jax import model as M
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
 
 IS_WEIGHTS = ("none", "truncated", "raw", "reference")
 _STD_ZERO = 1e-8
@@ -20,7 +21,7 @@ def _sq_norm(tree):
   return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
 
 
-def oracle_grads(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, sampler_logp_BxT, rewards_B,
+def oracle_grads(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, sampler_logp_BxT, rewards_B,
                  group_size: int, *, tau: float | None = 8.0, is_weight: str = "raw", norm_by_std: bool = True):
   """Gradient of the VCPO loss -(1/B) sum_i wt_i A_i (1/L_i) sum_t m_t log pi(y_t), group-scope OPOB (mean).
 

@@ -1,7 +1,8 @@
 """Main CPU job: SFT warm start, then asynchronous VCPO on Countdown with embedded rollout servers."""
 import ml_collections
 
-from vcpo_jax import configuration, losses
+from vcpo_jax.algo import losses
+from vcpo_jax.job import configuration
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:

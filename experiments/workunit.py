@@ -123,7 +123,7 @@ def prepare(units: list[dict], config_spec: str, root: str, extra_flags: list[st
     try:
       config = resolve_config(config_spec, flag_list)
       if validate:
-        from vcpo_jax import configuration  # noqa: PLC0415  (pulls in jax; only when validating)
+        from vcpo_jax.job import configuration  # noqa: PLC0415  (pulls in jax; only when validating)
         configuration.validate_config(config)
     except Exception as e:  # noqa: BLE001  (every invalid unit is reported, by name)
       errors.append(f"  {unit['name']}: {type(e).__name__}: {e}\n    flags: {' '.join(flag_list)}")

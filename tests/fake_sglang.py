@@ -4,7 +4,7 @@ Run: python tests/fake_sglang.py --port N --vocab-size V [--mode good] [--token-
 Its "model" is a deterministic function of the context, so a resumed request continues exactly as an
 uninterrupted one would. POST /fake/mode {"mode": m, "count": c} makes the next c /generate answers
 (c = -1: all) misbehave in mode m; GET /fake/stats counts the /generate requests it received.
-Also holds `launch_server`/`free_port`, the process helpers the rollout tests share.
+Also holds `launch_server`, the process helper the rollout tests share.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import sys
 import time
 import urllib.request
 
-from vcpo_jax.rollout import protocol, server_protocol
-from vcpo_jax.rollout.launcher import free_port  # noqa: F401  (re-exported for the rollout tests)
+from vcpo_jax.model import config as model_config
+from vcpo_jax.rollout import protocol
+from vcpo_jax.serving import requests as server_protocol
 
 MODES = ("good", "malformed_json", "nan_logprob", "positive_logprob", "wrong_length", "oov_ids",
          "token_mismatch", "http_500", "missing_version", "no_spans", "abort_half", "list_body",
@@ -59,7 +60,7 @@ def stop_server(proc: subprocess.Popen) -> None:
   proc.wait(timeout=30)
 
 
-# -- the real embedded server (vcpo_jax.rollout.server), as the rollout tests start it ----------------------
+# -- the real embedded server (vcpo_jax.serving.server), as the rollout tests start it ----------------------
 TINY_MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_seq_len=320)
 # One jit shape for every request (8 rows, 16 prompt slots, 256 new slots) and one token per decode chunk,
@@ -73,22 +74,23 @@ EMBEDDED_ARGS = ("--context-length", "274", "--min-batch-bucket", "8",
 def tiny_params(seed: int):
   """Params of the tiny test model, sharpened so that different seeds give clearly different outputs."""
   import jax
-  from vcpo_jax import model
-  params = model.init_params(model.ModelConfig(**TINY_MODEL), jax.random.PRNGKey(seed))
+  from vcpo_jax.model import transformer as model
+  params = model.init_params(model_config.ModelConfig(**TINY_MODEL), jax.random.PRNGKey(seed))
   return jax.device_get(jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, params))
 
 
 def export_tiny(params, out_dir: str) -> str:
-  from vcpo_jax import hf, model, tokenizer
-  return hf.export_hf(params, model.ModelConfig(**TINY_MODEL), out_dir, tokenizer.build_tokenizer())
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import tokenizer
+  return hf.export_hf(params, model_config.ModelConfig(**TINY_MODEL), out_dir, tokenizer.build_tokenizer())
 
 
 def reference_logprobs(params, prompt: list[int], output: list[int]):
   """The learner's recompute: model.token_logprobs over prompt + output (padded to one jit shape)."""
   import jax.numpy as jnp
   import numpy as np
-  from vcpo_jax import model
-  cfg = model.ModelConfig(**TINY_MODEL)
+  from vcpo_jax.model import transformer as model
+  cfg = model_config.ModelConfig(**TINY_MODEL)
   seq = list(prompt) + list(output)
   tokens = jnp.asarray(np.array([seq + [0] * (cfg.max_seq_len - len(seq))], np.int32))
   lp = np.asarray(model.token_logprobs(params, cfg, tokens, jnp.ones_like(tokens)))

@@ -10,9 +10,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vcpo_jax import model as M, multihost, sharding
+from vcpo_jax.job import multihost
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
+from vcpo_jax.parallel import processes
+from vcpo_jax.parallel import sharding
 
-CFG = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64)
 
 
@@ -36,13 +40,13 @@ def hung_leader(process_id: int):
   mesh = sharding.make_mesh({"data": -1})
   try:
     multihost.feed_rows(None, 0, mesh, 8, timeout_s=2.0)
-  except multihost.ProcessGroupError as e:
+  except processes.ProcessGroupError as e:
     print(f"ProcessGroupError: {e}", flush=True)
     sys.exit(3)
 
 
 def main(process_id: int, port: str, mode: str, out_path: str = ""):
-  multihost.initialize(ml_collections.ConfigDict(dict(
+  processes.initialize(ml_collections.ConfigDict(dict(
       auto=False, coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
       heartbeat_timeout_s=5, timeout_s=2.0)))
   if mode == "forward":

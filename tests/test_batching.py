@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from vcpo_jax.batch import RLBatch, check_batch
+from vcpo_jax.learner.batch import RLBatch, check_batch
 from vcpo_jax.rollout import batching, types
 
 

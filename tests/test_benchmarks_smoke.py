@@ -281,8 +281,8 @@ def test_model_option_aliases_and_tiny(monkeypatch):
 
 def test_grpo_baseline_keeps_the_jobs_micro_batching():
   from benchmarks import bench_flops
-  from vcpo_jax import learner
-  lc = learner.LearnerConfig(micro_batch_size=8, aggregation="token-mean")
+  from vcpo_jax.learner import config as learner_config
+  lc = learner_config.LearnerConfig(micro_batch_size=8, aggregation="token-mean")
   grpo = bench_flops.grpo_config(lc)
   assert (grpo.advantage, grpo.policy_loss) == ("grpo", "ppo")
   assert (grpo.micro_batch_size, grpo.aggregation) == (8, "token-mean")
@@ -366,16 +366,18 @@ def test_temp_fit_separates_fixed_and_per_token_parts():
 @pytest.mark.slow
 def test_compile_one_on_abstract_inputs_allocates_nothing():
   """The tiny model's GRPO step compiled from ShapeDtypeStructs; XLA reports its temporaries."""
+  from vcpo_jax.learner import batch as batch_lib
+  from vcpo_jax.learner import config as learner_config
   import dataclasses
   import jax
   from benchmarks import bench_compile
-  from vcpo_jax import configuration, learner
+  from vcpo_jax.job import configuration
   cfg = dataclasses.replace(common.model_config("tiny"), num_layers=1, max_seq_len=16)
   optimizer = configuration.build_optimizer(common.job_config("tiny"))
   state = bench_compile.abstract_state(cfg, optimizer)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
-  learner.check_batch(bench_compile.abstract_batch(4, 16, group=2))
-  row = bench_compile.compile_one(cfg, learner.LearnerConfig(advantage="grpo", policy_loss="ppo"), optimizer, 4, 16)
+  batch_lib.check_batch(bench_compile.abstract_batch(4, 16, group=2))
+  row = bench_compile.compile_one(cfg, learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo"), optimizer, 4, 16)
   assert row["tokens"] == 64 and row["lower_s"] > 0 and row["compile_s"] > 0 and row["cpu_s"] > 0
   assert row["memory"]["temp_size_in_bytes"] > 0 and row["temp_mb_per_token"] > 0
 

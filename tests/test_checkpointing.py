@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import checkpointing
+from vcpo_jax.job import checkpointing
 
 
 def test_round_trip_and_latest(tmp_path):

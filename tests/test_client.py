@@ -12,6 +12,8 @@ import pytest
 
 from tests import fake_sglang
 from vcpo_jax.rollout import client as client_lib, protocol
+from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout import pool
 
 VOCAB = 64
 
@@ -129,7 +131,7 @@ def test_parse_falls_back_to_the_older_of_reported_and_dispatched_version():
 def test_bad_requests_fail_before_anything_is_sent():
   async def run():
     # Nothing listens on this port: any send would be a connection error, not a ValueError.
-    async with client_lib.RolloutClient([f"http://127.0.0.1:{fake_sglang.free_port()}"], vocab_size=VOCAB,
+    async with client_lib.RolloutClient([f"http://127.0.0.1:{launcher.free_port()}"], vocab_size=VOCAB,
                                         max_prompt_len=8) as client:
       cases = [([1, VOCAB], {"max_new_tokens": 2}, "vocab_size"), ([1, -2], {"max_new_tokens": 2}, "vocab_size"),
                ([], {"max_new_tokens": 2}, "prompt_ids"), ([1.5], {"max_new_tokens": 2}, "prompt_ids"),
@@ -151,7 +153,7 @@ def test_bad_requests_fail_before_anything_is_sent():
 
 
 def _start_fake(log_dir, *extra):
-  port = fake_sglang.free_port()
+  port = launcher.free_port()
   url = f"http://127.0.0.1:{port}"
   argv = [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
           "--weight-version", "v2", *extra]
@@ -164,7 +166,7 @@ def fake_pair(tmp_path_factory):
   log_dir = tmp_path_factory.mktemp("fake_logs")
   procs, urls = [], []
   for i in range(2):
-    port = fake_sglang.free_port()
+    port = launcher.free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
             "--weight-version", "v2"]
@@ -262,7 +264,7 @@ def test_raw_logprob_check_tells_scaled_from_raw(tmp_path):
     async with client_lib.RolloutClient([url], vocab_size=VOCAB) as client:
       await client.check_raw_logprobs(0.7, [1, 2, 3])
       _set_mode(url, "scaled_logprobs")
-      with pytest.raises(client_lib.RolloutError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
+      with pytest.raises(pool.RolloutError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
         await client.check_raw_logprobs(0.7, [1, 2, 3])
       return client.stats
 
@@ -346,7 +348,7 @@ def test_aborted_generation_resumes_to_the_uninterrupted_result(fake_pair):
 @pytest.mark.integration
 def test_dead_server_is_routed_around_and_counted(fake_pair):
   _, good = fake_pair
-  dead = f"http://127.0.0.1:{fake_sglang.free_port()}"
+  dead = f"http://127.0.0.1:{launcher.free_port()}"
 
   async def run():
     async with client_lib.RolloutClient([dead, good], vocab_size=VOCAB, backoff_base=0.001) as client:
@@ -362,7 +364,7 @@ def test_dead_server_is_routed_around_and_counted(fake_pair):
 @pytest.mark.integration
 def test_slow_server_times_out_and_the_sample_is_redone_elsewhere(fake_pair, tmp_path):
   _, good = fake_pair
-  port = fake_sglang.free_port()
+  port = launcher.free_port()
   slow = f"http://127.0.0.1:{port}"
   argv = [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
           "--weight-version", "v2", "--token-delay", "0.5"]
@@ -383,7 +385,7 @@ def test_slow_server_times_out_and_the_sample_is_redone_elsewhere(fake_pair, tmp
     assert s.server_url == good and s.output_ids == _expected([i + 2], 4)[0]
 
 
-# -- against the real embedded server (python -m vcpo_jax.rollout.server) ---------------------------------
+# -- against the real embedded server (python -m vcpo_jax.serving.server) ---------------------------------
 EMBEDDED_ROOT = {}
 
 

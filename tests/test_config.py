@@ -8,7 +8,9 @@ import ml_collections
 import pytest
 
 from configs import countdown
-from vcpo_jax import configuration, losses, model as model_lib
+from vcpo_jax.algo import losses
+from vcpo_jax.job import configuration
+from vcpo_jax.model import config as model_config
 
 
 _LOADER = """
@@ -32,7 +34,7 @@ def _load(argv):
 def test_override_through_flags():
   config = _load(["--config=configs/countdown.py", "--config.model.num_layers=4", "--config.rl.max_lag=7"])
   assert config.model.num_layers == 4 and config.rl.max_lag == 7
-  assert model_lib.ModelConfig.from_dict(config.model).num_layers == 4
+  assert model_config.ModelConfig.from_dict(config.model).num_layers == 4
 
 
 def test_variant_argument():

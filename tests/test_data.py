@@ -4,8 +4,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from vcpo_jax import data, tasks
-from vcpo_jax.tokenizer import build_tokenizer
+from vcpo_jax import tasks
+from vcpo_jax.job import data
+from vcpo_jax.model.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()
 COUNTDOWN = tasks.get_task("countdown")

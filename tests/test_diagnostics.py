@@ -4,7 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import diagnostics
+from vcpo_jax.algo import diagnostics
+from vcpo_jax.learner import config as learner_config
+from vcpo_jax.learner import train_state
+from vcpo_jax.model import config as model_config
 
 
 def _reference(logp, sampler, mask, lag, valid):
@@ -61,9 +64,11 @@ def test_mismatch_metrics_without_lagged_rows_are_zero_with_zero_count():
 def test_learner_step_reports_mismatch_apart_from_lag(lc_kwargs):
   """In the job's metrics: lag-0 rows scored by the sampler with the learner's own weights show ~0, lagged
   rows show exactly their perturbation (bookkeeping, micro-batched and plain autodiff paths)."""
-  from vcpo_jax import learner, model, optimizer
-  from vcpo_jax.batch import RLBatch
-  cfg = model.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+  from vcpo_jax.learner import optimizer
+  from vcpo_jax.learner import step as learner
+  from vcpo_jax.learner.batch import RLBatch
+  from vcpo_jax.model import transformer as model
+  cfg = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                           num_kv_heads=1, head_dim=8, max_seq_len=16)
   b, t = 8, 12
   rng = np.random.default_rng(0)
@@ -71,14 +76,14 @@ def test_learner_step_reports_mismatch_apart_from_lag(lc_kwargs):
   mask = np.zeros((b, t), np.float32)
   mask[:, 4:4 + 6] = 1.0
   opt = optimizer.build_optimizer(learning_rate=1e-3)
-  state = learner.create_train_state(cfg, opt, jax.random.PRNGKey(0))
+  state = train_state.create_train_state(cfg, opt, jax.random.PRNGKey(0))
   logp = np.asarray(model.token_logprobs(state.params, cfg, jnp.asarray(tokens), jnp.asarray(mask)))
   lag = np.array([0, 1, 0, 2, 0, 1, 0, 1], np.float32)
   shift = rng.normal(0.0, 0.2, (b, t)).astype(np.float32) * mask * (lag > 0)[:, None]
   batch = RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=(logp - shift) * mask,
                   rewards_B=rng.integers(0, 2, b).astype(np.float32), group_B=np.repeat(np.arange(2), 4),
                   lag_B=lag, valid_B=np.ones(b, np.float32))
-  step = learner.make_rl_step(cfg, learner.LearnerConfig(**lc_kwargs), opt)
+  step = learner.make_rl_step(cfg, learner_config.LearnerConfig(**lc_kwargs), opt)
   _, metrics = step(state, batch)
   metrics = jax.device_get(metrics)
   assert metrics["mismatch/lag0/token_abs_mean"] < 1e-6 and metrics["mismatch/lag0/num_seqs"] == 4

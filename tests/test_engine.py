@@ -3,11 +3,12 @@ import asyncio
 
 import jax
 
-from vcpo_jax import model as M
-from vcpo_jax import sampling
-from vcpo_jax.rollout import engine as engine_lib
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import sampling
+from vcpo_jax.model import transformer as M
+from vcpo_jax.serving import engine as engine_lib
 
-CFG = M.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+CFG = model_config.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=8, max_seq_len=32)
 
 

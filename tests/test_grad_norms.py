@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from vcpo_jax import grad_norms as G
-from vcpo_jax import model as M
+from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
 
 B, T = 4, 10
 
 
-def _cfg(tied: bool) -> M.ModelConfig:
-  return M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+def _cfg(tied: bool) -> model_config.ModelConfig:
+  return model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=8, max_seq_len=32, tie_word_embeddings=tied)
 
 
@@ -51,7 +52,7 @@ def _brute(tied: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _norms_fn(cfg: M.ModelConfig, mode: str = "auto"):
+def _norms_fn(cfg: model_config.ModelConfig, mode: str = "auto"):
   """One compiled norms function per (config, mode), shared by the tests."""
   return jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg, mode=mode))
 
@@ -139,7 +140,7 @@ def test_weighted_grad_matches_vmap_and_jax_grad(tied, two_pass):
 
 def test_bfloat16_compute_stays_close():
   cfg, params, tokens, mask = _setup(False)
-  cfg16 = M.ModelConfig(**{**cfg.to_dict(), "dtype": "bfloat16"})
+  cfg16 = model_config.ModelConfig(**{**cfg.to_dict(), "dtype": "bfloat16"})
   sq32, _ = _norms_fn(cfg)(params, tokens_BxT=tokens, mask_BxT=mask)
   sq16, _ = _norms_fn(cfg16)(params, tokens_BxT=tokens, mask_BxT=mask)
   assert sq16.dtype == jnp.float32
@@ -174,4 +175,4 @@ def test_chunked_head_norms_and_grad_equal_the_full_logits_path(tied):
 
 def test_logits_chunk_is_validated():
   with pytest.raises(ValueError, match="model.logits_chunk"):
-    M.ModelConfig(logits_chunk=-1)
+    model_config.ModelConfig(logits_chunk=-1)

@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from vcpo_jax import hf, model as M
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf
+from vcpo_jax.model import transformer as M
 
-CFG = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64, rope_theta=1e6)
 
 
 def _cfg(**kw):
-  return M.ModelConfig(**{**CFG.to_dict(), **kw})
+  return model_config.ModelConfig(**{**CFG.to_dict(), **kw})
 
 
 @pytest.mark.parametrize("tied,param_dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
@@ -56,7 +58,7 @@ def test_transformers_logprobs_match(tmp_path, tied):
 
 
 def test_tokenizer_files_are_exported(tmp_path):
-  tokenizer = pytest.importorskip("vcpo_jax.tokenizer")
+  tokenizer = pytest.importorskip("vcpo_jax.model.tokenizer")
   tok = tokenizer.build_tokenizer()
   cfg = _cfg(vocab_size=max(64, tok.vocab_size))
   out = hf.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"), tok)

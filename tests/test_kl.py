@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from vcpo_jax import learner as Lr, model as M, optimizer as O, train
+from vcpo_jax.job import train
+from vcpo_jax.learner import config as learner_config
+from vcpo_jax.learner import optimizer as O
+from vcpo_jax.learner import step as Lr
+from vcpo_jax.learner import train_state
+from vcpo_jax.model import transformer as M
 
 from test_learner import CFG, _batch
 
@@ -18,12 +23,12 @@ def _logp(params, batch):
 
 
 def test_kl_step_uses_the_frozen_reference_inside_the_step():
-  lc = Lr.LearnerConfig(kl_beta=0.5)   # OPOB + vcpo: the KL term forces the two-pass gradient path
+  lc = learner_config.LearnerConfig(kl_beta=0.5)   # OPOB + vcpo: the KL term forces the two-pass gradient path
   assert not lc.uses_bookkeeping
   opt = O.build_optimizer(learning_rate=3e-2, ess_scaling=False)
   step = Lr.make_rl_step(CFG, lc, opt)
   batch = _batch()
-  state = Lr.with_reference(Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0)))
+  state = train_state.with_reference(train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0)))
   ref = jax.tree.map(np.array, state.ref_params)
   state, m1 = step(state, batch)
   assert abs(float(m1["kl/mean"])) < 1e-6        # the policy starts at its reference
@@ -48,9 +53,9 @@ def test_kl_step_uses_the_frozen_reference_inside_the_step():
 
 def test_kl_without_a_reference_is_an_error_naming_it():
   opt = O.build_optimizer(learning_rate=1e-3, ess_scaling=False)
-  step = Lr.make_rl_step(CFG, Lr.LearnerConfig(kl_beta=0.1), opt)
+  step = Lr.make_rl_step(CFG, learner_config.LearnerConfig(kl_beta=0.1), opt)
   with pytest.raises(ValueError, match="ref_params"):
-    step(Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0)), _batch())
+    step(train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0)), _batch())
 
 
 @pytest.mark.slow

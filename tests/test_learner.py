@@ -9,16 +9,20 @@ import optax
 import pytest
 
 from conftest import skip_if_not_enough_devices
-from vcpo_jax import grad_norms as G
-from vcpo_jax import losses as L
-from vcpo_jax import learner as Lr
-from vcpo_jax import model as M
-from vcpo_jax import optimizer as O
+from vcpo_jax.algo import losses as L
+from vcpo_jax.learner import batch as batch_lib
+from vcpo_jax.learner import config as learner_config
+from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.learner import optimizer as O
+from vcpo_jax.learner import step as Lr
+from vcpo_jax.learner import train_state
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
 from benchmarks import oracle
-from vcpo_jax import sharding
-from vcpo_jax.batch import RLBatch
+from vcpo_jax.learner.batch import RLBatch
+from vcpo_jax.parallel import sharding
 
-CFG = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+CFG = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=8, max_seq_len=32)
 B, T, N = 8, 12, 4  # rows, length, group size
 LR = 1e3  # large: the one-step delta must dominate float32 rounding of the params themselves
@@ -58,14 +62,14 @@ def _logp(params, batch):
 
 
 @functools.lru_cache(maxsize=None)
-def _step(lc: Lr.LearnerConfig):
+def _step(lc: learner_config.LearnerConfig):
   opt = _sgd_ess()
   return Lr.make_rl_step(CFG, lc, opt), opt
 
 
-def _run(lc: Lr.LearnerConfig, batch=None):
+def _run(lc: learner_config.LearnerConfig, batch=None):
   step, opt = _step(lc)
-  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  state = train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0))
   return step(state, _batch() if batch is None else batch)
 
 
@@ -87,7 +91,7 @@ def test_rl_step_matches_float64_oracle():
   Authors' settings (the LearnerConfig defaults): group scope, mean, raw w, std normalisation, tau 8.
   """
   is_weight, norm_by_std = "raw", True
-  lc = Lr.LearnerConfig()
+  lc = learner_config.LearnerConfig()
   state, metrics = _run(lc)
   batch, params = _batch(), _params()
   with jax.enable_x64(True):
@@ -111,8 +115,8 @@ def test_rl_step_matches_float64_oracle():
 
 
 def test_two_pass_path_equals_bookkeeping():
-  s1, m1 = _run(Lr.LearnerConfig())
-  s2, m2 = _run(Lr.LearnerConfig(grad_path="two_pass"))
+  s1, m1 = _run(learner_config.LearnerConfig())
+  s2, m2 = _run(learner_config.LearnerConfig(grad_path="two_pass"))
   # Softmax cancels the k-projection bias up to RoPE's rotation, so its gradient is a sum with heavy cancellation
   # whose float32 error, relative to the leaf's scale, is ~1e-6 and depends on the reduction order of each path.
   # It gets 1e-5; every other leaf must agree to 1e-6 of its scale.
@@ -127,7 +131,7 @@ def test_two_pass_path_equals_bookkeeping():
 
 def test_grpo_step_matches_numpy_advantages():
   """advantage 'grpo' + seq-TIS loss: params move by -lr sqrt(rho) g, g from numpy float64 advantages."""
-  state, metrics = _run(Lr.LearnerConfig(advantage="grpo"))
+  state, metrics = _run(learner_config.LearnerConfig(advantage="grpo"))
   batch, params = _batch(), _params()
   r = batch.rewards_B.astype(np.float64).reshape(-1, N)
   adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
@@ -144,7 +148,7 @@ def test_grpo_step_matches_numpy_advantages():
 
 
 def test_metrics_are_flat_finite_and_complete():
-  _, metrics = _run(Lr.LearnerConfig())
+  _, metrics = _run(learner_config.LearnerConfig())
   for key in ("ess", "ess_ratio", "lr_scale", "baseline", "loss", "grad_norm", "seq_grad_norm/p10",
               "seq_grad_norm/p50", "seq_grad_norm/p90", "seq_grad_norm/max", "is/logw_max", "is/logw_p99",
               "is/frac_truncated", "entropy", "lag/mean", "lag/max", "skipped_updates"):
@@ -162,8 +166,8 @@ def test_nonfinite_input_skips_update(field):
   batch = _batch()
   bad = np.array(getattr(batch, field))
   bad[(2, 4) if bad.ndim == 2 else 3] = np.nan  # a masked (response) position / one reward
-  step, opt = _step(Lr.LearnerConfig())
-  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  step, opt = _step(learner_config.LearnerConfig())
+  state = train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0))
   before = jax.tree.map(np.array, state)
   new, metrics = step(state, batch.replace(**{field: bad}))
   assert int(new.skipped_updates) == 1 and int(new.step) == 1 and float(metrics["update_applied"]) == 0.0
@@ -179,11 +183,11 @@ def test_nonfinite_input_skips_update(field):
 def test_sharded_step_equals_unsharded(mesh_shape):
   # SGD (not Adam): Adam's first step g / (|g| + eps) amplifies float32 reduction-order noise in the
   # near-zero k-bias gradient, which says nothing about the sharding.
-  lc = Lr.LearnerConfig()
+  lc = learner_config.LearnerConfig()
   want, want_m = _run(lc)
   opt = _step(lc)[1]
   mesh = sharding.make_mesh(mesh_shape)
-  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
+  state = train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
   kernel = state.params["layers_0"]["mlp"]["up_proj"]["kernel"]
   assert len(kernel.sharding.device_set) == 8
   got, got_m = Lr.make_rl_step(CFG, lc, opt, mesh=mesh)(state, _batch())
@@ -196,11 +200,11 @@ def test_sharded_step_equals_unsharded(mesh_shape):
 
 def test_sft_step_is_masked_nll_and_learns():
   opt = O.build_optimizer(learning_rate=3e-2, ess_scaling=False)
-  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  state = train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0))
   batch = _batch()
   lp = np.asarray(_logp(state.params, batch), np.float64)
   want = -lp.sum() / batch.mask_BxT.sum()
-  step = Lr.make_sft_step(CFG, opt)
+  step = train_state.make_sft_step(CFG, opt)
   losses = []
   for _ in range(5):
     state, metrics = step(state, batch.tokens_BxT, batch.mask_BxT)
@@ -211,18 +215,18 @@ def test_sft_step_is_masked_nll_and_learns():
 
 def test_bad_config_and_batch_name_the_field():
   with pytest.raises(ValueError, match="advantage"):
-    Lr.LearnerConfig(advantage="ppo_gae")
+    learner_config.LearnerConfig(advantage="ppo_gae")
   with pytest.raises(ValueError, match="aggregation"):
-    Lr.LearnerConfig(aggregation="sum")
+    learner_config.LearnerConfig(aggregation="sum")
   with pytest.raises(ValueError, match="tis_threshold"):
-    Lr.LearnerConfig(tis_threshold=0.0)
+    learner_config.LearnerConfig(tis_threshold=0.0)
   with pytest.raises(ValueError, match="scope"):
-    Lr.LearnerConfig(advantage_options=dict(scope="batch"))
+    learner_config.LearnerConfig(advantage_options=dict(scope="batch"))
   with pytest.raises(ValueError, match="grad_path"):
-    Lr.LearnerConfig(grad_path="three_pass")
+    learner_config.LearnerConfig(grad_path="three_pass")
   batch = _batch()
   with pytest.raises(ValueError, match="rewards_B"):
-    Lr.check_batch(batch.replace(rewards_B=np.zeros(B + 1, np.float32)))
+    batch_lib.check_batch(batch.replace(rewards_B=np.zeros(B + 1, np.float32)))
   with pytest.raises(ValueError, match="group_size"):
     oracle.oracle_grads(_params(), CFG, batch.tokens_BxT, batch.mask_BxT, batch.sampler_logp_BxT,
                         batch.rewards_B, group_size=3)
@@ -233,11 +237,11 @@ def test_micro_batched_step_equals_whole_batch():
   """Chunks of whole groups (scan) give the whole-batch step; with 2 data shards each chunk spans both."""
   mesh_shape = dict(data=2, tensor=4)
   batch = _batch().replace(group_B=np.repeat(np.arange(B // 2), 2).astype(np.int32))  # groups of 2
-  want, want_m = _run(Lr.LearnerConfig(), batch)
-  lc = Lr.LearnerConfig(micro_batch_size=4)
-  opt = _step(Lr.LearnerConfig())[1]
+  want, want_m = _run(learner_config.LearnerConfig(), batch)
+  lc = learner_config.LearnerConfig(micro_batch_size=4)
+  opt = _step(learner_config.LearnerConfig())[1]
   mesh = sharding.make_mesh(mesh_shape)
-  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
+  state = train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0), mesh=mesh)
   got, got_m = Lr.make_rl_step(CFG, lc, opt, mesh=mesh)(state, batch)
   params = _params()
   delta = lambda s: jax.tree.map(lambda a, p: np.asarray(a, np.float64) - np.asarray(p, np.float64), s, params)
@@ -249,13 +253,13 @@ def test_micro_batched_step_equals_whole_batch():
 
 def test_micro_batch_misuse_names_the_field():
   with pytest.raises(ValueError, match="micro_batch_size"):
-    Lr.LearnerConfig(advantage="reinforce", micro_batch_size=4)
+    learner_config.LearnerConfig(advantage="reinforce", micro_batch_size=4)
   with pytest.raises(ValueError, match="micro_batch_size"):
-    Lr.LearnerConfig(advantage_options=dict(scope="minibatch"), micro_batch_size=4)
+    learner_config.LearnerConfig(advantage_options=dict(scope="minibatch"), micro_batch_size=4)
   with pytest.raises(ValueError, match="splits prompt group"):
-    Lr.check_chunks(_batch(), micro_batch_size=2)  # groups of 4 in chunks of 2
+    learner_config.check_chunks(_batch(), micro_batch_size=2)  # groups of 4 in chunks of 2
   with pytest.raises(ValueError, match="micro_batch_size"):
-    Lr.check_chunks(_batch(), micro_batch_size=3)
+    learner_config.check_chunks(_batch(), micro_batch_size=3)
 
 
 @pytest.mark.parametrize("name", [n for n in L.POLICY_LOSSES
@@ -264,7 +268,7 @@ def test_micro_batch_misuse_names_the_field():
 def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
   """The book-keeping path assumes d loss / d logp_t is one constant per sequence on its response tokens."""
   batch = _batch()
-  lc = Lr.LearnerConfig(policy_loss=name, aggregation=aggregation)
+  lc = learner_config.LearnerConfig(policy_loss=name, aggregation=aggregation)
   logp = jnp.asarray(batch.sampler_logp_BxT + 0.3 * batch.mask_BxT * np.cos(np.arange(T))[None, :])
   adv = jnp.linspace(-1.0, 1.0, B)
   dlogp = np.asarray(jax.grad(lambda lp: Lr._policy_loss(lp, batch, jnp.asarray(batch.mask_BxT), adv, lc)[0])(logp))
@@ -283,14 +287,14 @@ def test_bfloat16_params_and_compute_train():
   small, steps = 1e-5, 2
   opt = O.build_optimizer(learning_rate=optax.piecewise_constant_schedule(small, {steps: 300.0}),
                           weight_decay=0.0, ess_scaling=False)
-  state = Lr.create_train_state(cfg, opt, jax.random.PRNGKey(0))
+  state = train_state.create_train_state(cfg, opt, jax.random.PRNGKey(0))
   assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in jax.tree.leaves(state.opt_state)} <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
   p0 = jax.tree.map(lambda x: np.asarray(x, np.float32), state.params)
   master = lambda: jax.tree.leaves(state.opt_state.master)
   for m, p in zip(master(), jax.tree.leaves(p0)):
     np.testing.assert_array_equal(np.asarray(m), p)  # the master starts at the bf16 values exactly
-  step = Lr.make_rl_step(cfg, Lr.LearnerConfig(advantage="grpo", policy_loss="pg"), opt)
+  step = Lr.make_rl_step(cfg, learner_config.LearnerConfig(advantage="grpo", policy_loss="pg"), opt)
   losses = []
   for i in range(steps + 4):
     state, metrics = step(state, _batch())

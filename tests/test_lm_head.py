@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import lm_head as L
+from vcpo_jax.model import lm_head as L
+from vcpo_jax.model import lm_head_plain
 
 B, T, D, V = 3, 7, 8, 37   # V = 4 chunks of 8 + an overlapping last chunk that owns 5 columns
 CHUNK = 8
@@ -97,7 +98,7 @@ def test_head_weighted_grad_and_tied_cross_terms_match_plain():
   for g, r in zip(got, ref):
     _close(g, r)
   _close(got[0], got[-1])  # the weighted gradient is autodiff of the weighted log-prob sum
-  _close(L.logsumexp(x, w, chunk=CHUNK), jax.nn.logsumexp(L.logits(x, w), axis=-1))
+  _close(L.logsumexp(x, w, chunk=CHUNK), jax.nn.logsumexp(lm_head_plain.logits(x, w), axis=-1))
 
 
 def test_bfloat16_inputs_give_float32_logprobs_close_to_float32():

@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import losses, vcpo
+from vcpo_jax.algo import advantages
+from vcpo_jax.algo import losses
+from vcpo_jax.algo import vcpo
 
 B, T = 6, 10
 
@@ -263,7 +265,7 @@ def test_registry_facts_and_option_errors():
   with pytest.raises(ValueError, match=r"'clip_eps_lo'.*known options: \['clip_eps_low', 'clip_eps_high'"):
     losses.POLICY_LOSSES.get('ppo').make_options({'clip_eps_lo': 0.1})
   with pytest.raises(ValueError, match=r"\['baselin'\].*\['baseline'\]"):
-    losses.get_advantage_fn('reinforce')(losses.AdvantageInputs(rewards_B=_j(np.zeros(2)), group_B=jnp.zeros(2)),
+    losses.get_advantage_fn('reinforce')(advantages.AdvantageInputs(rewards_B=_j(np.zeros(2)), group_B=jnp.zeros(2)),
                                          baselin=True)
   with pytest.raises(ValueError, match='fact'):
     losses.POLICY_LOSSES.register('x', batch_globl=True)
@@ -373,7 +375,7 @@ def _adv_inputs(seed=12):
 
 def test_group_estimators_match_numpy_loops():
   group, rewards, valid = _adv_inputs()
-  inputs = losses.AdvantageInputs(rewards_B=_j(rewards), group_B=jnp.asarray(group), valid_B=jnp.asarray(valid))
+  inputs = advantages.AdvantageInputs(rewards_B=_j(rewards), group_B=jnp.asarray(group), valid_B=jnp.asarray(valid))
   got = {name: np.asarray(jax.jit(losses.get_advantage_fn(name))(inputs))
          for name in ('grpo', 'dr_grpo', 'rloo', 'reinforce')}
   exp = {k: np.zeros(12) for k in got}
@@ -399,7 +401,7 @@ def test_opob_estimator_and_registry_errors():
   rng = np.random.default_rng(13)
   logw = _j(rng.normal(size=12))
   wt = vcpo.truncated_weights(logw)
-  inputs = losses.AdvantageInputs(rewards_B=_j(rewards), group_B=jnp.asarray(group), logw_B=logw, wt_B=wt,
+  inputs = advantages.AdvantageInputs(rewards_B=_j(rewards), group_B=jnp.asarray(group), logw_B=logw, wt_B=wt,
                                   lengths_B=_j(rng.integers(1, 9, 12)), sq_norms_B=_j(rng.gamma(2.0, size=12)),
                                   valid_B=jnp.asarray(valid))
   got = losses.get_advantage_fn('opob')(inputs, aggregation='median', is_weight='truncated')
@@ -408,7 +410,7 @@ def test_opob_estimator_and_registry_errors():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(exp))
   assert losses.needs_grad_norms('opob') and not losses.needs_grad_norms('grpo')
   with pytest.raises(ValueError, match='sq_norms_B'):
-    losses.get_advantage_fn('opob')(losses.AdvantageInputs(rewards_B=_j(rewards), group_B=jnp.asarray(group)))
+    losses.get_advantage_fn('opob')(advantages.AdvantageInputs(rewards_B=_j(rewards), group_B=jnp.asarray(group)))
   with pytest.raises(ValueError, match='grpo'):  # the message lists the known names
     losses.get_advantage_fn('ppo')
   with pytest.raises(ValueError, match='aggregation'):

@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import model as M
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
 
-CFG = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64)
 
 
@@ -30,7 +31,7 @@ def test_param_tree_and_logical_axes(params):
 
 
 def test_tied_embeddings_have_no_head():
-  cfg = M.ModelConfig(**{**CFG.to_dict(), "tie_word_embeddings": True})
+  cfg = model_config.ModelConfig(**{**CFG.to_dict(), "tie_word_embeddings": True})
   assert "lm_head" not in M.init_params(cfg, jax.random.PRNGKey(0))
 
 
@@ -78,13 +79,13 @@ def test_left_padded_decode_matches_unpadded(params):
 
 
 def test_bfloat16_compute_is_close_to_float32(params):
-  cfg16 = M.ModelConfig(**{**CFG.to_dict(), "dtype": "bfloat16"})
+  cfg16 = model_config.ModelConfig(**{**CFG.to_dict(), "dtype": "bfloat16"})
   toks = jax.random.randint(jax.random.PRNGKey(4), (2, 10), 0, CFG.vocab_size)
   lp32 = M.token_logprobs(params, CFG, toks, jnp.ones_like(toks))
   lp16 = M.token_logprobs(params, cfg16, toks, jnp.ones_like(toks))
   assert lp16.dtype == jnp.float32
   np.testing.assert_allclose(lp16, lp32, atol=0.1)
-  p16 = M.init_params(M.ModelConfig(**{**CFG.to_dict(), "param_dtype": "bfloat16"}), jax.random.PRNGKey(0))
+  p16 = M.init_params(model_config.ModelConfig(**{**CFG.to_dict(), "param_dtype": "bfloat16"}), jax.random.PRNGKey(0))
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(p16))
 
 
@@ -92,19 +93,19 @@ def test_bfloat16_compute_is_close_to_float32(params):
                                          ("head_dim", 7)])
 def test_invalid_config_names_field(field, value):
   with pytest.raises(ValueError, match=field):
-    M.ModelConfig(**{**CFG.to_dict(), field: value})
+    model_config.ModelConfig(**{**CFG.to_dict(), field: value})
 
 
 def test_from_dict_rejects_unknown_key():
   with pytest.raises(ValueError, match="num_layerz"):
-    M.ModelConfig.from_dict({**CFG.to_dict(), "num_layerz": 2})
+    model_config.ModelConfig.from_dict({**CFG.to_dict(), "num_layerz": 2})
 
 
 @pytest.mark.parametrize("precision", ["highest", "high", "default"])
 def test_every_dot_runs_at_the_configured_precision(precision):
   """Forward and backward: the learner's log-probs and their gradient use model.matmul_precision."""
   import re
-  cfg = M.ModelConfig(matmul_precision=precision, tie_word_embeddings=True)
+  cfg = model_config.ModelConfig(matmul_precision=precision, tie_word_embeddings=True)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
   tokens = jnp.zeros((1, 4), jnp.int32)
   loss = lambda p: jnp.sum(M.token_logprobs(p, cfg, tokens, jnp.ones((1, 4))))
@@ -116,13 +117,13 @@ def test_every_dot_runs_at_the_configured_precision(precision):
 
 def test_matmul_precision_is_validated():
   with pytest.raises(ValueError, match="model.matmul_precision"):
-    M.ModelConfig(matmul_precision="tf32")
+    model_config.ModelConfig(matmul_precision="tf32")
 
 
 def test_prefill_outputs_from_hidden_states_equal_the_full_logits():
   """prompt_logprobs_and_logits (chunked head, 3 chunks) = log_softmax of the full forward's logits, and the
   logits at each row's own last position (right-padded prompts)."""
-  cfg = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+  cfg = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=8, max_seq_len=16, logits_chunk=16)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 40)

@@ -19,7 +19,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests import multihost_worker as worker
-from vcpo_jax import model as M, multihost, sharding
+from vcpo_jax.job import multihost
+from vcpo_jax.model import transformer as M
+from vcpo_jax.parallel import processes
+from vcpo_jax.parallel import sharding
 from vcpo_jax.rollout.launcher import free_port
 
 CPU_ONLY = pytest.mark.cpu_only(reason="each process fakes 4 CPU devices (XLA_FLAGS host device count)")
@@ -38,21 +41,21 @@ def test_single_process_is_unchanged():
   batch = object()
   assert multihost.feed_rows(batch, 0, mesh, 16, 1.0) is batch
   x = jax.device_put(np.arange(16.0), sharding.batch_sharding(mesh, 1))
-  np.testing.assert_array_equal(multihost.to_host(x), np.arange(16.0))
-  np.testing.assert_array_equal(multihost.host_tree({"x": x}, "t", 1.0)["x"], np.arange(16.0))
-  multihost.barrier("nothing", 1.0)
+  np.testing.assert_array_equal(processes.to_host(x), np.arange(16.0))
+  np.testing.assert_array_equal(processes.host_tree({"x": x}, "t", 1.0)["x"], np.arange(16.0))
+  processes.barrier("nothing", 1.0)
 
 
 def test_distributed_config_errors_name_the_field():
   from configs import tiny  # noqa: PLC0415
-  multihost.initialize(tiny.get_config().distributed)  # the default: one process, nothing starts
+  processes.initialize(tiny.get_config().distributed)  # the default: one process, nothing starts
   d = tiny.get_config().distributed
   d.num_processes = 2
   with pytest.raises(ValueError, match="distributed.coordinator_address"):
-    multihost.initialize(d)
+    processes.initialize(d)
   d.coordinator_address, d.process_id = "localhost:1", 2
   with pytest.raises(ValueError, match="distributed.process_id=2"):
-    multihost.initialize(d)
+    processes.initialize(d)
 
 
 def test_xm_multihost_gives_each_process_its_flags():

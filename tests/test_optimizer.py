@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from vcpo_jax import optimizer
+from vcpo_jax.learner import optimizer
 
 LR, WD, CLIP = 3e-2, 0.1, 1.0
 

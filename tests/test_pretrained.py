@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import hf, model as model_lib, sharding, tokenizer as tokenizer_lib
 from vcpo_jax import tasks
+from vcpo_jax.model import hf
+from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.model import transformer as model_lib
+from vcpo_jax.parallel import sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -226,7 +229,7 @@ def test_job_runs_three_rl_steps_from_the_checkpoint(ckpt, tmp_path):
   """emulate mode, sft.steps=0: the job evaluates and exports the checkpoint as its base, then 3 RL steps."""
   import ml_collections
   from configs import tiny
-  from vcpo_jax import train
+  from vcpo_jax.job import train
   config = tiny.get_config("emulate")
   config.model = ml_collections.ConfigDict(dict(hf_path=ckpt, max_seq_len=160, param_dtype="float32",
                                                 dtype="float32", matmul_precision="highest"))

@@ -1,7 +1,8 @@
 """Request validation of the SGLang protocol subset: what is accepted, and errors that name the field."""
 import pytest
 
-from vcpo_jax.rollout import protocol as P, server_protocol
+from vcpo_jax.rollout import protocol as P
+from vcpo_jax.serving import requests as server_protocol
 
 LIMITS = dict(vocab_size=100, max_prompt_len=8, context_length=22)
 

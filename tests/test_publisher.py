@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from tests import fake_sglang
+from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout import client as client_lib, publisher as publisher_lib
+from vcpo_jax.rollout import launcher
 
 pytestmark = pytest.mark.integration
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
@@ -149,9 +151,11 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
 def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path):
   """SGLang accepts an update with other shapes (success: true) and serves garbage: refuse it first."""
   import dataclasses
-  from vcpo_jax import hf, model, tokenizer
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import tokenizer
+  from vcpo_jax.model import transformer as model
   urls = [s.url for s in cluster["servers"]]
-  wide = dataclasses.replace(model.ModelConfig(**fake_sglang.TINY_MODEL), intermediate_size=128)
+  wide = dataclasses.replace(model_config.ModelConfig(**fake_sglang.TINY_MODEL), intermediate_size=128)
 
   def export_wide(params, out_dir):
     import jax
@@ -227,7 +231,7 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
   import sys
   procs, urls = [], []
   for i in range(2):
-    port = fake_sglang.free_port()
+    port = launcher.free_port()
     urls.append(f"http://127.0.0.1:{port}")
     procs.append(fake_sglang.launch_server(
         [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB)], urls[-1],

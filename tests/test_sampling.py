@@ -4,9 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import decode_kernels, model, sampling
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import decode_kernels
+from vcpo_jax.model import sampling
+from vcpo_jax.model import transformer as model
 
-CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, max_seq_len=64)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13]]
 PAD_T = 32  # reference recomputes pad every sequence to this length: one compile
@@ -170,7 +173,7 @@ def test_bad_rows_raise_naming_the_field(params):
 def test_sampler_dots_run_at_the_model_precision():
   """The sampler's log-probs are computed like the learner's: same model.matmul_precision on every dot."""
   import re
-  cfg = model.ModelConfig(matmul_precision="high")
+  cfg = model_config.ModelConfig(matmul_precision="high")
   params = model.init_params(cfg, jax.random.PRNGKey(0))
   rows = [sampling.RowSpec(prompt=(1, 2, 3), max_new_tokens=4)]
   st, tokens, positions, seeds = sampling._initial_state(rows, cfg, 1, 4, 4, 4)

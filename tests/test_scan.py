@@ -10,10 +10,14 @@ import pytest
 import safetensors.numpy
 from flax import traverse_util
 
-from vcpo_jax import attention, grad_norms as G, hf, model as M
+from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.model import attention
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf
+from vcpo_jax.model import transformer as M
 
 L, B, T = 2, 3, 10
-PLAIN = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=L, num_heads=2,
+PLAIN = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=L, num_heads=2,
                       num_kv_heads=1, head_dim=8, max_seq_len=32, attention="einsum")
 SCAN = dataclasses.replace(PLAIN, scan_layers=True, attention="xla")
 

@@ -14,12 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import hf, model, tokenizer
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf
+from vcpo_jax.model import tokenizer
+from vcpo_jax.model import transformer as model
 from vcpo_jax.rollout import launcher
 
 pytestmark = pytest.mark.integration
 
-CFG = model.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, max_seq_len=320)
 PROMPT = [10, 11, 12, 13, 14]
 LONG = 250  # tokens of the "long" generations that pause/abort/update interrupt
@@ -77,7 +80,7 @@ def server(tmp_path_factory):
   port = launcher.free_port()
   log_path = root.parent / "server.log"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  cmd = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", dirs["m0"], "--port", str(port),
+  cmd = [sys.executable, "-m", "vcpo_jax.serving.server", "--model-path", dirs["m0"], "--port", str(port),
          "--weights-root", str(root), "--max-prompt-len", "260", "--context-length", "302",
          # One shape for every test (8 rows, 16 prompt slots, 256 new slots): one jit compile.
          "--min-batch-bucket", "8", "--min-new-bucket", "256", "--max-batch", "8",
@@ -426,7 +429,7 @@ def test_stream_sends_cumulative_events(server):
 
 
 def test_bad_model_dir_exits_nonzero(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", str(tmp_path),
+  proc = subprocess.run([sys.executable, "-m", "vcpo_jax.serving.server", "--model-path", str(tmp_path),
                          "--port", str(launcher.free_port())], capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0
   assert "cannot serve --model-path" in proc.stderr and "config.json" in proc.stderr

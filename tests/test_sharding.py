@@ -7,9 +7,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import skip_if_not_enough_devices
-from vcpo_jax import model as M, sharding as S
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
+from vcpo_jax.parallel import sharding as S
 
-CFG = M.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64)
 
 

@@ -6,9 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax import model, pool_kernels, sampling, slot_pool
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import sampling
+from vcpo_jax.model import transformer as model
+from vcpo_jax.serving import pool_kernels
+from vcpo_jax.serving import slot_pool
 
-CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, max_seq_len=64)
 # One pool shape for most tests (4 slots, 4 steps per chunk): few compiles.
 POOL = dict(max_rows=4, num_slots=CFG.max_seq_len, chunk_steps=4, min_rows=4)

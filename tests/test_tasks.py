@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from vcpo_jax import tasks
+from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.tasks import countdown, safe_eval
-from vcpo_jax.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()
 

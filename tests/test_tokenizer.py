@@ -6,7 +6,8 @@ import string
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vcpo_jax import tasks, tokenizer as tokenizer_lib
+from vcpo_jax import tasks
+from vcpo_jax.model import tokenizer as tokenizer_lib
 
 TOK = tokenizer_lib.build_tokenizer()
 ASCII_TEXT = st.text(alphabet=string.printable.replace("\t", "").replace("\r", "")

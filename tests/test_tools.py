@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vcpo_jax import data, tasks
-from vcpo_jax.evaluation import completion_text
+from vcpo_jax import tasks
+from vcpo_jax.job import data
+from vcpo_jax.model.tokenizer import build_tokenizer
+from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import batching, episodes, types
 from vcpo_jax.tasks import calculator
-from vcpo_jax.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()
 CALC = calculator.Calculator(max_turns=3, max_result_chars=24)

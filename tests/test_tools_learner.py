@@ -13,13 +13,16 @@ import optax
 import pytest
 
 from benchmarks import oracle
-from vcpo_jax import grad_norms as G
-from vcpo_jax import learner as Lr
-from vcpo_jax import model as M
-from vcpo_jax import optimizer as O
-from vcpo_jax.batch import RLBatch
+from vcpo_jax.learner import config as learner_config
+from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.learner import optimizer as O
+from vcpo_jax.learner import step as Lr
+from vcpo_jax.learner import train_state
+from vcpo_jax.learner.batch import RLBatch
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import transformer as M
 
-CFG = M.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+CFG = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=8, max_seq_len=32)
 B, T, N = 8, 16, 4
 LR = 1e3
@@ -61,9 +64,9 @@ def test_rl_step_with_tool_holes_matches_the_oracle():
   garbage = np.where(holes, np.float32(np.nan), batch.sampler_logp_BxT)
   garbage[0, -1] = 1e30  # padding position too
   opt = optax.chain(optax.sgd(LR), O.scale_by_ess(base_ess_ratio=1.0, rule="sqrt"))
-  state = Lr.create_train_state(CFG, opt, jax.random.PRNGKey(0))
+  state = train_state.create_train_state(CFG, opt, jax.random.PRNGKey(0))
   params = jax.device_get(state.params)  # the step donates the state's buffers
-  new_state, metrics = Lr.make_rl_step(CFG, Lr.LearnerConfig(), opt)(state, batch.replace(sampler_logp_BxT=garbage))
+  new_state, metrics = Lr.make_rl_step(CFG, learner_config.LearnerConfig(), opt)(state, batch.replace(sampler_logp_BxT=garbage))
   assert int(metrics.get("skipped", 0)) == 0
   with jax.enable_x64(True):
     p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)

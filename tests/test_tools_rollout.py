@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import fake_sglang
-from vcpo_jax import model, sampling
-from vcpo_jax.evaluation import completion_text
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import sampling
+from vcpo_jax.model.tokenizer import build_tokenizer
+from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import client as client_lib, episodes, scheduler as sched_lib, types
 from vcpo_jax.tasks import calculator
-from vcpo_jax.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()
 PROMPT = [5, 6, 7, 8]
@@ -65,7 +66,7 @@ def _check_episode(sample, params_by_version):
 @pytest.mark.slow  # sampler compiles for three turn shapes (~4 min on the loaded 2-core machine)
 def test_local_episodes_continue_after_tool_outputs_with_the_learners_logprobs():
   params = fake_sglang.tiny_params(0)
-  cfg = model.ModelConfig(**fake_sglang.TINY_MODEL)
+  cfg = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
   (first,) = sampling.generate(params, cfg, [PROMPT], max_new_tokens=60, temperature=1.0, seeds=[17])
   marker = _marker(first.output_ids, 8)
   runner = _runner(marker)
@@ -192,7 +193,7 @@ def test_lag_bound_holds_for_whole_episodes(k):
 @pytest.mark.slow
 def test_tool_task_job_runs_three_steps(tmp_path):
   from configs import countdown_tools
-  from vcpo_jax import train
+  from vcpo_jax.job import train
   c = countdown_tools.get_config("emulate")
   c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
   c.sft.update(steps=4, batch_size=8)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from vcpo_jax import train
+from vcpo_jax.job import train
+from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout import backend, types
 
 pytestmark = [pytest.mark.slow]
@@ -101,7 +102,7 @@ def test_invalid_config_fails_before_anything_starts(tmp_path):
 
 
 def _server_pids(workdir):
-  out = subprocess.run(["pgrep", "-f", f"vcpo_jax.rollout.server --model-path {workdir}"], capture_output=True,
+  out = subprocess.run(["pgrep", "-f", f"vcpo_jax.serving.server --model-path {workdir}"], capture_output=True,
                        text=True).stdout
   return [int(p) for p in out.split()]
 
@@ -136,10 +137,12 @@ def test_ctrl_c_stops_the_servers(tmp_path):
 def test_async_run_against_server_urls(tmp_path):
   """rollout.server_urls: the job starts no server, publishes its starting weights to the given one."""
   import jax
-  from vcpo_jax import hf, model as model_lib, tokenizer
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import tokenizer
+  from vcpo_jax.model import transformer as model_lib
   from vcpo_jax.rollout import launcher
   config = tiny_config(**{"rl.steps": 2})
-  cfg = model_lib.ModelConfig.from_dict(config.model)
+  cfg = model_config.ModelConfig.from_dict(config.model)
   start = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(7)), cfg, str(tmp_path / "start"),
                        tokenizer.build_tokenizer())
   server = launcher.EmbeddedServer(start, weights_root=str(tmp_path), log_dir=str(tmp_path)).start()
@@ -222,9 +225,13 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   the learner trains on the rewards the backend scored (the loop itself never calls task.reward), and the
   backend's event-loop work goes on while the learner step runs (the async overlap)."""
   import jax
-  from vcpo_jax import checkpointing, hf, model as model_lib, tasks, tokenizer
+  from vcpo_jax import tasks
+  from vcpo_jax.job import checkpointing
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import tokenizer
+  from vcpo_jax.model import transformer as model_lib
   config = tiny_config(**{"rl.steps": 2, "eval_every": 100})
-  cfg = model_lib.ModelConfig.from_dict(config.model)
+  cfg = model_config.ModelConfig.from_dict(config.model)
   tok = tokenizer.build_tokenizer()
   base_dir = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "base"), tok)
   task = CountingTask(tasks.get_task(config.task.name, **config.task.kwargs))

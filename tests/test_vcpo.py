@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tests.conftest import skip_if_not_enough_devices
-from vcpo_jax import segments, vcpo
+from vcpo_jax.algo import segments
+from vcpo_jax.algo import vcpo
 
 IS_WEIGHTS = ('none', 'truncated', 'raw', 'reference')
 

@@ -6,7 +6,9 @@ import signal
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vcpo_jax import multihost, train
+
+from vcpo_jax.job import train
+from vcpo_jax.parallel import processes
 from vcpo_jax.rollout import launcher
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -30,7 +32,7 @@ def main(argv):
   faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck run)
   # Before JAX touches a device: on a GPU shared with embedded servers, no process preallocates most of it.
   launcher.configure_learner(launcher.config_plan(_CONFIG.value))
-  multihost.initialize(_CONFIG.value.get("distributed"))  # before JAX touches a device; no-op for 1 process
+  processes.initialize(_CONFIG.value.get("distributed"))  # before JAX touches a device; no-op for 1 process
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

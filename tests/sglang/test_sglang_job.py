@@ -65,7 +65,7 @@ def fresh(tmp_path_factory):
   """The README sequence from nothing: export the starting weights, start servers on WORKDIR/base."""
   root = tmp_path_factory.mktemp("job")
   work = root / "w1"
-  _run("vcpo_jax.rollout.export_base", work)
+  _run("vcpo_jax.job.export_base", work)
   assert os.path.isfile(work / "base" / "config.json")
   servers = start_servers(str(work / "base"), str(root), 2)
   try:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.sglang.conftest import requires_sglang, start_servers
+from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout import client as client_lib, publisher as publisher_lib
 
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(1800)]
@@ -18,29 +19,29 @@ PARAMS = {}
 def _cfg():
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
   import countdown  # noqa: PLC0415
-  from vcpo_jax import model  # noqa: PLC0415
-  return model.ModelConfig.from_dict(countdown.get_config().model)
+  return model_config.ModelConfig.from_dict(countdown.get_config().model)
 
 
 def params_of(version: int):
   """Version v's weights by convention: a sharpened random init with seed v (different outputs per version)."""
   if version not in PARAMS:
     import jax  # noqa: PLC0415
-    from vcpo_jax import model  # noqa: PLC0415
+    from vcpo_jax.model import transformer as model  # noqa: PLC0415
     p = model.init_params(_cfg(), jax.random.PRNGKey(version))
     PARAMS[version] = jax.device_get(jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x, p))
   return PARAMS[version]
 
 
 def export(params, out_dir):
-  from vcpo_jax import hf, tokenizer  # noqa: PLC0415
+  from vcpo_jax.model import hf  # noqa: PLC0415
+  from vcpo_jax.model import tokenizer
   hf.export_hf(params, _cfg(), out_dir, tokenizer.build_tokenizer())
 
 
 def reference_logprobs(version, prompt, output):
   """The learner's recompute (float32) of each output token's log-prob under version's params."""
   import jax.numpy as jnp  # noqa: PLC0415
-  from vcpo_jax import model  # noqa: PLC0415
+  from vcpo_jax.model import transformer as model  # noqa: PLC0415
   cfg = _cfg()
   seq = list(prompt) + list(output)
   tokens = jnp.asarray(np.array([seq + [0] * (cfg.max_seq_len - len(seq))], np.int32))
@@ -115,7 +116,9 @@ def test_other_shapes_are_refused_before_sending(server, tmp_path):
 
   def export_wide(params, out_dir):
     import jax  # noqa: PLC0415
-    from vcpo_jax import hf, model, tokenizer  # noqa: PLC0415
+    from vcpo_jax.model import hf  # noqa: PLC0415
+    from vcpo_jax.model import tokenizer
+    from vcpo_jax.model import transformer as model
     hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
 
   async def run():

@@ -36,7 +36,7 @@ def _run(module, workdir, *flags, timeout=1800):
 def tools_server(tmp_path_factory):
   root = tmp_path_factory.mktemp("tools")
   work = root / "w"
-  _run("vcpo_jax.rollout.export_base", work)
+  _run("vcpo_jax.job.export_base", work)
   (server,) = start_servers(str(work / "base"), str(root), 1)
   try:
     yield work, server
@@ -56,8 +56,10 @@ class MarkerEnv:
 
 
 def test_episode_turns_on_a_real_server(tools_server):
-  from vcpo_jax import hf, model, tokenizer
-  from vcpo_jax.evaluation import completion_text
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import tokenizer
+  from vcpo_jax.model import transformer as model
+  from vcpo_jax.model.tokenizer import completion_text
   work, server = tools_server
   params, cfg = hf.import_hf(str(work / "base"))
   tok = tokenizer.build_tokenizer()

@@ -12,7 +12,8 @@ import numpy as np
 def worst_gap(sample_log: str, weights_root: str) -> dict:
   """{"worst": max |server lp - learner lp| over all tokens, "tokens", "samples", "straddling", "versions"}."""
   import jax.numpy as jnp  # noqa: PLC0415
-  from vcpo_jax import hf, model  # noqa: PLC0415
+  from vcpo_jax.model import hf  # noqa: PLC0415
+  from vcpo_jax.model import transformer as model
   with open(sample_log) as f:
     samples = [json.loads(line) for line in f if line.strip()]
   by_version: dict[int, list] = {}

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from vcpo_jax.batch import RLBatch
+from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.rollout.types import Group
 
 

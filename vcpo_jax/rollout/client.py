@@ -11,9 +11,9 @@ import aiohttp
 import numpy as np
 
 from vcpo_jax.rollout import protocol
-from vcpo_jax.rollout.pool import RolloutError, ServerPool, _is_int  # noqa: F401  (RolloutError re-exported)
+from vcpo_jax.rollout.pool import RolloutError, ServerPool, _is_int
 # Defined in protocol (the wire format's one module); importable from here as before.
-from vcpo_jax.rollout.protocol import BadResponseError, Segment, version_from_wire, version_to_wire  # noqa: F401
+from vcpo_jax.rollout.protocol import BadResponseError, Segment
 from vcpo_jax.rollout.types import Sample
 
 

@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import ml_collections
 import numpy as np
 
-from vcpo_jax import sampling, tasks
+from vcpo_jax import tasks
+from vcpo_jax.model import sampling
 from vcpo_jax.rollout import backend, episodes, types
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or

@@ -16,7 +16,8 @@ from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from vcpo_jax import sampling
+from vcpo_jax.model import sampling
+from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import protocol, types
 
 
@@ -241,7 +242,6 @@ def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional
   env = task.environment()
   if env is None:
     return None
-  from vcpo_jax.evaluation import completion_text  # noqa: PLC0415  (evaluation imports this module)
   return EpisodeRunner(env, encode=tokenizer.encode, decode=lambda ids: completion_text(tokenizer, ids),
                        stop_ids=tokenizer.stop_ids, max_new_tokens=max_new_tokens,
                        context_length=context_length)

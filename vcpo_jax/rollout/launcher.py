@@ -155,7 +155,7 @@ class ServerStartError(RuntimeError):
 
 
 class EmbeddedServer:
-  """One `python -m vcpo_jax.rollout.server` process on loopback."""
+  """One `python -m vcpo_jax.serving.server` process on loopback."""
 
   def __init__(self, model_path: str, *, weights_root: str, host: str = "127.0.0.1", port: int = 0,
                weight_version: str = "v0", extra_args: tuple[str, ...] = (), log_dir: str | None = None,
@@ -163,7 +163,7 @@ class EmbeddedServer:
     self.env_updates = dict(env or {})
     self.host, self.port = host, port or free_port(host)
     self.url = f"http://{host}:{self.port}"
-    self.argv = [sys.executable, "-m", "vcpo_jax.rollout.server", "--model-path", model_path,
+    self.argv = [sys.executable, "-m", "vcpo_jax.serving.server", "--model-path", model_path,
                  "--host", host, "--port", str(self.port), "--weights-root", weights_root,
                  "--weight-version", weight_version, "--parent-pid", str(os.getpid()), *extra_args]
     log_dir = log_dir or tempfile.gettempdir()

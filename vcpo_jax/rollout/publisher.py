@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import aiohttp
 
-from vcpo_jax import hf
+from vcpo_jax.model import hf
 from vcpo_jax.rollout import checkpoint_spec, client as client_lib, protocol
 
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory

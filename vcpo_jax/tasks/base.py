@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from vcpo_jax import tokenizer as tokenizer_lib
+from vcpo_jax.model import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "eval")
 _HASH_BUCKETS = 1 << 20

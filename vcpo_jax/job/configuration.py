@@ -1,0 +1,159 @@
+"""Job config -> validated plain objects: validate_config, learner_config, build_optimizer; option sub-dicts
+generated from the registries so every registered option is settable (and sweepable) from the command line."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import ml_collections
+
+from vcpo_jax import tasks
+from vcpo_jax.algo import losses
+from vcpo_jax.learner import config as learner_config_lib
+from vcpo_jax.learner import optimizer as optimizer_lib
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf
+from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.rollout.backend import BACKENDS
+
+AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
+
+
+def _fail(field: str, value: Any, why: str):
+  raise ValueError(f"invalid config: {field}={value!r}: {why}")
+
+
+# ------------------------------------------------------------------------------------- option sub-dicts
+def _field_type(hint):
+  """The flag type of an options field: Optional[X] -> X (so `None` defaults still parse from the CLI)."""
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def options_config(registry) -> ml_collections.ConfigDict:
+  """One sub-dict per registered name with its options dataclass's fields and defaults. Options a fact
+  ties to a shared knob ('uses_tau': algo.tis_threshold) are left out."""
+  out = ml_collections.ConfigDict()
+  for name in registry.names():
+    entry = registry.get(name)
+    hints = typing.get_type_hints(entry.options)
+    sub = ml_collections.ConfigDict()
+    for f in dataclasses.fields(entry.options):
+      if f.name == "tau" and entry.fact("uses_tau"):
+        continue
+      sub[f.name] = ml_collections.FieldReference(f.default, field_type=_field_type(hints[f.name]))
+    out[name] = sub
+  return out
+
+
+def _chosen_options(options_dict, name: str) -> dict:
+  if options_dict is None or name not in options_dict:
+    return {}
+  return dict(options_dict[name])
+
+
+# ------------------------------------------------------------------------------------- learner
+def learner_config(config) -> learner_config_lib.LearnerConfig:
+  """The LearnerConfig of the job; algo.micro_batch_size -1 (auto) resolved from the registered facts."""
+  a, rl = config.algo, config.rl
+  lc = learner_config_lib.LearnerConfig(
+      advantage=a.advantage, advantage_options=_chosen_options(a.get("advantage_options"), a.advantage),
+      policy_loss=a.policy_loss, policy_loss_options=_chosen_options(a.get("policy_loss_options"), a.policy_loss),
+      aggregation=a.aggregation, tis_threshold=a.tis_threshold, kl_beta=a.kl_beta,
+      grad_path=a.get("grad_path", "auto"), grad_norm_mode=a.get("grad_norm_mode", "auto"))
+  micro = a.micro_batch_size
+  if micro == AUTO:
+    micro = learner_config_lib.auto_micro_batch_size(lc, rl.prompts_per_step * rl.group_size, rl.group_size,
+                                                     a.get("micro_batch_max_rows", 32))
+  return dataclasses.replace(lc, micro_batch_size=micro)
+
+
+# ------------------------------------------------------------------------------------- optimizer
+def base_ess_ratio(value) -> float | str:
+  """algo.ess.base_ess_ratio: a positive number (also as a string) or 'auto'."""
+  if value == "auto":
+    return "auto"
+  try:
+    ratio = float(value)
+  except (TypeError, ValueError):
+    ratio = float("nan")
+  if not 0 < ratio < float("inf") or isinstance(value, bool):
+    _fail("algo.ess.base_ess_ratio", value, "must be a positive number or 'auto'")
+  return ratio
+
+
+def learning_rate(config, *, sft: bool = False):
+  """optim.learning_rate shaped by optim.schedule (RL only; the warm start uses sft.learning_rate flat)."""
+  if sft:
+    return config.sft.learning_rate
+  lr, s = config.optim.learning_rate, config.optim.get("schedule")
+  if s is None or s.name == "constant":
+    return lr
+  decay_steps = s.decay_steps or config.rl.steps
+  try:
+    return optimizer_lib.learning_rate_schedule(s.name, peak_value=lr, warmup_steps=s.warmup_steps,
+                                                decay_steps=decay_steps, end_value=lr * s.final_lr_fraction)
+  except ValueError as e:
+    _fail("optim.schedule", s.to_dict(), str(e))
+
+
+def build_optimizer(config, *, sft: bool = False):
+  """The RL chain (with scale_by_ess when algo.ess.enabled), or the warm start's plain AdamW."""
+  o, e = config.optim, config.algo.ess
+  kwargs = dict(learning_rate=learning_rate(config, sft=sft), b1=o.b1, b2=o.b2,
+                eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+  if not sft and e.enabled:
+    kwargs.update(base_ess_ratio=base_ess_ratio(e.base_ess_ratio), ess_rule=e.rule, ess_trigger=e.trigger or None,
+                  min_ess_brake=(e.min_ess_floor, e.min_ess_factor) if e.min_ess_floor > 0 else None)
+  else:
+    kwargs.update(ess_scaling=False)
+  return optimizer_lib.build_optimizer(**kwargs)
+
+
+# ------------------------------------------------------------------------------------- validation
+def _validate_algo(config):
+  a, rl = config.algo, config.rl
+  losses.ADVANTAGE_ESTIMATORS.get(a.advantage)   # unknown names are errors listing the known ones
+  losses.POLICY_LOSSES.get(a.policy_loss)
+  if a.aggregation not in losses.AGGREGATIONS:
+    _fail("algo.aggregation", a.aggregation, f"must be one of {sorted(losses.AGGREGATIONS)}")
+  micro = a.micro_batch_size
+  if isinstance(micro, bool) or not isinstance(micro, int) or micro < AUTO:
+    _fail("algo.micro_batch_size", micro, "must be -1 (auto), 0 (off) or a positive int")
+  lc = learner_config(config)  # option names and combinations (e.g. micro-batching) are checked there
+  if lc.group_local and rl.group_size < 2:
+    _fail("rl.group_size", rl.group_size, f"a group baseline ({a.advantage}) needs >= 2 samples")
+  if micro > 0 and (micro % rl.group_size or (rl.prompts_per_step * rl.group_size) % micro):
+    _fail("algo.micro_batch_size", micro, f"must be a multiple of rl.group_size={rl.group_size} that divides "
+          f"the batch of {rl.prompts_per_step * rl.group_size} rows")
+  build_optimizer(config)  # schedule and ESS knobs
+
+
+def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConfig:
+  """Checks every field the job depends on before anything starts; errors name the field and value."""
+  model_cfg = hf.model_config(config.model)  # with model.hf_path: the checkpoint's architecture
+  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
+  if model_cfg.vocab_size < tok.vocab_size:
+    _fail("model.vocab_size", model_cfg.vocab_size, f"smaller than the tokenizer's {tok.vocab_size} ids")
+  rl = config.rl
+  if rl.mode not in BACKENDS:  # the rollout backends' registry is the one list of modes
+    _fail("rl.mode", rl.mode, f"must be one of {sorted(BACKENDS)}")
+  if not isinstance(rl.max_lag, int) or rl.max_lag < 0:
+    _fail("rl.max_lag", rl.max_lag, "must be an int >= 0 (0 is synchronous)")
+  for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
+    if not isinstance(rl[field], int) or rl[field] < 1:
+      _fail(f"rl.{field}", rl[field], "must be a positive int")
+  if not rl.temperature > 0:
+    _fail("rl.temperature", rl.temperature, "must be > 0 for on-policy sampling")
+  if config.task.name not in tasks.TASKS:
+    _fail("task.name", config.task.name, f"unknown task; known: {sorted(tasks.TASKS)}")
+  tasks.get_task(config.task.name, **config.task.kwargs)  # knob errors name the knob
+  _validate_algo(config)
+  if config.sft.steps < 0:
+    _fail("sft.steps", config.sft.steps, "must be >= 0")
+  if config.checkpoint_every < 1:
+    _fail("checkpoint_every", config.checkpoint_every, "must be >= 1")
+  if config.rollout.num_servers < 1 and not config.rollout.server_urls:
+    _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")
+  return model_cfg

@@ -1,0 +1,39 @@
+"""Writes the job's starting weights (the cached SFT warm start, WORKDIR/base) so servers can start on them.
+
+  python -m vcpo_jax.job.export_base --config=configs/countdown.py --workdir=W [--config.x=y ...]
+
+Real SGLang servers need a Hugging Face directory before the job runs; this is the job's own warm start
+(cached: the job itself then skips it), with the same config flags. Start the servers on W/base with
+WEIGHT_VERSION=v0, then run the job with the same --workdir and --config.rollout.server_urls.
+"""
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from vcpo_jax import tasks
+from vcpo_jax.job import train
+from vcpo_jax.job.configuration import validate_config
+from vcpo_jax.model import tokenizer as tokenizer_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "The job's workdir; the weights go to WORKDIR/base.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  config = _CONFIG.value
+  model_cfg = validate_config(config)
+  tok = tokenizer_lib.build_tokenizer()
+  task = tasks.get_task(config.task.name, **config.task.kwargs)
+  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  base_dir, _ = train.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples)
+  print(base_dir)
+
+
+if __name__ == "__main__":
+  app.run(main)

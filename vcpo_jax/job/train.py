@@ -1,0 +1,280 @@
+"""The RL job: validate config, SFT warm start (cached), then one RL loop over a rollout backend."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from vcpo_jax import tasks
+from vcpo_jax.job import checkpointing
+from vcpo_jax.job import data
+from vcpo_jax.job import metrics as metrics_lib
+from vcpo_jax.job import multihost
+from vcpo_jax.job.configuration import build_optimizer, learner_config, validate_config
+from vcpo_jax.job.evaluation import evaluate, make_score_fn
+from vcpo_jax.learner import step as learner
+from vcpo_jax.learner import train_state
+from vcpo_jax.learner.batch import RLBatch
+from vcpo_jax.learner.config import check_chunks
+from vcpo_jax.model import hf
+from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.parallel import processes
+from vcpo_jax.parallel import sharding
+from vcpo_jax.rollout import backend as backend_lib, batching, episodes, types
+
+
+# --------------------------------------------------------------------------------------- warm start
+def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tuple[str, dict]:
+  """SFT on deliberately imperfect solutions; the result is cached as a HF directory in workdir/base."""
+  base_dir = os.path.join(workdir, "base")
+  info_path = os.path.join(base_dir, "warm_start.json")
+  if os.path.exists(info_path):
+    with open(info_path) as f:
+      return base_dir, json.load(f)
+  optimizer = build_optimizer(config, sft=True)
+  state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
+  if config.model.get("hf_path", ""):  # start from the checkpoint, each parameter read into its sharding
+    state = train_state.with_params(state, hf.import_hf(config.model.hf_path, cfg=model_cfg, shardings=jax.tree.map(
+        lambda x: x.sharding, state.params))[0])
+  sft_step = train_state.make_sft_step(model_cfg, optimizer)
+  it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
+                              seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate,
+                              shard_index=0, shard_count=1)  # one process warm-starts (see _warm_start_once)
+  t0 = time.time()
+  sft_metrics = {}
+  for step in range(config.sft.steps):
+    batch = next(it)
+    state, sft_metrics = sft_step(state, jnp.asarray(batch["tokens"]), jnp.asarray(batch["mask"]))
+    if step % 50 == 0 or step == config.sft.steps - 1:
+      logging.info("sft step %d/%d loss %.4f", step + 1, config.sft.steps, float(sft_metrics["loss"]))
+  params = jax.device_get(state.params)
+  info = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
+                  seed=config.seed)
+  info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
+               "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
+  # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
+  hf.export_hf(params, model_cfg, base_dir, tok)
+  with open(info_path + ".tmp", "w") as f:
+    json.dump(info, f, indent=2)
+  os.replace(info_path + ".tmp", info_path)
+  logging.info("warm start done: %s", info)
+  return base_dir, info
+
+
+# ------------------------------------------------------------------------------------------ RL loop
+class RLRun:
+  """Learner-side state of the RL phase and everything done between two learner steps."""
+
+  def __init__(self, config, workdir: str, model_cfg, tok, task, base_dir: str, eval_examples, base_info):
+    self.config, self.workdir, self.model_cfg = config, workdir, model_cfg
+    self.tok, self.task, self.eval_examples, self.base_info = tok, task, eval_examples, base_info
+    rl = config.rl
+    # Many hosts: process 0 (the leader) alone drives rollouts, data, evaluation and files (multihost.py).
+    self.leader, self.timeout_s = processes.is_leader(), _distributed_timeout(config)
+    self.mesh = sharding.make_mesh(config.mesh)
+    # Rows are split over data x fsdp; invalid padding rows fill the batch up to a multiple of that.
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    self.batch_rows = -(-rl.prompts_per_step * rl.group_size // shards) * shards
+    self.optimizer = build_optimizer(config)
+    self.learner_cfg = learner_config(config)
+    self.step_fn = learner.make_rl_step(model_cfg, self.learner_cfg, self.optimizer, mesh=self.mesh)
+    state = train_state.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
+                                       mesh=self.mesh)
+    # Each parameter is read from disk straight into its sharding (no whole-model host copy).
+    base_params, _ = hf.import_hf(base_dir, cfg=model_cfg, shardings=jax.tree.map(lambda x: x.sharding,
+                                                                                 state.params))
+    self.state = train_state.with_params(state, base_params)
+    if config.algo.kl_beta > 0:  # the frozen warm-start policy is the KL reference (checkpointed with the state)
+      self.state = train_state.with_reference(self.state)
+    self.prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok, shard_index=0,
+                                             shard_count=1) if self.leader else None
+    self.ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+    self.writer = metrics_lib.MetricsWriter(os.path.join(workdir, "tensorboard"),
+                                            enabled=jax.process_index() == 0)
+    self.step, self.rollout_state = 0, {}
+    restored = self.ckpt.restore(checkpointing.abstract_like(self.state))
+    if restored is not None:
+      self.step, self.state, host = restored
+      if self.leader:
+        self.prompts.set_state(host["data"])
+      # Older checkpoints kept the scheduler's state at the top level.
+      self.rollout_state = host.get("rollout", {"scheduler": host["scheduler"]} if "scheduler" in host else {})
+      logging.info("resumed from checkpoint at step %d", self.step)
+    else:
+      self.writer.write(0, base_info, prefix="")
+    self.progress = metrics_lib.Progress(rl.steps, initial=self.step,
+                                         enabled=self.leader and os.environ.get("VCPO_PROGRESS", "1") != "0")
+    self.consumed_log = os.path.join(workdir, "consumed.jsonl")
+    self.scalars_log = os.path.join(workdir, "metrics.jsonl")
+    self.last_eval: dict = {}
+    self.eval_step = -1  # learner version last evaluated (every process knows it)
+
+  def rollout_context(self) -> backend_lib.RolloutContext:
+    return backend_lib.RolloutContext(
+        model_cfg=self.model_cfg, tokenizer=self.tok, prompts=self.prompts,
+        score=make_score_fn(self.task, self.tok), workdir=self.workdir, batch_rows=self.batch_rows)
+
+  def make_backend(self) -> backend_lib.RolloutBackend:
+    if not processes.multi_process():
+      return backend_lib.make_backend(self.config, self.rollout_context())
+    if not self.leader:
+      return multihost.FollowerBackend(self.timeout_s)
+    return multihost.LeaderBackend(backend_lib.make_backend(self.config, self.rollout_context()),
+                                   host_params=_host_params(self.config))
+
+  def rollout_params(self):
+    """What start/publish get: host copies for in-process backends (the emulator keeps k + 1 of them), the
+    sharded params for server backends (their export gathers one tensor at a time). Several processes: the
+    sharded params always (multihost.LeaderBackend makes the host copies, gathering with the followers)."""
+    if _host_params(self.config) and not processes.multi_process():
+      return jax.device_get(self.state.params)
+    return self.state.params
+
+  def host_params(self, name: str):
+    """The params on the leader's host (None on the other processes, which join the gathers)."""
+    return processes.host_tree(self.state.params, f"{name}/{self.step}", self.timeout_s)
+
+  def to_batch(self, groups: list[types.Group]) -> RLBatch | None:
+    if not self.leader:  # the leader's rows come in learn()
+      return None
+    return batching.groups_to_batch(groups, seq_len=self.model_cfg.max_seq_len, pad_id=self.tok.pad_id,
+                                    num_rows=self.batch_rows, vocab_size=self.model_cfg.vocab_size)
+
+  def learn(self, batch: RLBatch) -> dict:
+    """One learner step (blocking; the loop runs it in a worker thread while rollouts go on)."""
+    if processes.multi_process() and self.leader:  # the step's own check cannot read rows on other hosts
+      check_chunks(batch, self.learner_cfg.micro_batch_size, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+    batch = multihost.feed_rows(batch, self.step, self.mesh, self.batch_rows, self.timeout_s)
+    self.state, step_metrics = self.step_fn(self.state, batch)
+    return jax.device_get(step_metrics)
+
+  def host_metrics(self, batch: RLBatch, seconds: float) -> dict:
+    valid = batch.valid_B > 0
+    lengths = batch.mask_BxT.sum(axis=1)[valid]
+    return {"reward/mean": float(batch.rewards_B[valid].mean()),
+            "reward/std": float(batch.rewards_B[valid].std()),
+            "response_length/mean": float(lengths.mean()),
+            "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+            "throughput/step_seconds": seconds}
+
+  def after_step(self, groups, batch: RLBatch, step_metrics: dict, extra: dict, seconds: float,
+                 rollout_state_fn):
+    """Logging, periodic evaluation and checkpointing once learner version self.step exists."""
+    self.step += 1
+    rl = self.config.rl
+    eval_now = self.step % self.config.eval_every == 0 or self.step == rl.steps
+    if eval_now:
+      self.eval_step = self.step
+    if not self.leader:  # followers: the gathers of the evaluation, the checkpoint (a collective save)
+      if eval_now:
+        self.host_params("eval")
+      if self.step % self.config.checkpoint_every == 0 or self.step == rl.steps:
+        self.ckpt.save(self.step, self.state, {"step": self.step})  # the leader's JSON is the one written
+      return
+    with open(self.consumed_log, "a") as f:
+      f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
+    scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra}
+    for key, value in step_metrics.items():
+      arr = np.asarray(value)
+      if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):
+        logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
+    if eval_now:
+      self.last_eval = evaluate(self.host_params("eval"), self.model_cfg, self.tok, self.task,
+                                self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed)
+      scalars.update(self.last_eval)
+      logging.info("step %d eval %s", self.step, self.last_eval)
+    if self.step % self.config.log_every == 0 or eval_now:
+      self.writer.write(self.step, scalars)
+    host_scalars = metrics_lib.split_metrics(scalars)[0]
+    with open(self.scalars_log, "a") as f:
+      f.write(json.dumps({"step": self.step, **host_scalars}) + "\n")
+    self.progress.update(self.step, host_scalars)
+    if self.step % self.config.checkpoint_every == 0 or self.step == rl.steps:
+      host = {"data": self.prompts.get_state(), "step": self.step, "rollout": rollout_state_fn()}
+      if not self.ckpt.save(self.step, self.state, host):
+        self.writer.write(self.step, {"checkpoint/failed_saves": self.ckpt.failed_saves})
+
+  def close(self):
+    self.progress.close()
+    self.writer.close()
+    self.ckpt.close()
+
+
+async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
+  """Learner version v trains on groups the backend generated within the staleness bound, then publishes v+1.
+  The step runs in a worker thread so an asynchronous backend keeps generating (and scoring) meanwhile."""
+  try:
+    if run.rollout_state:
+      rollouts.load_state_dict(run.rollout_state)
+    await rollouts.start(run.step, run.rollout_params())
+    while run.step < run.config.rl.steps:
+      t0 = time.perf_counter()
+      groups = await rollouts.next_groups(run.step)
+      batch = run.to_batch(groups)
+      step_metrics = await asyncio.to_thread(run.learn, batch)
+      await rollouts.publish(run.step + 1, run.rollout_params())
+      run.after_step(groups, batch, step_metrics, rollouts.stats(), time.perf_counter() - t0,
+                     rollouts.state_dict)
+  finally:
+    await rollouts.close()
+
+
+def _distributed_timeout(config) -> float:
+  d = config.get("distributed")
+  return float(d.timeout_s) if d is not None else 1800.0
+
+
+def _host_params(config) -> bool:
+  """Backends other than the server one ("async") keep host copies of the params they are given."""
+  return config.rl.mode != "async"
+
+
+def _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples):
+  """The leader warm-starts (or finds the cached result); the other processes wait, then read its cache."""
+  if processes.is_leader():
+    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples)
+  processes.barrier("warm_start", _distributed_timeout(config))
+  if not processes.is_leader():
+    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples)  # cached by now
+  return out
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Runs (or resumes) the whole job; returns the base and final evaluation metrics."""
+  model_cfg = validate_config(config)
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  leader = processes.is_leader()
+  if leader:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))  # a pretrained model's own, else ours
+  task = tasks.get_task(config.task.name, render_prompt=tok.chat_prompt, **config.task.kwargs)
+  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  base_dir, base_info = _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples)
+  logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",
+               base_info["eval/greedy_accuracy"], base_info["eval/sampled_accuracy"])
+  run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info)
+  try:
+    asyncio.run(rl_loop(run, run.make_backend()))
+  finally:
+    run.close()
+  final = run.last_eval
+  if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
+    params = run.host_params("final")
+    final = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
+                     seed=config.seed) if leader else {}
+  result = {"base": {k: base_info[k] for k in base_info if k.startswith("eval/")}, "final": final,
+            "steps": run.step}
+  if leader:
+    with open(os.path.join(workdir, "result.json"), "w") as f:
+      json.dump(result, f, indent=2)
+  logging.info("done: %s", result)
+  return result

@@ -1,0 +1,288 @@
+"""Per-sequence squared gradient norms and the per-sequence-weighted gradient from one forward + one backward."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import lm_head
+from vcpo_jax.model import transformer as M
+
+# Shape letters: B batch, T/S length (query/key index of a Gram), I/O dense in/out, D hidden, V vocab.
+# s_i = grad_theta sum_t m_t log pi(y_t) is the score of sequence i. For every parametrised op we hold its
+# inputs a (sown) and the output-gradients g of sum_i sum_t m log pi (gradient wrt a zero perturbation);
+# rows do not interact, so row i of g is sequence i's own output-gradient.
+# Memory: a and g of every layer are held for the rows given at once; callers bound it by passing
+# micro-batches (learner.LearnerConfig.micro_batch_size scans over chunks of whole prompt groups).
+
+MODES = ("auto", "ghost", "explicit")
+# Explicit per-sequence dW temporaries above this size (B x I x O float32) are formed one sequence at a
+# time (lax.map) instead of all at once.
+EXPLICIT_BATCH_BYTES = 1 << 28
+CoefFn = Callable[..., tuple[jax.Array, Any]]
+_F32 = jnp.float32
+HEAD = ("lm_head_inputs",)  # capture() key of (x_BxTxD, w_DxV, mask_BxT) for the LM head terms
+
+
+def _check_mode(mode: str):
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got mode={mode!r}")
+
+
+def _use_ghost(mode: str, t: int, d_in: int, d_out: int) -> bool:
+  """Ghost costs ~T^2 (I+O) per sequence, explicit ~T I O: pick the smaller (static, per layer)."""
+  if mode == "auto":
+    return t * (d_in + d_out) < d_in * d_out
+  return mode == "ghost"
+
+
+def _gram(x_BxTxK):
+  return jnp.einsum("btk,bsk->bts", x_BxTxK, x_BxTxK, preferred_element_type=_F32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-sequence squared norms of one parameter kind.
+# ---------------------------------------------------------------------------------------------------------
+
+def dense_sq_norms(a_BxTxI, g_BxTxO, mode: str = "auto"):
+  """||a_i^T g_i||_F^2 for each sequence i."""
+  _, t, d_in = a_BxTxI.shape
+  if _use_ghost(mode, t, d_in, g_BxTxO.shape[-1]):
+    return jnp.maximum(jnp.sum(_gram(a_BxTxI) * _gram(g_BxTxO), axis=(1, 2)), 0.0)
+  if 4 * a_BxTxI.shape[0] * d_in * g_BxTxO.shape[-1] > EXPLICIT_BATCH_BYTES:
+    def one(ag):
+      dw_IxO = jnp.einsum("ti,to->io", ag[0], ag[1], preferred_element_type=_F32)
+      return jnp.sum(jnp.square(dw_IxO))
+    return jax.lax.map(one, (a_BxTxI, g_BxTxO))
+  dw_BxIxO = jnp.einsum("bti,bto->bio", a_BxTxI, g_BxTxO, preferred_element_type=_F32)
+  return jnp.sum(jnp.square(dw_BxIxO), axis=(1, 2))
+
+
+def bias_sq_norms(g_BxTxO):
+  return jnp.sum(jnp.square(jnp.sum(g_BxTxO.astype(_F32), axis=1)), axis=-1)
+
+
+def scale_sq_norms(xhat_BxTxD, g_BxTxD):
+  """RMSNorm scale: the per-sequence gradient sum_t xhat_t * g_t is only D long, so explicit."""
+  dscale_BxD = jnp.einsum("btd,btd->bd", xhat_BxTxD, g_BxTxD, preferred_element_type=_F32)
+  return jnp.sum(jnp.square(dscale_BxD), axis=-1)
+
+
+def _one_hot(tokens_BxT, vocab_size: int):
+  return jax.nn.one_hot(tokens_BxT, vocab_size, dtype=_F32)
+
+
+def embedding_sq_norms(tokens_BxT, g_BxTxD, vocab_size: int, mode: str = "auto"):
+  """Squared norm of the row-scatter of g by token id: sum_{t,s: id_t = id_s} <g_t, g_s>."""
+  ghost = tokens_BxT.shape[1] < vocab_size if mode == "auto" else mode == "ghost"  # T^2 D vs T V D FLOPs
+  if ghost:
+    same_BxTxS = tokens_BxT[:, :, None] == tokens_BxT[:, None, :]
+    return jnp.maximum(jnp.sum(jnp.where(same_BxTxS, _gram(g_BxTxD), 0.0), axis=(1, 2)), 0.0)
+  de_BxVxD = jnp.einsum("btv,btd->bvd", _one_hot(tokens_BxT, vocab_size), g_BxTxD,
+                        preferred_element_type=_F32)
+  return jnp.sum(jnp.square(de_BxVxD), axis=(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-sequence-weighted gradients sum_i c_i (per-sequence gradient_i) of one parameter kind.
+# ---------------------------------------------------------------------------------------------------------
+
+def _scaled(x_BxTxK, c_B):
+  return x_BxTxK.astype(_F32) * c_B.astype(_F32)[:, None, None]
+
+
+def dense_weighted_grad(a_BxTxI, g_BxTxO, c_B):
+  # Scale the narrower operand: the weighting costs B T min(I, O).
+  if a_BxTxI.shape[-1] <= g_BxTxO.shape[-1]:
+    return jnp.einsum("bti,bto->io", _scaled(a_BxTxI, c_B), g_BxTxO, preferred_element_type=_F32)
+  return jnp.einsum("bti,bto->io", a_BxTxI, _scaled(g_BxTxO, c_B), preferred_element_type=_F32)
+
+
+def bias_weighted_grad(g_BxTxO, c_B):
+  return jnp.einsum("bto,b->o", g_BxTxO.astype(_F32), c_B.astype(_F32))
+
+
+def scale_weighted_grad(xhat_BxTxD, g_BxTxD, c_B):
+  return jnp.einsum("btd,btd->d", _scaled(xhat_BxTxD, c_B), g_BxTxD, preferred_element_type=_F32)
+
+
+def embedding_weighted_grad(tokens_BxT, g_BxTxD, c_B, vocab_size: int):
+  d = g_BxTxD.shape[-1]
+  rows_NxD = _scaled(g_BxTxD, c_B).reshape(-1, d)
+  return jax.ops.segment_sum(rows_NxD, tokens_BxT.reshape(-1), num_segments=vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Capture: one forward (sowing inputs) and one backward with unit per-sequence cotangents.
+# ---------------------------------------------------------------------------------------------------------
+
+def _zero_perturbations(cfg: model_config.ModelConfig, tokens_BxT, positions_BxT):
+  mask = M.causal_mask(positions_BxT)
+  shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=True).init(
+      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, mask))["perturbations"]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
+  """Returns (logp_BxT, ent_BxT, inputs, out_grads): flat dicts keyed by module path tuples."""
+  if positions_BxT is None:
+    positions_BxT = M._default_positions(tokens_BxT)
+  attn_mask = M.causal_mask(positions_BxT, key_mask_BxT)
+  perts = _zero_perturbations(cfg, tokens_BxT, positions_BxT)
+
+  def total_logp(perts):
+    (x_BxTxD, _), state = M.Transformer(cfg, capture=True, head=False).apply(
+        {"params": params, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask,
+        mutable=["intermediates"])
+    logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(x_BxTxD, M.head_kernel(params, cfg), tokens_BxT,
+                                                           mask_BxT, cfg.precision, cfg.logits_chunk)
+    return jnp.sum(logp_BxT), (logp_BxT, ent_BxT, state["intermediates"], x_BxTxD)
+
+  out_grads, (logp_BxT, ent_BxT, inputs, x_BxTxD) = jax.grad(total_logp, has_aux=True)(perts)
+  inputs = {k[:-1] if k[-1] == "inputs" else k: v[0]  # sow keeps a tuple
+            for k, v in traverse_util.flatten_dict(inputs).items()}
+  # The LM head's per-sequence terms are computed by vcpo_jax.model.lm_head from its input and the mask; one
+  # log-sum-exp pass over the vocabulary serves all of them.
+  w_DxV = M.head_kernel(params, cfg)
+  lse_BxT = lm_head.logsumexp(x_BxTxD, w_DxV, cfg.precision, cfg.logits_chunk)
+  inputs[HEAD] = (x_BxTxD, w_DxV, mask_BxT, lse_BxT)
+  out_grads = {k[:-1] if k[-1] == "outputs" else k: v
+               for k, v in traverse_util.flatten_dict(out_grads).items()}
+  return logp_BxT, ent_BxT, inputs, out_grads
+
+
+def _leaf_name(path) -> str:
+  return "/".join(path)
+
+
+def _stacked(path, cfg: model_config.ModelConfig) -> bool:
+  return cfg.scan_layers and path[0] == "layers"
+
+
+def _per_layer(path, cfg: model_config.ModelConfig, rule, a, g):
+  """rule(a, g) of one layer; under scan a and g are stacked [L, ...] and the rule maps over the layers
+  (one layer's temporaries at a time), giving results stacked on the same leading axis."""
+  if _stacked(path, cfg):
+    return jax.lax.map(lambda ag: rule(*ag), (a, g))
+  return rule(a, g)
+
+
+def _layer_sq_rule(path, mode: str):
+  leaf = path[-1]
+  if leaf == "kernel":
+    return lambda a, g: dense_sq_norms(a, g, mode)
+  if leaf == "bias":
+    return lambda a, g: bias_sq_norms(g)
+  if leaf == "scale":
+    return scale_sq_norms
+  raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
+
+
+def _layer_grad_rule(path, c_B):
+  leaf = path[-1]
+  if leaf == "kernel":
+    return lambda a, g: dense_weighted_grad(a, g, c_B)
+  if leaf == "bias":
+    return lambda a, g: bias_weighted_grad(g, c_B)
+  if leaf == "scale":
+    return lambda a, g: scale_weighted_grad(a, g, c_B)
+  raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
+
+
+def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: model_config.ModelConfig, mode: str):
+  """Per-sequence squared norm of one parameter leaf (for a tied embedding: embedding + head + cross)."""
+  module = path[:-1]
+  x, w, mask, lse = inputs[HEAD]
+  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse)
+  if path == ("embed_tokens",):
+    g_emb = out_grads[("embed_outputs",)]
+    sq_B = embedding_sq_norms(tokens_BxT, g_emb, cfg.vocab_size, mode)
+    if cfg.tie_word_embeddings:
+      sq_B = sq_B + lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, **head)
+      sq_B = jnp.maximum(
+          sq_B + 2.0 * lm_head.tied_cross_terms(tokens_BxT, g_emb, x, w, mask, **head), 0.0)
+    return sq_B
+  if path == ("lm_head", "kernel"):
+    return lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, **head)
+  sq = _per_layer(path, cfg, _layer_sq_rule(path, mode), inputs.get(module), out_grads.get(module))
+  return jnp.sum(sq, axis=0) if _stacked(path, cfg) else sq  # under scan [L, B]: summed over the layers
+
+
+def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: model_config.ModelConfig):
+  module = path[:-1]
+  x, w, mask, lse = inputs[HEAD]
+  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse)
+  if path == ("embed_tokens",):
+    grad = embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
+    if cfg.tie_word_embeddings:
+      grad = grad + lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, **head).T
+    return grad
+  if path == ("lm_head", "kernel"):
+    return lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, **head)
+  return _per_layer(path, cfg, _layer_grad_rule(path, c_B), inputs.get(module), out_grads.get(module))
+
+
+def _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode):
+  leaf_sq = {_leaf_name(p): _leaf_sq_norms(p, tokens_BxT, inputs, out_grads, cfg, mode)
+             for p in traverse_util.flatten_dict(params)}
+  return sum(leaf_sq.values()), leaf_sq
+
+
+def per_sequence_sq_norms(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
+                          key_mask_BxT=None, *, mode: str = "auto"):
+  """(sq_norms_B, aux): ||grad_theta sum_t m_t log pi(y_t)||^2 over all parameters, per sequence.
+
+  aux: logp_BxT, ent_BxT (both masked) and leaf_sq_norms {"a/b/kernel": sq_B} (sums to sq_norms_B).
+  """
+  _check_mode(mode)
+  logp_BxT, ent_BxT, inputs, out_grads = capture(params, cfg, tokens_BxT, mask_BxT, positions_BxT,
+                                                 key_mask_BxT)
+  sq_B, leaf_sq = _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode)
+  return sq_B, {"logp_BxT": logp_BxT, "ent_BxT": ent_BxT, "leaf_sq_norms": leaf_sq}
+
+
+def per_sequence_sq_norms_and_grad(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, coef_fn: CoefFn,
+                                   positions_BxT=None, key_mask_BxT=None, *, mode: str = "auto"):
+  """Book-keeping: norms and sum_i c_i s_i from the SAME captured inputs/output-grads (no 2nd backward).
+
+  coef_fn(sq_norms_B, logp_BxT, ent_BxT) -> (c_B, extra) runs in between (IS weights, ESS, baseline live
+  there); c_B is treated as a constant (stop-gradient). Returns (grads, sq_norms_B, aux) with grads shaped
+  like params (param dtype) and aux = {logp_BxT, ent_BxT, leaf_sq_norms, coef_B, extra}.
+  """
+  _check_mode(mode)
+  logp_BxT, ent_BxT, inputs, out_grads = capture(params, cfg, tokens_BxT, mask_BxT, positions_BxT,
+                                                 key_mask_BxT)
+  sq_B, leaf_sq = _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode)
+  c_B, extra = coef_fn(sq_B, logp_BxT, ent_BxT)
+  c_B = jax.lax.stop_gradient(c_B).astype(_F32)
+  flat = traverse_util.flatten_dict(params)
+  grads = {p: _leaf_weighted_grad(p, tokens_BxT, inputs, out_grads, c_B, cfg).astype(leaf.dtype)
+           for p, leaf in flat.items()}
+  aux = {"logp_BxT": logp_BxT, "ent_BxT": ent_BxT, "leaf_sq_norms": leaf_sq, "coef_B": c_B, "extra": extra}
+  return traverse_util.unflatten_dict(grads), sq_B, aux
+
+
+def weighted_logp_grad(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, c_B, positions_BxT=None,
+                       key_mask_BxT=None):
+  """Ordinary backward of sum_i c_i sum_t m_t log pi(y_t) (c_B constant)."""
+  c_B = jax.lax.stop_gradient(c_B).astype(_F32)
+
+  def loss(p):
+    logp_BxT = M.token_logprobs(p, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT)
+    return jnp.sum(c_B[:, None] * logp_BxT)
+
+  return jax.grad(loss)(params)
+
+
+def per_sequence_sq_norms_and_grad_two_pass(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT,
+                                            coef_fn: CoefFn, positions_BxT=None, key_mask_BxT=None, *,
+                                            mode: str = "auto"):
+  """Same contract as per_sequence_sq_norms_and_grad, but the weighted gradient is a second full backward."""
+  sq_B, aux = per_sequence_sq_norms(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT,
+                                    mode=mode)
+  c_B, extra = coef_fn(sq_B, aux["logp_BxT"], aux["ent_BxT"])
+  grads = weighted_logp_grad(params, cfg, tokens_BxT, mask_BxT, c_B, positions_BxT, key_mask_BxT)
+  return grads, sq_B, {**aux, "coef_B": jax.lax.stop_gradient(c_B).astype(_F32), "extra": extra}

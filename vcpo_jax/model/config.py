@@ -1,0 +1,99 @@
+"""ModelConfig: sizes, dtypes, matmul precision, layers under scan, remat policy and attention of the model."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from vcpo_jax.model import attention as attention_lib
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Matmul precision by name. "default" lets the backend choose (TF32 for float32 on recent GPUs, one bf16 pass
+# on TPU); "highest" is true float32 everywhere; on CPU all three are float32.
+PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH,
+              "default": jax.lax.Precision.DEFAULT}
+# What one layer keeps for the backward pass (jax.checkpoint policy); "none" = no rematerialisation.
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.checkpoint_dots,
+                  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and dtypes of a Qwen2-style model; field names follow the HF config where one exists."""
+  vocab_size: int = 128
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_seq_len: int = 256
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  # Every dot in the model (learner log-probs and the sampler alike) runs at this precision.
+  matmul_precision: str = "highest"
+  # Layers under nn.scan: params (and the KV cache) stacked on a leading "layers" axis; compile time does not
+  # grow with depth. False = layers_0 .. layers_{L-1}, the layout of checkpoints written before scan.
+  scan_layers: bool = False
+  remat: str = "none"          # a REMAT_POLICIES name, applied to every layer
+  attention: str = "auto"      # attention.IMPLEMENTATIONS: auto | xla | cudnn | einsum
+  # Vocabulary columns per LM-head chunk (vcpo_jax.model.lm_head): [tokens, vocab] float32 logits never exist at
+  # once in the learner; 0 = the plain full-logits path.
+  logits_chunk: int = 2048
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                       f"model.num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.matmul_precision not in PRECISIONS:
+      raise ValueError(f"model.matmul_precision must be one of {sorted(PRECISIONS)}, "
+                       f"got {self.matmul_precision!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"model.scan_layers must be a bool, got {self.scan_layers!r}")
+    if isinstance(self.logits_chunk, bool) or not isinstance(self.logits_chunk, int) or self.logits_chunk < 0:
+      raise ValueError(f"model.logits_chunk must be an int >= 0 (0: full logits), got {self.logits_chunk!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.attention not in attention_lib.IMPLEMENTATIONS:
+      raise ValueError(f"model.attention must be one of {attention_lib.IMPLEMENTATIONS}, "
+                       f"got {self.attention!r}")
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+    d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**d)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def jnp_param_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  @property
+  def precision(self) -> jax.lax.Precision:
+    return PRECISIONS[self.matmul_precision]

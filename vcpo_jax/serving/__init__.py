@@ -1,0 +1,1 @@
+"""The embedded SGLang-protocol server: request parsing, continuous-batching engine, HTTP app."""
