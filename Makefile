@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-sglang bench install-gpu reproduce-quick clean-venv
+.PHONY: train test test-sglang bench install-gpu reproduce-quick clean-venv docs
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ reproduce-quick: $(VENV)/.report
 	$(PY) -m experiments.launch --config=configs/countdown.py:emulate --sweep=experiments/sweeps/quick.py \
 	  --root=$(QUICK_ROOT)
 	$(PY) -m experiments.report $(QUICK_ROOT) --out $(QUICK_ROOT)/report
+
+# docs/configuration.md from configs/countdown.py and the registries (tests/test_docs.py checks it is current).
+docs: $(VENV)/.runtime
+	$(PY) -m vcpo_jax.job.config_reference
 
 clean-venv:
 	rm -rf $(VENV)
