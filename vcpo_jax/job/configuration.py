@@ -3,6 +3,7 @@ generated from the registries so every registered option is settable (and sweepa
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -112,6 +113,63 @@ def build_optimizer(config, *, sft: bool = False):
 
 
 # ------------------------------------------------------------------------------------- validation
+# Scalar fields read after start-up (by the warm start, the rollout client, the RL loop): each is checked here
+# so that a bad value fails before any work. field -> (accepts, requirement); missing sections are skipped.
+def _int_at_least(low):
+  return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _number(ok):
+  return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v))
+
+
+_SCALAR_FIELDS = {
+    "seed": (_int_at_least(0), "must be an int >= 0"),
+    # 0: only after the last step (see train.due)
+    "eval_every": (_int_at_least(0), "must be an int >= 0 (0: only after the last step)"),
+    "checkpoint_every": (_int_at_least(0), "must be an int >= 0 (0: only after the last step)"),
+    "log_every": (_int_at_least(0), "must be an int >= 0 (0: only after the last step)"),
+    "task.eval_size": (_int_at_least(1), "must be an int >= 1"),
+    "sft.steps": (_int_at_least(0), "must be an int >= 0"),
+    "sft.batch_size": (_int_at_least(1), "must be an int >= 1"),
+    "sft.learning_rate": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "sft.error_rate": (_number(lambda v: 0 <= v <= 1), "must be a number in [0, 1]"),
+    "rl.temperature": (_number(lambda v: v > 0), "must be a number > 0 for on-policy sampling"),
+    "algo.kl_beta": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "algo.micro_batch_max_rows": (_int_at_least(1), "must be an int >= 1"),
+    "algo.ess.trigger": (_number(lambda v: v >= 0), "must be a number >= 0 (0: off)"),
+    "algo.ess.min_ess_floor": (_number(lambda v: v >= 0), "must be a number >= 0 (0: off)"),
+    "algo.ess.min_ess_factor": (_number(lambda v: 0 <= v <= 1), "must be a number in [0, 1]"),
+    "optim.learning_rate": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "optim.b1": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),
+    "optim.b2": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),
+    "optim.eps": (_number(lambda v: v > 0), "must be a number > 0"),
+    "optim.weight_decay": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "optim.max_grad_norm": (_number(lambda v: v >= 0), "must be a number >= 0 (0: no clipping)"),
+    "optim.schedule.warmup_steps": (_int_at_least(0), "must be an int >= 0"),
+    "optim.schedule.decay_steps": (_int_at_least(0), "must be an int >= 0 (0: rl.steps)"),
+    "optim.schedule.final_lr_fraction": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "rollout.num_servers": (_int_at_least(0), "must be an int >= 0"),
+    "rollout.base_port": (lambda v: _int_at_least(0)(v) and v <= 65535, "must be an int in [0, 65535] (0: free ports)"),
+    "rollout.request_timeout": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
+    "rollout.max_retries": (_int_at_least(0), "must be an int >= 0"),
+    "rollout.keep_versions": (_int_at_least(1), "must be an int >= 1"),
+    "distributed.timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
+}
+
+
+def _validate_scalars(config):
+  for field, (accepts, why) in _SCALAR_FIELDS.items():
+    *sections, key = field.split(".")
+    node = config
+    for name in sections:
+      node = node.get(name) if node is not None else None
+    if node is None or key not in node:
+      continue
+    if not accepts(node[key]):
+      _fail(field, node[key], why)
+
+
 def _validate_algo(config):
   a, rl = config.algo, config.rl
   losses.ADVANTAGE_ESTIMATORS.get(a.advantage)   # unknown names are errors listing the known ones
@@ -132,6 +190,7 @@ def _validate_algo(config):
 
 def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConfig:
   """Checks every field the job depends on before anything starts; errors name the field and value."""
+  _validate_scalars(config)
   model_cfg = hf.model_config(config.model)  # with model.hf_path: the checkpoint's architecture
   tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
   if model_cfg.vocab_size < tok.vocab_size:
@@ -150,10 +209,6 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
     _fail("task.name", config.task.name, f"unknown task; known: {sorted(tasks.TASKS)}")
   tasks.get_task(config.task.name, **config.task.kwargs)  # knob errors name the knob
   _validate_algo(config)
-  if config.sft.steps < 0:
-    _fail("sft.steps", config.sft.steps, "must be >= 0")
-  if config.checkpoint_every < 1:
-    _fail("checkpoint_every", config.checkpoint_every, "must be >= 1")
   if config.rollout.num_servers < 1 and not config.rollout.server_urls:
     _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")
   return model_cfg

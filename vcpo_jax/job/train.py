@@ -69,6 +69,12 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
 
 
 # ------------------------------------------------------------------------------------------ RL loop
+def due(step: int, every: int, last_step: int) -> bool:
+  """Whether a periodic action (eval_every, checkpoint_every, log_every) runs after `step`: every `every`
+  steps and always after the last one; every = 0 means only after the last one."""
+  return step == last_step or (every > 0 and step % every == 0)
+
+
 class RLRun:
   """Learner-side state of the RL phase and everything done between two learner steps."""
 
@@ -169,13 +175,13 @@ class RLRun:
     """Logging, periodic evaluation and checkpointing once learner version self.step exists."""
     self.step += 1
     rl = self.config.rl
-    eval_now = self.step % self.config.eval_every == 0 or self.step == rl.steps
+    eval_now = due(self.step, self.config.eval_every, rl.steps)
     if eval_now:
       self.eval_step = self.step
     if not self.leader:  # followers: the gathers of the evaluation, the checkpoint (a collective save)
       if eval_now:
         self.host_params("eval")
-      if self.step % self.config.checkpoint_every == 0 or self.step == rl.steps:
+      if due(self.step, self.config.checkpoint_every, rl.steps):
         self.ckpt.save(self.step, self.state, {"step": self.step})  # the leader's JSON is the one written
       return
     with open(self.consumed_log, "a") as f:
@@ -190,13 +196,13 @@ class RLRun:
                                 self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed)
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
-    if self.step % self.config.log_every == 0 or eval_now:
+    if due(self.step, self.config.log_every, rl.steps) or eval_now:
       self.writer.write(self.step, scalars)
     host_scalars = metrics_lib.split_metrics(scalars)[0]
     with open(self.scalars_log, "a") as f:
       f.write(json.dumps({"step": self.step, **host_scalars}) + "\n")
     self.progress.update(self.step, host_scalars)
-    if self.step % self.config.checkpoint_every == 0 or self.step == rl.steps:
+    if due(self.step, self.config.checkpoint_every, rl.steps):
       host = {"data": self.prompts.get_state(), "step": self.step, "rollout": rollout_state_fn()}
       if not self.ckpt.save(self.step, self.state, host):
         self.writer.write(self.step, {"checkpoint/failed_saves": self.ckpt.failed_saves})
