@@ -11,10 +11,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vcpo_jax import tasks
 from vcpo_jax.job import train
-from vcpo_jax.job.configuration import validate_config
-from vcpo_jax.model import tokenizer as tokenizer_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -27,10 +24,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  model_cfg = validate_config(config)
-  tok = tokenizer_lib.build_tokenizer()
-  task = tasks.get_task(config.task.name, **config.task.kwargs)
-  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  model_cfg, tok, task, eval_examples = train.starting_point(config)
   base_dir, _ = train.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples)
   print(base_dir)
 

@@ -31,6 +31,17 @@ from vcpo_jax.rollout import backend as backend_lib, batching, episodes, types
 
 
 # --------------------------------------------------------------------------------------- warm start
+def starting_point(config):
+  """(model_cfg, tokenizer, task, eval_examples) the job starts from: validated config; the pretrained
+  checkpoint's tokenizer with model.hf_path, else ours; prompts in that tokenizer's chat template. The job and
+  export_base both call this, so servers started on export_base's weights start on the job's own."""
+  model_cfg = validate_config(config)
+  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
+  task = tasks.get_task(config.task.name, render_prompt=tok.chat_prompt, **config.task.kwargs)
+  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  return model_cfg, tok, task, eval_examples
+
+
 def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tuple[str, dict]:
   """SFT on deliberately imperfect solutions; the result is cached as a HF directory in workdir/base."""
   base_dir = os.path.join(workdir, "base")
@@ -254,16 +265,13 @@ def _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples):
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Runs (or resumes) the whole job; returns the base and final evaluation metrics."""
-  model_cfg = validate_config(config)
+  model_cfg, tok, task, eval_examples = starting_point(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   leader = processes.is_leader()
   if leader:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))  # a pretrained model's own, else ours
-  task = tasks.get_task(config.task.name, render_prompt=tok.chat_prompt, **config.task.kwargs)
-  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
   base_dir, base_info = _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples)
   logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",
                base_info["eval/greedy_accuracy"], base_info["eval/sampled_accuracy"])
