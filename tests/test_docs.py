@@ -1,0 +1,88 @@
+"""README.md and docs/*.md: links resolve, named make targets and `python -m` modules exist, the config reference is current."""
+import importlib.util
+import pathlib
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted((ROOT / "docs").rglob("*.md"))
+# Hand-written pages whose commands are checked; generated result pages (docs/results/**) only for links.
+HAND_WRITTEN = [p for p in PAGES if "results" not in p.relative_to(ROOT).parts]
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+MAKE = re.compile(r"(?<![\w.-])make ((?:[A-Z_]+=\S+ )*)([a-z][\w-]*(?: [a-z][\w-]*)*)")
+MODULE = re.compile(r"python3? -m ([A-Za-z_][\w.]*)")
+# Modules from other projects' tools that a page may name (not this repository's).
+EXTERNAL_MODULES = {"venv", "pip", "pytest", "tensorboard", "sglang.launch_server"}
+
+
+def _code(text: str) -> str:
+  """The text inside inline code spans and fenced blocks, where commands are written."""
+  fenced = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+  inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+  return "\n".join(fenced + inline)
+
+
+def _make_targets() -> set[str]:
+  text = (ROOT / "Makefile").read_text()
+  return {m.group(1) for m in re.finditer(r"^([a-z][\w-]*)\s*:(?!=)", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+  if not page.exists():
+    pytest.skip(f"{page.name} not present")
+  broken = []
+  for target in LINK.findall(page.read_text()):
+    if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+      continue  # URLs and in-page anchors
+    path = target.split("#", 1)[0]
+    if not (page.parent / path).exists():
+      broken.append(target)
+  assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+@pytest.mark.parametrize("page", HAND_WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_make_targets_exist(page):
+  if not page.exists():
+    pytest.skip(f"{page.name} not present")
+  targets = _make_targets()
+  missing = set()
+  for m in MAKE.finditer(_code(page.read_text())):
+    for name in m.group(2).split():
+      if name not in targets:
+        missing.add(name)
+  assert not missing, f"{page.relative_to(ROOT)} names make targets the Makefile lacks: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("page", HAND_WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_python_modules_exist(page):
+  if not page.exists():
+    pytest.skip(f"{page.name} not present")
+  sys.path.insert(0, str(ROOT))
+  try:
+    missing = sorted({name for name in MODULE.findall(_code(page.read_text()))
+                      if name not in EXTERNAL_MODULES and importlib.util.find_spec(name) is None})
+  finally:
+    sys.path.remove(str(ROOT))
+  assert not missing, f"{page.relative_to(ROOT)} names `python -m` modules that do not exist: {missing}"
+
+
+def test_readme_is_a_front_door():
+  assert len((ROOT / "README.md").read_text().splitlines()) <= 220
+
+
+def test_configuration_reference_is_current():
+  from vcpo_jax.job import config_reference
+  committed = (ROOT / "docs" / "configuration.md").read_text()
+  assert committed == config_reference.render(), (
+      "docs/configuration.md is out of date: run `make docs` (python -m vcpo_jax.job.config_reference)")
+
+
+def test_config_reference_reads_comments():
+  from vcpo_jax.job import config_reference
+  source = "c.x = ml_collections.ConfigDict(dict(\n    a=1,  # the a\n    # about b\n    b=2,\n))  \n"
+  known = config_reference.config_comments(source)
+  assert known["x.a"][1] == "the a" and known["x.b"][1] == "about b"
