@@ -13,6 +13,8 @@ from vcpo_jax.model import tokenizer as tokenizer_lib
 pytest.importorskip("transformers")
 from test_pretrained import TEXTS, build_checkpoint  # noqa: E402  (needs transformers)
 
+pytestmark = [pytest.mark.slow]  # one export_base process (~25 s on CPU)
+
 _CONFIG = """
 from configs import tiny
 
