@@ -18,7 +18,6 @@ import numpy as np
 
 def main(argv=None) -> dict:
   from configs import countdown
-  from vcpo_jax import tasks
   from vcpo_jax.algo import diagnostics
   from vcpo_jax.job import configuration
   from vcpo_jax.job import data
@@ -35,7 +34,7 @@ def main(argv=None) -> dict:
   cfg32 = hf.model_config(config.model)
   cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
   tok = tokenizer_lib.build_tokenizer()
-  task = tasks.get_task(config.task.name, **config.task.kwargs)
+  task = configuration.build_task(config)
   opt = configuration.build_optimizer(config, sft=True)
   state = train_state.create_train_state(cfg32, opt, jax.random.PRNGKey(0))
   step = train_state.make_sft_step(cfg32, opt)

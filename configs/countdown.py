@@ -1,6 +1,7 @@
 """Main CPU job: SFT warm start, then asynchronous VCPO on Countdown with embedded rollout servers."""
 import ml_collections
 
+from vcpo_jax import tasks
 from vcpo_jax.algo import losses
 from vcpo_jax.job import configuration
 
@@ -50,12 +51,16 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict(dict(
       name="countdown",
-      # Knobs passed to the task constructor (see vcpo_jax/tasks). CPU-sized Countdown: two numbers in
-      # [1, 25]. The paper's 3-4 numbers in [1, 99] (min_numbers=3, max_numbers=4, max_number=99) need a
-      # pretrained model: a 3-layer model warm-started here for minutes stays at 0% on them.
-      kwargs=ml_collections.ConfigDict(dict(num_numbers=2, max_number=25, eval_fraction=0.2)),
-      eval_size=128,           # held-out prompts per evaluation (229 distinct exist at these knobs)
+      # A registered task: countdown | arithmetic | countdown_tools (vcpo_jax/tasks). One sub-dict per task
+      # with its constructor's options; only the chosen one's is read, e.g.
+      # --config.task.name=arithmetic --config.task.options.arithmetic.max_digits=2.
+      options=configuration.options_config(tasks.TASKS),
+      eval_size=128,           # held-out prompts per evaluation (229 distinct exist at these options)
   ))
+  # CPU-sized Countdown: two numbers in [1, 25]. The paper's 3-4 numbers in [1, 99] (min_numbers=3,
+  # max_numbers=4, max_number=99) need a pretrained model: a 3-layer model warm-started here for minutes
+  # stays at 0% on them.
+  c.task.options.countdown.update(num_numbers=2, max_number=25, eval_fraction=0.2)
 
   # Supervised warm start on deliberately imperfect generated solutions (cached in workdir/base).
   c.sft = ml_collections.ConfigDict(dict(
@@ -71,7 +76,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       group_size=8,            # n samples per prompt
       max_new_tokens=24,
       temperature=1.0,
-      mode="async",            # async (servers) | emulate (in-process lag emulation, no servers)
+      mode="http",             # a registered backend: http (SGLang-protocol servers) | emulate (in-process lag emulation)
       max_lag=2,               # k: no sample is consumed with lag > k; 0 is synchronous
   ))
 

@@ -1,7 +1,7 @@
 """Multi-turn tool use: Countdown with a calculator (`<calc>expr</calc>` -> `<result>value</result>`).
 
 The main job's config (configs/countdown.py) with the countdown_tools task: every rollout is an episode of up
-to task.kwargs.max_turns model turns; tool outputs are tokens with mask 0 inside the response.
+to task.options.countdown_tools.max_turns model turns; tool outputs are tokens with mask 0 inside the response.
 """
 import ml_collections
 
@@ -15,9 +15,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # CPU-sized: three numbers in [1, 6] with + - * (the task's defaults are the paper's 3-4 numbers in [1, 99]
   # with division, which need longer rows and a pretrained model). max_turns caps model turns per episode, so
   # at most max_turns - 1 calls are answered; a reply's value is capped at max_result_chars.
-  c.task.kwargs = ml_collections.ConfigDict(dict(
+  c.task.options.countdown_tools.update(
       num_numbers=3, max_number=6, max_target=100, ops="+-*", eval_fraction=0.2,
-      max_turns=3, max_result_chars=24, correction_rate=0.5))
+      max_turns=3, max_result_chars=24, correction_rate=0.5)
   # A prompt is <= 79 tokens; a warm-start trace (a failed check, its correction, the answer) <= 88 + the
   # stop token (tests/test_tools.py checks both over many draws).
   c.model.max_seq_len = 176

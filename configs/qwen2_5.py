@@ -45,7 +45,7 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
   ))
   c.mesh.update(data=1, fsdp=-1, tensor=1)   # parameters and optimizer state sharded over every device
   # The paper's Countdown: 3-4 numbers in [1, 99].
-  c.task.kwargs = ml_collections.ConfigDict(dict(min_numbers=3, max_numbers=4, max_number=99))
+  c.task.options.countdown.update(num_numbers=None, min_numbers=3, max_numbers=4, max_number=99, eval_fraction=0.1)
   c.task.eval_size = 256
   c.sft.steps = 0                  # a pretrained (instruct) model needs no warm start
   c.rl.update(steps=200, prompts_per_step=16, group_size=8, max_new_tokens=512)

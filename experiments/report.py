@@ -179,10 +179,15 @@ def lead_table(runs: list[Run], summaries) -> list[str]:
   return lines
 
 
+def _task_options(task: dict) -> dict:
+  """The chosen task's options from a unit's saved config (task.options.<name>; task.kwargs before the rename)."""
+  return (task.get("options") or {}).get(task["name"]) or task.get("kwargs") or {}
+
+
 def _settings_of(c: dict) -> dict:
   return {"rl.steps": c["rl"]["steps"], "rl.mode": c["rl"]["mode"], "rl.prompts_per_step": c["rl"]["prompts_per_step"],
           "rl.group_size": c["rl"]["group_size"], "rl.max_new_tokens": c["rl"]["max_new_tokens"],
-          "task": f"{c['task']['name']} {c['task']['kwargs']}", "task.eval_size": c["task"]["eval_size"],
+          "task": f"{c['task']['name']} {_task_options(c['task'])}", "task.eval_size": c["task"]["eval_size"],
           "eval_every": c["eval_every"], "sft.steps": c["sft"]["steps"],
           "model": f"{c['model']['num_layers']} layers x {c['model']['hidden_size']}"}
 

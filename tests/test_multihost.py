@@ -189,8 +189,8 @@ def test_two_processes_emulate_equal_one_process(tmp_path, reference):
 @pytest.mark.integration
 @CPU_ONLY
 def test_two_processes_async_with_one_embedded_server(tmp_path, reference):
-  workdir = _workdir_with_base(tmp_path, reference, "async")
-  _run(workdir, mode="async", extra=["--config.rollout.num_servers=1"])
+  workdir = _workdir_with_base(tmp_path, reference, "http")
+  _run(workdir, mode="http", extra=["--config.rollout.num_servers=1"])
   assert [r["step"] for r in _lines(workdir, "consumed.jsonl")] == [1, 2, 3, 4]
   with open(os.path.join(workdir, "result.json")) as f:
     assert json.load(f)["steps"] == 4

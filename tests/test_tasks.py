@@ -347,7 +347,7 @@ def test_sft_completion_error_rate(name):
 def test_registry_errors_name_the_field():
   with pytest.raises(ValueError, match="unknown task name 'gsm8k'.*arithmetic.*countdown"):
     tasks.get_task("gsm8k")
-  with pytest.raises(ValueError, match="unknown knob 'max_digits'"):
+  with pytest.raises(ValueError, match=r"unknown option\(s\) \['max_digits'\]"):
     tasks.get_task("countdown", max_digits=3)
   with pytest.raises(ValueError, match="min_numbers"):
     tasks.get_task("countdown", min_numbers=1)

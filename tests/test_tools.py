@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from vcpo_jax import tasks
-from vcpo_jax.job import data
+from vcpo_jax.job import configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import batching, episodes, types
@@ -108,7 +108,7 @@ def test_tool_task_traces_use_the_calculator_and_are_scored_as_countdown():
 def test_tool_config_rows_fit_the_longest_trace():
   from configs import countdown_tools
   c = countdown_tools.get_config()
-  task = tasks.get_task(c.task.name, render_prompt=TOK.chat_prompt, **c.task.kwargs)
+  task = configuration.build_task(c, render_prompt=TOK.chat_prompt)
   rng = np.random.default_rng(1)
   for ex in task.sample(1, 200):
     prompt = len(TOK.encode(ex["prompt"]))

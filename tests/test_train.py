@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from vcpo_jax import tasks
 from vcpo_jax.job import train
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout import backend, types
@@ -206,18 +207,25 @@ class FixedBackend(backend.RolloutBackend):
     self.calls.append(("close",))
 
 
-class CountingTask:
-  """The real task, counting reward calls."""
-
-  def __init__(self, task):
-    self.task, self.reward_calls = task, 0
+@tasks.register_task
+class CountingCountdown(tasks.Countdown):
+  """A test-only task, registered like any other: the real Countdown, counting reward calls."""
+  name = "test_counting_countdown"
+  reward_calls = 0
 
   def reward(self, example, text):
-    self.reward_calls += 1
-    return self.task.reward(example, text)
+    type(self).reward_calls += 1
+    return super().reward(example, text)
 
-  def __getattr__(self, name):
-    return getattr(self.task, name)
+
+BUILT: list = []  # the FixedBackend instances the registry built (the test inspects them)
+
+
+@backend.BACKENDS.register("test_fixed", host_params=True)
+def _fixed_backend(config, ctx):
+  """A test-only backend, registered like any other: one module (here, a class above) plus this line."""
+  BUILT.append(FixedBackend(ctx, config.rl.prompts_per_step, config.rl.group_size, [0.25, 0.75]))
+  return BUILT[-1]
 
 
 def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
@@ -225,25 +233,31 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   the learner trains on the rewards the backend scored (the loop itself never calls task.reward), and the
   backend's event-loop work goes on while the learner step runs (the async overlap)."""
   import jax
-  from vcpo_jax import tasks
-  from vcpo_jax.job import checkpointing
+  from vcpo_jax.job import checkpointing, configuration
   from vcpo_jax.model import hf
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
-  config = tiny_config(**{"rl.steps": 2, "eval_every": 100})
+  # Both chosen by name from the config, as a user would: the registries are the only seams.
+  config = tiny_config(**{"rl.steps": 2, "eval_every": 100, "rl.mode": "test_fixed"})
+  config.task.name = CountingCountdown.name
+  config.task.options[CountingCountdown.name] = dict(config.task.options.countdown)
+  configuration.validate_config(config)
   cfg = model_config.ModelConfig.from_dict(config.model)
   tok = tokenizer.build_tokenizer()
   base_dir = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "base"), tok)
-  task = CountingTask(tasks.get_task(config.task.name, **config.task.kwargs))
+  task = configuration.build_task(config)
+  assert isinstance(task, CountingCountdown)
+  CountingCountdown.reward_calls = 0
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
   run = train.RLRun(config, str(tmp_path), cfg, tok, task, base_dir, eval_examples,
                     {"eval/greedy_accuracy": 0.0, "eval/sampled_accuracy": 0.0})
   rewards = [0.25, 0.75]  # no countdown verifier gives these
-  rollouts = FixedBackend(run.rollout_context(), config.rl.prompts_per_step, config.rl.group_size, rewards)
   try:
-    asyncio.run(train.rl_loop(run, rollouts))
+    asyncio.run(train.rl_loop(run, run.make_backend()))
   finally:
     run.close()
+  rollouts = BUILT[-1]
+  assert rollouts.ctx.task is task  # the backend's context carries the task
   assert rollouts.calls == [("start", 0), ("next_groups", 0), ("publish", 1), ("next_groups", 1), ("publish", 2),
                             ("close",)]
   # The first step compiles for seconds: a learner blocking the event loop would leave the ticker still.
@@ -254,7 +268,7 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
     assert s["reward/mean"] == pytest.approx(np.mean(rewards))
   assert scalars[-1]["rollout/fixed_groups_served"] == 2 * config.rl.prompts_per_step
   # Only the final evaluation scored anything (greedy + sampled over the eval set): not the learner path.
-  assert task.reward_calls == 2 * len(eval_examples)
+  assert CountingCountdown.reward_calls == 2 * len(eval_examples)
   ckpt = checkpointing.Checkpointer(str(tmp_path / "checkpoints"))
   _, _, host = ckpt.restore(checkpointing.abstract_like(run.state))
   ckpt.close()

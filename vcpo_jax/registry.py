@@ -1,10 +1,13 @@
-"""Named choices (advantage estimators, policy losses) registered with their facts and a typed options dataclass."""
+"""Named choices (estimators, losses, rollout backends, tasks) registered with their facts and a typed options dataclass."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 from typing import Any, Callable, Mapping, Union
 
-# A fact is a bool, or a function of the (typed) options when it depends on them (OPOB's scope).
+# A fact is a bool, or a function of the (typed) options when it depends on them (OPOB's scope). Each registry
+# names the facts its entries may declare; these are the estimators' and losses'.
 Fact = Union[bool, Callable[[Any], bool]]
 FACTS = {
     "seq_coefficient": "d loss / d log pi_t is one stop-gradient constant per sequence on its response tokens, "
@@ -30,11 +33,12 @@ class Entry:
   fn: Callable
   options: type
   facts: Mapping[str, Fact]
+  known_facts: Mapping[str, str] = dataclasses.field(default_factory=lambda: FACTS)
 
   def fact(self, name: str, options: Any = None) -> bool:
     """The fact's value (evaluated on `options`, default options when None, if it depends on them)."""
-    if name not in FACTS:
-      raise ValueError(f"unknown fact {name!r}; known facts: {sorted(FACTS)}")
+    if name not in self.known_facts:
+      raise ValueError(f"unknown fact {name!r}; known facts: {sorted(self.known_facts)}")
     value = self.facts.get(name, False)
     if callable(value):
       return bool(value(self.options() if options is None else options))
@@ -60,26 +64,52 @@ class Entry:
     return self.options(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
-class Registry:
-  """name -> Entry, filled by the `register` decorator where each choice is defined."""
+def options_from_signature(fn: Callable, name: str) -> type:
+  """A frozen options dataclass whose fields are `fn`'s keyword parameters with their defaults and types
+  (for choices configured by their constructor, such as tasks)."""
+  fields = []
+  for p in list(inspect.signature(fn).parameters.values())[1:]:  # after self / the positional input
+    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
+      raise TypeError(f"{name}: parameter {p.name!r} needs a default to be an option")
+    fields.append((p.name, Any if p.annotation is p.empty else p.annotation, dataclasses.field(default=p.default)))
+  return dataclasses.make_dataclass(f"{name.title().replace('_', '')}Options", fields, frozen=True,
+                                    namespace={"__module__": fn.__module__})
 
-  def __init__(self, kind: str):
+
+def _resolve(target: str) -> Callable:
+  module, _, attr = target.partition(":")
+  out = importlib.import_module(module)
+  for part in attr.split("."):
+    out = getattr(out, part)
+  return out
+
+
+class Registry:
+  """name -> Entry, filled by the `register` decorator where each choice is defined (or by `register_lazy`
+  with a "module:attribute" path, so a heavy implementation is imported only when chosen)."""
+
+  def __init__(self, kind: str, facts: Mapping[str, str] = FACTS):
     self.kind = kind
+    self.facts = dict(facts)
     self._entries: dict[str, Entry] = {}
 
   def register(self, name: str, *, options: type = NoOptions, **facts: Fact) -> Callable:
-    unknown = sorted(set(facts) - set(FACTS))
+    unknown = sorted(set(facts) - set(self.facts))
     if unknown:
-      raise ValueError(f"{self.kind} {name!r}: unknown fact(s) {unknown}; known facts: {sorted(FACTS)}")
+      raise ValueError(f"{self.kind} {name!r}: unknown fact(s) {unknown}; known facts: {sorted(self.facts)}")
     if not dataclasses.is_dataclass(options):
       raise TypeError(f"{self.kind} {name!r}: options must be a dataclass, got {options!r}")
 
     def decorate(fn: Callable) -> Callable:
       if name in self._entries:
         raise ValueError(f"{self.kind} {name!r} is registered twice")
-      self._entries[name] = Entry(self.kind, name, fn, options, dict(facts))
+      self._entries[name] = Entry(self.kind, name, fn, options, dict(facts), self.facts)
       return fn
     return decorate
+
+  def register_lazy(self, name: str, target: str, *, options: type = NoOptions, **facts: Fact) -> None:
+    """Registers the callable at "module:attribute", imported on first call."""
+    self.register(name, options=options, **facts)(lambda *args, **kwargs: _resolve(target)(*args, **kwargs))
 
   def alias(self, name: str, existing: str):
     """`name` is another name for a registered choice (same function, options and facts)."""

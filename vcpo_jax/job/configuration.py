@@ -16,7 +16,7 @@ from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.rollout.backend import BACKENDS
+from vcpo_jax.rollout import backend as backend_lib
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -52,6 +52,17 @@ def _chosen_options(options_dict, name: str) -> dict:
   if options_dict is None or name not in options_dict:
     return {}
   return dict(options_dict[name])
+
+
+# ------------------------------------------------------------------------------------- task
+def task_options(config) -> dict:
+  """The chosen task's options (task.options.<task.name>), as given."""
+  return _chosen_options(config.task.get("options"), config.task.name)
+
+
+def build_task(config, render_prompt=None):
+  """The job's task: task.name built with its options (render_prompt: a pretrained chat template)."""
+  return tasks.get_task(config.task.name, render_prompt=render_prompt, **task_options(config))
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -196,8 +207,7 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
   if model_cfg.vocab_size < tok.vocab_size:
     _fail("model.vocab_size", model_cfg.vocab_size, f"smaller than the tokenizer's {tok.vocab_size} ids")
   rl = config.rl
-  if rl.mode not in BACKENDS:  # the rollout backends' registry is the one list of modes
-    _fail("rl.mode", rl.mode, f"must be one of {sorted(BACKENDS)}")
+  backend_lib.backend_entry(rl.mode)  # the backends' registry is the one list of modes (old names: an error)
   if not isinstance(rl.max_lag, int) or rl.max_lag < 0:
     _fail("rl.max_lag", rl.max_lag, "must be an int >= 0 (0 is synchronous)")
   for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
@@ -205,9 +215,14 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
       _fail(f"rl.{field}", rl[field], "must be a positive int")
   if not rl.temperature > 0:
     _fail("rl.temperature", rl.temperature, "must be > 0 for on-policy sampling")
+  if "kwargs" in config.task:
+    _fail("task.kwargs", dict(config.task.kwargs), f"replaced by task.options.{config.task.name}.<option>")
   if config.task.name not in tasks.TASKS:
-    _fail("task.name", config.task.name, f"unknown task; known: {sorted(tasks.TASKS)}")
-  tasks.get_task(config.task.name, **config.task.kwargs)  # knob errors name the knob
+    _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
+  try:
+    build_task(config)
+  except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses
+    _fail(f"task.options.{config.task.name}", task_options(config), str(e))
   _validate_algo(config)
   if config.rollout.num_servers < 1 and not config.rollout.server_urls:
     _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")

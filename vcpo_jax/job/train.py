@@ -17,7 +17,7 @@ from vcpo_jax.job import checkpointing
 from vcpo_jax.job import data
 from vcpo_jax.job import metrics as metrics_lib
 from vcpo_jax.job import multihost
-from vcpo_jax.job.configuration import build_optimizer, learner_config, validate_config
+from vcpo_jax.job.configuration import build_optimizer, build_task, learner_config, validate_config
 from vcpo_jax.job.evaluation import evaluate, make_score_fn
 from vcpo_jax.learner import step as learner
 from vcpo_jax.learner import train_state
@@ -37,7 +37,7 @@ def starting_point(config):
   export_base both call this, so servers started on export_base's weights start on the job's own."""
   model_cfg = validate_config(config)
   tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
-  task = tasks.get_task(config.task.name, render_prompt=tok.chat_prompt, **config.task.kwargs)
+  task = build_task(config, render_prompt=tok.chat_prompt)
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
   return model_cfg, tok, task, eval_examples
 
@@ -136,7 +136,8 @@ class RLRun:
   def rollout_context(self) -> backend_lib.RolloutContext:
     return backend_lib.RolloutContext(
         model_cfg=self.model_cfg, tokenizer=self.tok, prompts=self.prompts,
-        score=make_score_fn(self.task, self.tok), workdir=self.workdir, batch_rows=self.batch_rows)
+        score=make_score_fn(self.task, self.tok), workdir=self.workdir, batch_rows=self.batch_rows,
+        task=self.task)
 
   def make_backend(self) -> backend_lib.RolloutBackend:
     if not processes.multi_process():
@@ -249,8 +250,8 @@ def _distributed_timeout(config) -> float:
 
 
 def _host_params(config) -> bool:
-  """Backends other than the server one ("async") keep host copies of the params they are given."""
-  return config.rl.mode != "async"
+  """Whether the backend takes host copies of the params (its declared need) rather than sharded arrays."""
+  return backend_lib.needs(config, "host_params")
 
 
 def _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples):

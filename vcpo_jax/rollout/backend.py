@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import ml_collections
 
+from vcpo_jax import registry
 from vcpo_jax.rollout.types import Group, ScoreFn
 
 
@@ -28,6 +29,7 @@ class RolloutContext:
   score: ScoreFn  # (example, output_ids) -> (reward, text); backends apply it as each group completes
   workdir: str  # weights, server logs, caches go under it
   batch_rows: int  # learner rows per step (servers batch at least this many)
+  task: Any = None  # the job's tasks.Task (multi-turn backends take its tool environment from it)
 
 
 class RolloutBackend(abc.ABC):
@@ -67,24 +69,37 @@ class RolloutBackend(abc.ABC):
 
 BackendFactory = Callable[[ml_collections.ConfigDict, RolloutContext], RolloutBackend]
 
+# What a backend needs from the loop and the launcher; they read these facts and never test a mode's name.
+BACKEND_FACTS = {
+    "host_params": "takes the learner's params as host numpy arrays (an in-process backend keeps host copies); "
+                   "otherwise it gets the sharded device arrays and exports them itself",
+    "embedded_servers": "starts embedded SGLang-protocol server processes unless rollout.server_urls is set "
+                        "(the launcher plans devices for them before the learner takes its own)",
+}
+# rl.mode -> backend factory (config, ctx) -> RolloutBackend. A new backend is one module and one line here;
+# implementations are imported when chosen (the HTTP stack is not loaded for the emulator).
+BACKENDS = registry.Registry("rollout backend", facts=BACKEND_FACTS)
+# SGLang-protocol servers: embedded ones the job starts, or rollout.server_urls (real SGLang).
+BACKENDS.register_lazy("http", "vcpo_jax.rollout.http_backend:HttpBackend.from_config", embedded_servers=True)
+# The deterministic in-process lag emulator (rollouts for step t from the params of step t - k).
+BACKENDS.register_lazy("emulate", "vcpo_jax.rollout.emulation:EmulatedBackend.from_config", host_params=True)
+RENAMED_MODES = {"async": "http"}
 
-# The implementations import this module, so they are imported when chosen, not at import time.
-def _http(config: ml_collections.ConfigDict, ctx: RolloutContext) -> RolloutBackend:
-  from vcpo_jax.rollout import http_backend  # noqa: PLC0415
-  return http_backend.HttpBackend.from_config(config, ctx)
+
+def backend_entry(mode: str) -> registry.Entry:
+  """The registered backend of rl.mode; an old or unknown name is an error naming the field and value."""
+  if mode in RENAMED_MODES:
+    raise ValueError(f"invalid config: rl.mode={mode!r} was renamed {RENAMED_MODES[mode]!r}; "
+                     f"use --config.rl.mode={RENAMED_MODES[mode]}")
+  if mode not in BACKENDS:
+    raise ValueError(f"invalid config: rl.mode={mode!r}: must be one of {BACKENDS.names()}")
+  return BACKENDS.get(mode)
 
 
-def _emulate(config: ml_collections.ConfigDict, ctx: RolloutContext) -> RolloutBackend:
-  from vcpo_jax.rollout import emulation  # noqa: PLC0415
-  return emulation.EmulatedBackend.from_config(config, ctx)
-
-
-# rl.mode -> backend. "async": SGLang-protocol servers (embedded, or rollout.server_urls); "emulate": the
-# deterministic in-process lag emulator.
-BACKENDS: dict[str, BackendFactory] = {"async": _http, "emulate": _emulate}
+def needs(config: ml_collections.ConfigDict, fact: str) -> bool:
+  """Whether the configured backend declares `fact` (BACKEND_FACTS)."""
+  return backend_entry(config.rl.mode).fact(fact)
 
 
 def make_backend(config: ml_collections.ConfigDict, ctx: RolloutContext) -> RolloutBackend:
-  if config.rl.mode not in BACKENDS:
-    raise ValueError(f"invalid config: rl.mode={config.rl.mode!r}: must be one of {sorted(BACKENDS)}")
-  return BACKENDS[config.rl.mode](config, ctx)
+  return backend_entry(config.rl.mode).fn(config, ctx)

@@ -8,7 +8,6 @@ from typing import Any, Callable, Sequence
 import ml_collections
 import numpy as np
 
-from vcpo_jax import tasks
 from vcpo_jax.model import sampling
 from vcpo_jax.rollout import backend, episodes, types
 
@@ -86,7 +85,7 @@ class EmulatedBackend(backend.RolloutBackend):
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "EmulatedBackend":
     rl = config.rl
-    runner = episodes.runner_for(tasks.get_task(config.task.name, **config.task.kwargs), ctx.tokenizer,
+    runner = episodes.runner_for(ctx.task, ctx.tokenizer,
                                  max_new_tokens=rl.max_new_tokens)
     if runner is None:
       generate = lambda params, prompts, seeds: sampling.generate(  # noqa: E731

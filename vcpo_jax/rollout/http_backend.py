@@ -57,7 +57,7 @@ class HttpBackend(backend.RolloutBackend):
     params = {"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature,
               "stop_token_ids": list(ctx.tokenizer.stop_ids), "no_stop_trim": True,
               "sampling_seed": config.seed}
-    runner = episodes_lib.runner_for(tasks.get_task(config.task.name, **config.task.kwargs), ctx.tokenizer,
+    runner = episodes_lib.runner_for(ctx.task, ctx.tokenizer,
                                      max_new_tokens=rl.max_new_tokens, context_length=ctx.model_cfg.max_seq_len)
     return cls(ctx, config.rollout, sampling_params=params, group_size=rl.group_size,
                batch_groups=rl.prompts_per_step, max_lag=rl.max_lag, episodes=runner)

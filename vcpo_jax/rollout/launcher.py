@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from typing import Mapping, Sequence
 
+from vcpo_jax.rollout import backend
+
 # Per-process accelerator memory (read by JAX when its GPU client starts, so set before first device use).
 PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
 MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -121,9 +123,9 @@ def rollout_plan(rollout, num_servers: int, environ: Mapping[str, str] | None = 
 
 
 def config_plan(config, environ: Mapping[str, str] | None = None) -> DevicePlan:
-  """The plan for a job config: embedded servers only in async mode without rollout.server_urls."""
+  """The plan for a job config: embedded servers when the backend starts them and no rollout.server_urls."""
   r = config.rollout
-  embedded = config.rl.mode == "async" and not r.server_urls
+  embedded = backend.needs(config, "embedded_servers") and not r.server_urls
   return rollout_plan(r, r.num_servers if embedded else 0, environ)
 
 

@@ -1,29 +1,23 @@
 """Verifiable tasks (Countdown, arithmetic, Countdown with a calculator tool) registered by name."""
 from __future__ import annotations
 
-import inspect
+import dataclasses
 
+# Each built-in task module registers its class (base.register_task) when imported here.
 from vcpo_jax.tasks.arithmetic import Arithmetic
-from vcpo_jax.tasks.base import Example, SPLITS, Task, extract_answer
+from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
 
-TASKS: dict[str, type[Task]] = {Countdown.name: Countdown, Arithmetic.name: Arithmetic,
-                                CountdownTools.name: CountdownTools}
 
-
-def get_task(name: str, *, render_prompt=None, **knobs) -> Task:
-  """The task `name` built with `knobs`; unknown names or knobs raise ValueError listing the options.
+def get_task(name: str, *, render_prompt=None, **options) -> Task:
+  """The task `name` built with `options`; unknown names or options raise ValueError listing the known ones.
   render_prompt (user text -> prompt text, e.g. a pretrained Tokenizer.chat_prompt) replaces the default
   chat format."""
   if name not in TASKS:
-    raise ValueError(f"unknown task name {name!r}; known: {sorted(TASKS)}")
-  cls = TASKS[name]
-  allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-  for knob in knobs:
-    if knob not in allowed:
-      raise ValueError(f"unknown knob {knob!r} for task {name!r}; known: {allowed}")
-  task = cls(**knobs)
+    raise ValueError(f"unknown task name {name!r}; known: {TASKS.names()}")
+  entry = TASKS.get(name)
+  task = entry.fn(**dataclasses.asdict(entry.make_options(options)))
   return task if render_prompt is None else task.use_chat_template(render_prompt)
 
 
@@ -38,4 +32,4 @@ def reward(example: Example, completion: str) -> float:
 
 
 __all__ = ["Arithmetic", "Countdown", "CountdownTools", "Example", "SPLITS", "TASKS", "Task", "countdown_reward",
-           "extract_answer", "get_task", "reward", "sft_completion"]
+           "extract_answer", "get_task", "register_task", "reward", "sft_completion"]

@@ -24,6 +24,7 @@ def parse_int_answer(completion: str) -> int | None:
   return int(m.group(1)) if m else None
 
 
+@base.register_task
 class Arithmetic(base.Task):
   """Knobs: operand digit counts in [min_digits, max_digits] (drawn per operand) and the allowed ops."""
 

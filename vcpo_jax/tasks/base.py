@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from vcpo_jax import registry
 from vcpo_jax.model import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "eval")
@@ -62,6 +63,16 @@ def _last_boxed(text: str) -> str | None:
       return text[start + len(marker):i - 1]
     start = text.rfind(marker, 0, start)  # unclosed (e.g. truncated): try the one before
   return None
+
+
+# name -> task class; options are the constructor's keyword parameters (--config.task.options.<name>.<field>).
+TASKS = registry.Registry("task", facts={})
+
+
+def register_task(cls):
+  """Class decorator: registers a Task subclass under its `name`, its options taken from its constructor."""
+  TASKS.register(cls.name, options=registry.options_from_signature(cls.__init__, cls.name))(cls)
+  return cls
 
 
 class Task(abc.ABC):

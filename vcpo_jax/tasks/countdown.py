@@ -77,6 +77,7 @@ def solve(numbers: list[int], target: int, ops: str = ALL_OPS,
   return rec([(Fraction(n), int(n)) for n in numbers])
 
 
+@base.register_task
 class Countdown(base.Task):
   """Knobs: how many numbers (num_numbers, or a min/max_numbers range), their range, max target, ops."""
 

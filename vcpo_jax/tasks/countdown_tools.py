@@ -16,6 +16,7 @@ def compact(e: countdown.Expr) -> str:
   return countdown.render(e).replace(" ", "")
 
 
+@base.register_task
 class CountdownTools(countdown.Countdown):
   """Countdown knobs, plus the calculator's (max_turns, max_result_chars) and correction_rate: the fraction of
   correct warm-start traces that first check a wrong candidate, see the miss, and correct it."""
