@@ -8,8 +8,9 @@ import numpy as np
 
 from vcpo_jax.algo import losses
 from vcpo_jax.learner import grad_norms
+from vcpo_jax.learner import grad_path as grad_path_lib
 
-GRAD_PATHS = ("auto", "two_pass")
+GRAD_PATHS = grad_path_lib.PATHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,8 @@ class LearnerConfig:
   aggregation: str = "seq-mean-token-mean"
   tis_threshold: Optional[float] = 8.0     # tau of the truncated sequence weights (OPOB, metrics, 'uses_tau' losses)
   kl_beta: float = 0.0                     # > 0: + beta * k3 to the frozen reference (TrainState.ref_params)
-  grad_path: str = "auto"                  # 'auto': book-keeping when possible; 'two_pass': norms, then backward
+  grad_path: str = "auto"                  # learner.grad_path.PATHS: auto | book_keeping | bounded | two_pass
+  grad_memory_budget_gb: float = 16.0      # auto: book-keeping while its a/g (per device) fit in this, else bounded
   grad_norm_mode: str = "auto"             # grad_norms mode: 'auto' | 'ghost' | 'explicit'
   micro_batch_size: int = 0                # > 0: rows processed in chunks of whole groups (scan); 0: at once
 
@@ -43,6 +45,11 @@ class LearnerConfig:
       raise ValueError(f"kl_beta must be >= 0, got kl_beta={self.kl_beta!r}")
     if self.grad_path not in GRAD_PATHS:
       raise ValueError(f"grad_path must be one of {GRAD_PATHS}, got grad_path={self.grad_path!r}")
+    if isinstance(self.grad_memory_budget_gb, bool) or not self.grad_memory_budget_gb >= 0:
+      raise ValueError(f"grad_memory_budget_gb must be a number >= 0, got {self.grad_memory_budget_gb!r}")
+    if self.grad_path == "book_keeping" and self.needs_grad_norms and grad_path_lib.why_no_bookkeeping(self):
+      raise ValueError(f"grad_path='book_keeping' is impossible here: {grad_path_lib.why_no_bookkeeping(self)}; "
+                       f"use 'bounded' or 'auto'")
     if self.grad_norm_mode not in grad_norms.MODES:
       raise ValueError(f"grad_norm_mode must be one of {grad_norms.MODES}, got {self.grad_norm_mode!r}")
     if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
@@ -95,8 +102,9 @@ class LearnerConfig:
 
   @property
   def uses_bookkeeping(self) -> bool:
-    return (self.needs_grad_norms and self.grad_path == "auto" and not self.kl_beta
-            and self.loss_entry.fact("seq_coefficient", self.loss_options()))
+    """Book-keeping is possible and grad_path allows it ('auto' also asks the memory budget: learner.grad_path)."""
+    return (self.needs_grad_norms and self.grad_path in ("auto", "book_keeping")
+            and grad_path_lib.why_no_bookkeeping(self) is None)
 
 
 def _frozen_items(options, field: str) -> tuple:

@@ -1,6 +1,8 @@
 """The jitted RL step: recompute log-probs, IS weights, ESS, registered advantages, one weighted backward."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from vcpo_jax.algo import advantages
 from vcpo_jax.algo import diagnostics
 from vcpo_jax.algo import losses
 from vcpo_jax.algo import vcpo
-from vcpo_jax.learner import grad_norms
+from vcpo_jax.learner import bounded_norms, grad_norms, grad_path
 from vcpo_jax.learner.batch import RLBatch, check_batch
 from vcpo_jax.learner.config import LearnerConfig, check_chunks, chunk_order
 from vcpo_jax.learner.train_state import TrainState, apply_update, batch_rows, jit_step
@@ -86,6 +88,14 @@ def _loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: Le
         params, model_cfg, tokens, mask_BxT, coef_fn, mode=lc.grad_norm_mode)
     stats, loss, aux = gaux["extra"]
     return loss, grads, stats, gaux["ent_BxT"], sq_B, aux
+  if lc.needs_grad_norms and lc.grad_path == "bounded":
+    # Norms layer by layer, then the registered loss's own dloss/dlogp pulled back through the same forward.
+    sq_B, naux, grad_of = bounded_norms.sq_norms_and_vjp(params, model_cfg, tokens, mask_BxT,
+                                                         mode=lc.grad_norm_mode)
+    stats = _sample_stats(naux["logp_BxT"], batch, mask_BxT, valid_B, sq_B, lc)
+    (loss, aux), dlogp_BxT = jax.value_and_grad(
+        lambda lp: _policy_loss(lp, batch, mask_BxT, stats["adv_B"], lc, max_len), has_aux=True)(naux["logp_BxT"])
+    return loss, grad_of(dlogp_BxT), stats, naux["ent_BxT"], sq_B, aux
 
   sq_B = None
   if lc.needs_grad_norms:
@@ -180,6 +190,11 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: model_config.ModelC
   valid_B = _valid(batch)
   mask_BxT = batch.mask_BxT.astype(jnp.float32) * valid_B[:, None].astype(jnp.float32)
   max_len = losses.longest_response(mask_BxT)  # Dr.GRPO's L_max, batch-wide so every chunk agrees
+  micro = lc.micro_batch_size if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0] else 0
+  # 'auto' resolved here, once per trace, from the shapes the step really gets (logged: the start-up choice).
+  path = grad_path.log_choice(lc, model_cfg, micro or mask_BxT.shape[0], mask_BxT.shape[1], row_shards)
+  if path in ("book_keeping", "bounded"):
+    lc = dataclasses.replace(lc, grad_path=path)
   if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0]:
     loss, grads, stats, ent_BxT, sq_B, aux = _chunked_loss_and_grads(
         state.params, batch, mask_BxT, valid_B, model_cfg, lc, row_shards, state.ref_params, max_len)

@@ -20,6 +20,17 @@ def _init(scale: float = 0.02):
   return nn.initializers.normal(stddev=scale)
 
 
+# `capture` of the modules below: False; True = book-keeping (sow each parametrised op's input, perturb its
+# output: learner.grad_norms); or a learner.norm_taps.Taps, whose ops take a zero per-sequence "tap" per
+# parameter (collection "norm_taps", laid out like "params") and return squared norms as its cotangent.
+def _taps(capture):
+  return None if isinstance(capture, bool) else capture
+
+
+def _tap(module: nn.Module, name: str, x_BxTx_):
+  return module.variable("norm_taps", name, jnp.zeros, x_BxTx_.shape[:1], jnp.float32).value
+
+
 class Dense(nn.Module):
   """y = x @ kernel (+ bias). With `capture`, sows its input and perturbs its output (per-sequence grad norms)."""
   features: int
@@ -32,16 +43,22 @@ class Dense(nn.Module):
   def __call__(self, x_BxTxI):
     kernel = self.param("kernel", nn.with_logical_partitioning(_init(), self.kernel_axes),
                         (x_BxTxI.shape[-1], self.features), self.cfg.jnp_param_dtype)
-    dtype = self.cfg.jnp_dtype
-    if self.capture:
+    dtype, taps = self.cfg.jnp_dtype, _taps(self.capture)
+    if self.capture is True:
       self.sow("intermediates", "inputs", x_BxTxI)
-    y_BxTxO = jnp.einsum("bti,io->bto", x_BxTxI.astype(dtype), kernel.astype(dtype),
-                         preferred_element_type=jnp.float32, precision=self.cfg.precision).astype(dtype)
+    if taps:
+      y_BxTxO = taps.dense(x_BxTxI.astype(dtype), kernel.astype(dtype), _tap(self, "kernel", x_BxTxI),
+                           self.cfg.precision).astype(dtype)
+    else:
+      y_BxTxO = jnp.einsum("bti,io->bto", x_BxTxI.astype(dtype), kernel.astype(dtype),
+                           preferred_element_type=jnp.float32, precision=self.cfg.precision).astype(dtype)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[1:]),
                         (self.features,), self.cfg.jnp_param_dtype)
       y_BxTxO = y_BxTxO + bias.astype(dtype)[None, None, :]
-    if self.capture:
+      if taps:
+        y_BxTxO = taps.bias(y_BxTxO, _tap(self, "bias", x_BxTxI))
+    if self.capture is True:
       y_BxTxO = self.perturb("outputs", y_BxTxO)
     return y_BxTxO
 
@@ -58,10 +75,12 @@ class RMSNorm(nn.Module):
     x = x_BxTxD.astype(jnp.float32)
     xhat = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
     xhat = xhat.astype(self.cfg.jnp_dtype)
-    if self.capture:
+    if self.capture is True:
       self.sow("intermediates", "inputs", xhat)
+    if _taps(self.capture):
+      return _taps(self.capture).scale(xhat, scale.astype(self.cfg.jnp_dtype), _tap(self, "scale", xhat))
     y = xhat * scale.astype(self.cfg.jnp_dtype)[None, None, :]
-    if self.capture:
+    if self.capture is True:
       y = self.perturb("outputs", y)
     return y
 
@@ -157,7 +176,8 @@ def _layer_stack(cfg: ModelConfig, capture: bool):
   if not cfg.scan_layers:
     return block
   # Params and the capture collections (sown inputs, perturbations) are stacked on axis 0, the layers axis.
-  return nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
+  return nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "perturbations": 0,
+                                                "norm_taps": 0},
                  split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 4, length=cfg.num_layers,
                  metadata_params={nn.PARTITION_NAME: "layers"})
 

@@ -1,0 +1,106 @@
+"""Memory-bounded per-sequence squared gradient norms: formed layer by layer in one backward, then any backward."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.learner.norm_taps import Taps
+from vcpo_jax.model import lm_head
+from vcpo_jax.model import transformer as M
+
+# Shape letters: B batch, T length, D hidden, L layers.
+# One forward of the model with capture=Taps(mode) (learner.norm_taps) gives log-probs and a VJP closure over
+# that forward's residuals, i.e. exactly what an ordinary backward keeps (under remat: what the policy keeps).
+#  1. VJP of sum_t m_t log pi with respect to the taps: each parametrised op turns its own a and g into
+#     [B] squared norms as the backward passes it, so nothing per layer outlives its layer. Left out of the
+#     taps and added from small tensors afterwards: the embedding (output-gradient [B, T, D], one zero
+#     perturbation, as book-keeping does), the LM head (from the final hidden states [B, T, D]) and, when
+#     tied, their cross term.
+#  2. The caller forms its coefficients from the norms and asks for the VJP of any cotangent on the log-probs
+#     (the registered loss's dloss/dlogp): an ordinary backward, reusing the same forward.
+# So memory is an ordinary step's plus [L, B] floats and two [B, T, D] tensors; compute is one forward and two
+# backwards (the first without weight gradients).
+_F32 = jnp.float32
+
+
+def _zero_taps(cfg: M.ModelConfig, taps: Taps, tokens_BxT, positions_BxT):
+  mask = M.causal_mask(positions_BxT)
+  shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=taps, head=False).init(
+      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, mask))
+  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+  return zeros(shapes["norm_taps"]), zeros(shapes["perturbations"])
+
+
+def _head_inputs(params, cfg: M.ModelConfig, x_BxTxD, mask_BxT):
+  """grad_norms' capture() layout of the LM head's inputs (one log-sum-exp pass serves every head term)."""
+  w_DxV = M.head_kernel(params, cfg)
+  lse_BxT = lm_head.logsumexp(x_BxTxD, w_DxV, cfg.precision, cfg.logits_chunk)
+  return {G.HEAD: (x_BxTxD, w_DxV, mask_BxT, lse_BxT)}
+
+
+def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None,
+                     *, mode: str = "auto"):
+  """(sq_norms_B, aux, grad_of): ||grad_theta sum_t m_t log pi(y_t)||^2 per sequence, over all parameters.
+
+  aux: logp_BxT, ent_BxT (masked, as model.token_logprobs_and_entropy) and leaf_sq_norms {"a/b/kernel": sq_B}
+  (sums to sq_norms_B). grad_of(dlogp_BxT) -> the parameter gradient of sum(dlogp_BxT * logp_BxT) (param
+  dtypes), by an ordinary backward through the same forward's residuals.
+  """
+  G._check_mode(mode)
+  if positions_BxT is None:
+    positions_BxT = M._default_positions(tokens_BxT)
+  attn_mask = M.causal_mask(positions_BxT, key_mask_BxT)
+  taps = Taps(mode)
+  taps0, perts0 = _zero_taps(cfg, taps, tokens_BxT, positions_BxT)
+
+  def forward(p, taps_tree, perts):
+    x_BxTxD, _ = M.Transformer(cfg, capture=taps, head=False).apply(
+        {"params": p, "norm_taps": taps_tree, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask)
+    logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(
+        x_BxTxD, M.head_kernel(p, cfg), tokens_BxT, mask_BxT, cfg.precision, cfg.logits_chunk)
+    return (logp_BxT, ent_BxT), x_BxTxD
+
+  (logp_BxT, ent_BxT), vjp, x_BxTxD = jax.vjp(forward, params, taps0, perts0, has_aux=True)
+  # logp is already masked, so a unit cotangent is the gradient of sum_t m_t log pi for every row at once.
+  _, tap_sq, d_perts = vjp((jnp.ones_like(logp_BxT), jnp.zeros_like(ent_BxT)))
+  x_BxTxD = jax.lax.stop_gradient(x_BxTxD)
+  leaf_sq = {}
+  for path, sq in traverse_util.flatten_dict(tap_sq).items():
+    # Under scan a tap is [L, B] (one row per layer): that leaf's norm sums its layers' contributions.
+    leaf_sq["/".join(path)] = jnp.maximum(jnp.sum(sq, axis=0) if sq.ndim == 2 else sq, 0.0).astype(_F32)
+  inputs = _head_inputs(params, cfg, x_BxTxD, mask_BxT)
+  out_grads = {("embed_outputs",): d_perts["embed_outputs"]}
+  head_paths = [("embed_tokens",)] + ([] if cfg.tie_word_embeddings else [("lm_head", "kernel")])
+  for path in head_paths:  # grad_norms' rules: embedding (+ tied head and cross term), untied head
+    leaf_sq["/".join(path)] = G._leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg, mode)
+  missing = {"/".join(p) for p in traverse_util.flatten_dict(params)} - set(leaf_sq)
+  if missing:  # a parameter without a tap would silently drop out of every norm
+    raise ValueError(f"bounded_norms: no per-sequence norm for parameter(s) {sorted(missing)}")
+  sq_B = sum(leaf_sq.values())
+
+  def grad_of(dlogp_BxT):
+    grads, _, _ = vjp((dlogp_BxT.astype(logp_BxT.dtype), jnp.zeros_like(ent_BxT)))
+    return grads
+
+  return sq_B, {"logp_BxT": logp_BxT, "ent_BxT": ent_BxT, "leaf_sq_norms": leaf_sq}, grad_of
+
+
+def per_sequence_sq_norms(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
+                          key_mask_BxT=None, *, mode: str = "auto"):
+  """Same contract as grad_norms.per_sequence_sq_norms, in bounded memory."""
+  sq_B, aux, _ = sq_norms_and_vjp(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT, mode=mode)
+  return sq_B, aux
+
+
+def per_sequence_sq_norms_and_grad(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, coef_fn: G.CoefFn,
+                                   positions_BxT=None, key_mask_BxT=None, *, mode: str = "auto"):
+  """Same contract as grad_norms.per_sequence_sq_norms_and_grad: norms, then the ordinary backward of
+  sum_i c_i sum_t m_t log pi(y_t) through the same forward."""
+  sq_B, aux, grad_of = sq_norms_and_vjp(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT,
+                                        mode=mode)
+  c_B, extra = coef_fn(sq_B, aux["logp_BxT"], aux["ent_BxT"])
+  c_B = jax.lax.stop_gradient(c_B).astype(_F32)
+  grads = grad_of(jnp.broadcast_to(c_B[:, None], aux["logp_BxT"].shape))
+  return grads, sq_B, {**aux, "coef_B": c_B, "extra": extra}
