@@ -1,9 +1,10 @@
 """A tiny SGLang-protocol test server that misbehaves on demand (malformed-response tests only).
 
-Run: python tests/fake_sglang.py --port N --vocab-size V [--mode good] [--token-delay S]
+Run: python tests/fake_sglang.py --port N --vocab-size V [--mode good] [--token-delay S] [--info JSON]
 Its "model" is a deterministic function of the context, so a resumed request continues exactly as an
 uninterrupted one would. POST /fake/mode {"mode": m, "count": c} makes the next c /generate answers
-(c = -1: all) misbehave in mode m; GET /fake/stats counts the /generate requests it received.
+(c = -1: all) misbehave in mode m; GET /fake/stats counts the /generate and update requests it received
+and names the last model_path it was updated from. --info adds fields to /get_model_info (another model).
 Also holds `launch_server`, the process helper the rollout tests share.
 """
 from __future__ import annotations
@@ -109,12 +110,15 @@ def start_embedded(model_dir: str, weights_root: str, cache_dir: str, log_dir: s
 class FakeServer:
   """State of one fake server: misbehaviour mode, weight version, pause flag."""
 
-  def __init__(self, vocab_size: int, token_delay: float, version: str, mode: str, context_length: int):
+  def __init__(self, vocab_size: int, token_delay: float, version: str, mode: str, context_length: int,
+               info: dict = None):
     self.vocab_size, self.token_delay, self.version = vocab_size, token_delay, version
     self.reported_version, self.context_length = version, context_length
     self.mode, self.mode_count = mode, -1
     self.update_mode, self.update_count = "good", 0
     self.update_requests = 0
+    self.last_model_path = None  # where the last applied update came from
+    self.info = {"model_path": "fake", **(info or {})}  # "fake": not a directory the learner can read
     self.running = asyncio.Event()
     self.running.set()
     self.generate_requests = 0
@@ -209,6 +213,7 @@ class FakeServer:
       request.transport.close()
       return web.Response(status=500)
     self.version = body.get("weight_version", self.version)
+    self.last_model_path = body["model_path"]
     if mode == "not_flushed":
       return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "
                                 "flushed because requests are still running or queued."}, status=400)
@@ -242,11 +247,12 @@ class FakeServer:
       return web.json_response({})
 
     async def info(_):
-      return web.json_response({"model_path": "fake", "weight_version": self.reported_version})
+      return web.json_response({**self.info, "weight_version": self.reported_version})
 
     async def stats(_):
       return web.json_response({"generate_requests": self.generate_requests,
-                                "update_requests": self.update_requests})
+                                "update_requests": self.update_requests,
+                                "last_model_path": self.last_model_path})
 
     app = web.Application()
     app.add_routes([web.post("/generate", self.generate), web.get("/health", health),
@@ -268,11 +274,12 @@ def main() -> None:
   parser.add_argument("--weight-version", default="v0")
   parser.add_argument("--mode", default="good", choices=MODES)
   parser.add_argument("--context-length", type=int, default=4096)
+  parser.add_argument("--info", type=json.loads, default={}, help="extra /get_model_info fields (JSON)")
   args = parser.parse_args()
 
   async def make_app():
     return FakeServer(args.vocab_size, args.token_delay, args.weight_version, args.mode,
-                      args.context_length).app()
+                      args.context_length, args.info).app()
 
   web.run_app(make_app(), host=args.host, port=args.port, print=None)
 

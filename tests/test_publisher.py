@@ -175,9 +175,89 @@ def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path
 
   before, after, stats = asyncio.run(run())
   assert before == after and stats["refused_shapes"] == 1 and stats["server_failures"] == 0
+  assert os.listdir(tmp_path / "w") == []  # the refused export is removed (#27)
+
+
+def _wide_export(intermediate_size=128):
+  """An exporter of the tiny model with another MLP width (the shapes a served tiny model refuses)."""
+  import dataclasses
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import tokenizer
+  wide = dataclasses.replace(model_config.ModelConfig(**fake_sglang.TINY_MODEL), intermediate_size=intermediate_size)
+
+  def export(params, out_dir):
+    import jax
+    from vcpo_jax.model import transformer as model
+    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+  return export
+
+
+def _files(path):
+  return {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))}
+
+
+def test_refused_republish_keeps_the_last_good_directory_and_resync_sends_it(cluster):
+  """#27 hole 1: a refused publish of an already published version neither overwrites root/vN nor stays on
+  disk, and a server re-synced afterwards gets the good vN (log-probs of the published params)."""
+  a, b = cluster["servers"]
+  root, exporter = cluster["root"], {"fn": fake_sglang.export_tiny}
+
+  async def run():
+    async with client_lib.RolloutClient([a.url, b.url], vocab_size=VOCAB) as client:
+      pub = publisher_lib.WeightPublisher(lambda p, d: exporter["fn"](p, d), root, client, keep_last=2,
+                                          resync_interval=3600)
+      try:
+        assert await pub.publish(_params(10), 10) == {a.url: True, b.url: True}
+        good = _files(os.path.join(root, "v10"))
+        exporter["fn"] = _wide_export()
+        with pytest.raises(publisher_lib.PublishError, match="intermediate_size=128.*has 64"):
+          await pub.publish(None, 10)
+        after_refusal, leftovers = _files(os.path.join(root, "v10")), os.listdir(root)
+        pub.out_of_sync[b.url] = "injected: missed v10"  # as a server that was down during the update
+        back = await pub.resync()
+        samples = await asyncio.gather(*(_generate(client, [4, 5, 6 + i]) for i in range(4)))
+        return good, after_refusal, leftovers, back, samples, dict(pub.stats)
+      finally:
+        await pub.close()
+
+  good, after_refusal, leftovers, back, samples, stats = asyncio.run(run())
+  assert after_refusal == good and not [n for n in leftovers if n.startswith(".")]
+  assert back == [b.url] and stats["refused_shapes"] == 1
+  for group in samples:
+    _check_against_model(group, 10)  # both servers, b included, run the good v10
+  assert b.url in {s.server_url for g in samples for s in g}
   # Exported files are readable by a server running as another user.
-  for name in os.listdir(tmp_path / "w" / "v50"):
-    assert os.stat(tmp_path / "w" / "v50" / name).st_mode & 0o777 == 0o644, name
+  for name in good:
+    assert os.stat(os.path.join(root, "v10", name)).st_mode & 0o777 == 0o644, name
+
+
+def test_servers_serving_another_model_are_refused_at_start(cluster, tmp_path):
+  """#27 hole 3 (embedded): the reference is the job's own starting weights, and a server whose model
+  differs from them (here its model_path, readable) is refused before anything is published."""
+  urls = [s.url for s in cluster["servers"]]
+  reference = str(tmp_path / "start")
+  _wide_export()(None, reference)
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
+      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, str(tmp_path / "w"), client,
+                                          reference_dir=reference)
+      try:
+        with pytest.raises(publisher_lib.PublishError) as refused:
+          await pub.check_servers()
+        same = publisher_lib.WeightPublisher(fake_sglang.export_tiny, str(tmp_path / "w2"), client,
+                                             reference_dir=cluster["init_dir"])
+        await same.check_servers()  # the model they do serve passes
+        await same.close()
+        return str(refused.value)
+      finally:
+        await pub.close()
+
+  message = asyncio.run(run())
+  assert "\n" not in message and all(u in message for u in urls)
+  assert "intermediate_size=64, the starting weights have 128" in message
+  with pytest.raises(ValueError, match="reference_dir='/nonexistent'"):
+    publisher_lib.WeightPublisher(fake_sglang.export_tiny, str(tmp_path / "w3"), urls, reference_dir="/nonexistent")
 
 
 def test_failed_server_leaves_rotation_and_is_resynced(cluster):
@@ -270,3 +350,165 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
   assert stats["resynced"] == 1 and available == urls and [i["weight_version"] for i in infos] == ["v3", "v3"]
   assert stats["stale_connection_retries"] == 2
   assert client_stats["publish_version_mismatches"] == 1 and client_stats["publish_server_failures"] == 1
+
+
+def _fake_servers(tmp_path, n, info=None):
+  import json
+  import sys
+  procs, urls = [], []
+  for i in range(n):
+    port = launcher.free_port()
+    urls.append(f"http://127.0.0.1:{port}")
+    procs.append(fake_sglang.launch_server(
+        [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
+         "--info", json.dumps(info or {})], urls[-1], log_path=tmp_path / f"fake{i}.log"))
+  return procs, urls
+
+
+def _fake_stats(url):
+  import json
+  import urllib.request
+  with urllib.request.urlopen(url + "/fake/stats", timeout=5) as r:
+    return json.loads(r.read())
+
+
+def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
+  """#27 holes 1 and 3 (fake server, whose model_path is not readable here): the first publish is checked
+  against the job's starting weights, not adopted as the reference; a refused re-publish of v1 leaves
+  root/v1 as it was, and the resync sends that good directory."""
+  procs, urls = _fake_servers(tmp_path, 1)
+  reference = fake_sglang.export_tiny(_params(0), str(tmp_path / "start"))
+  exporter = {"fn": _wide_export()}
+  root = tmp_path / "w"
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
+      pub = publisher_lib.WeightPublisher(lambda p, d: exporter["fn"](p, d), str(root), client,
+                                          reference_dir=reference, resync_interval=3600)
+      try:
+        await pub.check_servers()  # nothing comparable reported: passes (with a warning)
+        with pytest.raises(publisher_lib.PublishError, match="intermediate_size=128.*has 64"):
+          await pub.publish(None, 1)
+        first = (_fake_stats(urls[0]), os.listdir(root))
+        exporter["fn"] = lambda p, d: fake_sglang.export_tiny(_params(1), d)
+        assert await pub.publish(None, 1) == {urls[0]: True}
+        good = _files(root / "v1")
+        exporter["fn"] = _wide_export(96)
+        with pytest.raises(publisher_lib.PublishError, match="intermediate_size=96"):
+          await pub.publish(None, 1)
+        second = (_files(root / "v1"), os.listdir(root))
+        pub.out_of_sync[urls[0]] = "injected"
+        assert await pub.resync() == [urls[0]]
+        return first, good, second, _fake_stats(urls[0]), dict(pub.stats), client.stats
+      finally:
+        await pub.close()
+
+  try:
+    first, good, second, stats_after, stats, client_stats = asyncio.run(run())
+  finally:
+    for p in procs:
+      fake_sglang.stop_server(p)
+  assert first == ({"generate_requests": 0, "update_requests": 0, "last_model_path": None}, [])
+  assert second == (good, ["v1"])
+  assert stats_after["update_requests"] == 2 and stats_after["last_model_path"] == str(root / "v1")
+  assert stats["refused_shapes"] == 2 and client_stats["publish_refused_shapes"] == 2
+
+
+def test_server_reporting_another_model_is_refused_at_start(tmp_path):
+  """#27 hole 3 (fake server): what /get_model_info reports is cross-checked against the starting weights."""
+  procs, urls = _fake_servers(tmp_path, 2, info={"vocab_size": 2 * VOCAB})
+  reference = fake_sglang.export_tiny(_params(0), str(tmp_path / "start"))
+
+  async def run():
+    pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, str(tmp_path / "w"), urls, reference_dir=reference)
+    try:
+      with pytest.raises(publisher_lib.PublishError) as refused:
+        await pub.check_servers()
+      return str(refused.value)
+    finally:
+      await pub.close()
+
+  try:
+    message = asyncio.run(run())
+  finally:
+    for p in procs:
+      fake_sglang.stop_server(p)
+  assert f"vocab_size={2 * VOCAB}, the starting weights have {VOCAB}" in message and urls[1] in message
+
+
+def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
+  """#27 hole 2: a refusal in the RL loop first writes the step (metrics with the refusal counter), then
+  ends the job with one line naming the field and both values."""
+  import ml_collections
+  from vcpo_jax.job import train
+  from vcpo_jax.rollout import http_backend
+  procs, urls = _fake_servers(tmp_path, 1)
+
+  class Backend:  # the HTTP backend's publish and stats over a fake server; no generation needed
+    def __init__(self):
+      self.client = self.pub = None
+      self.closed = False
+
+    def load_state_dict(self, state):
+      pass
+
+    async def start(self, version, params):
+      self.client = client_lib.RolloutClient(urls, vocab_size=VOCAB)
+      await self.client.start()
+      self.pub = publisher_lib.WeightPublisher(
+          lambda p, d: (_wide_export() if p == "wide" else fake_sglang.export_tiny)(_params(0), d),
+          str(tmp_path / "w"), self.client)  # the reference: the first export (v1)
+
+    async def next_groups(self, version):
+      return []
+
+    async def publish(self, version, params):
+      await self.pub.publish("wide" if version == 2 else None, version)
+
+    def stats(self):
+      return http_backend.flat_metrics(self.client.stats)
+
+    def state_dict(self):
+      return {}
+
+    async def close(self):
+      await self.pub.close()
+      await self.client.close()
+      self.closed = True
+
+  class Run:  # RLRun's surface that rl_loop uses
+    config = ml_collections.ConfigDict({"rl": {"steps": 5}})
+    step, rollout_state, written = 0, {}, []
+    backend = Backend()
+
+    def make_backend(self):
+      return self.backend
+
+    def rollout_params(self):
+      return None
+
+    def to_batch(self, groups):
+      return None
+
+    def learn(self, batch):
+      return {"loss": 1.0}
+
+    def after_step(self, groups, batch, step_metrics, extra, seconds, rollout_state_fn):
+      self.step += 1
+      self.written.append((self.step, extra.get("rollout/publish_refused_shapes", 0.0)))
+
+  run = Run()
+  try:
+    with pytest.raises(publisher_lib.PublishError):
+      asyncio.run(train.rl_loop(run, run.make_backend()))
+    written = list(run.written)
+    assert written == [(1, 0.0), (2, 1.0)] and run.backend.closed  # step 2 written, with the refusal
+    run.step, run.written[:] = 0, []
+    with pytest.raises(SystemExit) as stopped:  # as the job's entry point sees it
+      train.run_rl_loop(run)
+  finally:
+    for p in procs:
+      fake_sglang.stop_server(p)
+  assert run.written == written
+  message = str(stopped.value.code)
+  assert "\n" not in message and "step 2" in message and "intermediate_size=128" in message and "64" in message

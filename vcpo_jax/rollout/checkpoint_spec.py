@@ -34,16 +34,27 @@ def read_spec(model_dir: str) -> dict:
   return {"config": {k: cfg.get(k) for k in SHAPE_KEYS}, "tensors": tensors}
 
 
-def spec_mismatch(new: dict, served: dict) -> Optional[str]:
-  """A sentence naming the first difference between two specs, or None when they match."""
+def info_mismatch(info: dict, reference: dict) -> Optional[str]:
+  """A sentence naming the first shape field a server's /get_model_info reports that differs from reference's.
+
+  Only fields the server reports are compared (real SGLang reports few; the embedded server, vocab_size).
+  """
+  for key in SHAPE_KEYS:
+    if key in info and info[key] is not None and info[key] != reference["config"].get(key):
+      return f"it serves {key}={info[key]!r}, the starting weights have {reference['config'].get(key)!r}"
+  return None
+
+
+def spec_mismatch(new: dict, served: dict, other: str = "the served model has") -> Optional[str]:
+  """A sentence naming the first difference between two specs (both values), or None when they match."""
   for key in SHAPE_KEYS:
     if new["config"].get(key) != served["config"].get(key):
-      return f"config.json {key}={new['config'].get(key)!r}, the served model has {served['config'].get(key)!r}"
+      return f"config.json {key}={new['config'].get(key)!r}, {other} {served['config'].get(key)!r}"
   missing = sorted(set(served["tensors"]) - set(new["tensors"]))
   extra = sorted(set(new["tensors"]) - set(served["tensors"]))
   if missing or extra:
-    return f"tensors missing {missing[:3]} / unexpected {extra[:3]} compared with the served model"
+    return f"tensors missing {missing[:3]} / unexpected {extra[:3]} compared with {other.rsplit(' ', 1)[0]}"
   for name, shape in new["tensors"].items():
     if tuple(shape) != tuple(served["tensors"][name]):
-      return f"tensor {name} has shape {list(shape)}, the served model has {list(served['tensors'][name])}"
+      return f"tensor {name} has shape {list(shape)}, {other} {list(served['tensors'][name])}"
   return None

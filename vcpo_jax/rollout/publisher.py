@@ -10,6 +10,7 @@ resumed tokens then attend to KV computed by the old weights: see README "Real S
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -26,11 +27,13 @@ from vcpo_jax.rollout import checkpoint_spec, client as client_lib, protocol
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
 PAUSE_MODES = ("abort", "in_place")
 _VERSION_DIR = re.compile(r"v([0-9]+)")
+_TMP_MARK = ".publish-"  # in the name of an export not yet checked; servers are never sent one
 log = logging.getLogger(__name__)
 
 
 class PublishError(RuntimeError):
-  """The update cannot succeed: every server rejected it (a 4xx), or its shapes do not fit the model."""
+  """The update cannot succeed: every server rejected it (a 4xx), its shapes do not fit the model, or a
+  server serves another model than the job's starting weights."""
 
 
 def version_dirs(root_dir: str) -> dict[int, str]:
@@ -43,14 +46,20 @@ def version_dirs(root_dir: str) -> dict[int, str]:
   return out
 
 
-def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int) -> str:
-  """Runs export_fn into a private temporary dir, then renames it to root/v{version} (replacing one)."""
+def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int,
+                   check: Optional[Callable[[str], None]] = None) -> str:
+  """Runs export_fn into a private temporary dir, `check`s it, then renames it to root/v{version} (replacing one).
+
+  A failed export or check removes the temporary dir and leaves root/v{version} as it was.
+  """
   final = os.path.join(root_dir, protocol.version_to_wire(version))
-  tmp = os.path.join(root_dir, f".{os.path.basename(final)}.publish-{uuid.uuid4().hex[:8]}")
+  tmp = os.path.join(root_dir, f".{os.path.basename(final)}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
   try:
     export_fn(params, tmp)
     if not os.path.isfile(os.path.join(tmp, "config.json")):
       raise RuntimeError(f"export_fn wrote no config.json into {tmp}")
+    if check is not None:
+      check(tmp)
     hf.replace_directory(tmp, final)  # a re-publish after a resume swaps, never leaves a half directory
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,13 +79,15 @@ class WeightPublisher:
 
   `client_or_urls` is a RolloutClient (its routing then skips updating and out-of-sync servers, its
   liveness checks keep a restarted server out until it runs the required version, and the publisher's
-  counters appear in its stats) or a plain list of server urls.
+  counters appear in its stats) or a plain list of server urls. `reference_dir` holds the job's starting
+  weights (the directory the servers were launched on): every export and every served model is checked
+  against its shapes. Without it, the served model_path if readable here, else the first export.
   """
 
   def __init__(self, export_fn: ExportFn, root_dir: str,
                client_or_urls: Union[client_lib.RolloutClient, Iterable[str]], *, keep_last: int = 3,
                timeout: float = 300.0, resync_interval: float = 5.0, pause_mode: str = "abort",
-               update_attempts: int = 3):
+               update_attempts: int = 3, reference_dir: Optional[str] = None):
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
       raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     if not timeout > 0 or not resync_interval > 0:
@@ -100,6 +111,14 @@ class WeightPublisher:
                   "cache_not_flushed_retries": 0, "refused_shapes": 0, "stale_connection_retries": 0}
     self.pause_seconds: list[float] = []  # per server and update: pause -> continue
     self._reference: Optional[dict] = None  # the served model's shapes (checkpoint_spec.read_spec)
+    self._reference_source = "the first export"
+    if reference_dir:
+      try:
+        self._reference = checkpoint_spec.read_spec(reference_dir)
+      except (OSError, ValueError) as e:
+        raise ValueError(f"reference_dir={reference_dir!r} is not a readable Hugging Face directory: {e}") from e
+      self._reference_source = os.path.abspath(reference_dir)
+    self._remove_unchecked_exports()
     self._lock = asyncio.Lock()
     self._session: Optional[aiohttp.ClientSession] = None
     self._resync_task: Optional[asyncio.Task] = None
@@ -115,8 +134,14 @@ class WeightPublisher:
     if self.latest_version is not None and version < self.latest_version:
       raise ValueError(f"version must be >= the last published {self.latest_version}, got {version}")
     async with self._lock:
-      path = await asyncio.to_thread(export_version, self._export, params, self.root_dir, version)
-      await self._check_shapes(path)
+      if self._reference is None:
+        await self._adopt_served_spec()
+      try:  # checked before the rename: root/vN (maybe the last good directory) is untouched by a refusal
+        path = await asyncio.to_thread(export_version, self._export, params, self.root_dir, version,
+                                       functools.partial(self._check_export, version))
+      except PublishError:
+        self._count("refused_shapes")
+        raise
       self.latest_version, self.latest_dir = version, path
       if self.client is not None:
         self.client.required_version = version
@@ -136,7 +161,12 @@ class WeightPublisher:
       urls = self._needs_sync()
       if self.latest_dir is None or not urls:
         return []
-      results = await asyncio.gather(*(self._sync(u, self.latest_version, self.latest_dir) for u in urls))
+      problem = await asyncio.to_thread(self._dir_problem, self.latest_dir)
+      if problem is not None:  # changed on disk since it passed: never send it
+        log.error("not re-syncing %s: %s no longer passes the check: %s", urls, self.latest_dir, problem)
+        return []
+      results = await asyncio.gather(*(self._sync(u, self.latest_version, self.latest_dir, check_model=True)
+                                       for u in urls))
     back = [u for u, (ok, _) in zip(urls, results) if ok]
     if back:
       self._count("resynced", len(back))
@@ -153,32 +183,78 @@ class WeightPublisher:
       self._session = None
 
   # -- shapes ------------------------------------------------------------------------------------
-  async def _check_shapes(self, path: str) -> None:
-    """Refuses, before anything is sent, an export whose shapes differ from the served model's.
+  async def check_servers(self) -> None:
+    """Refuses to start against servers that serve another model than the reference (the starting weights).
 
-    SGLang accepts such an update with success: true and then serves garbage. The reference is the
-    directory a server reports as its model_path (read once); if no server's is readable here, the first
-    published export.
+    What each server's /get_model_info reports is compared; its model_path, in full, when readable here.
     """
-    new = await asyncio.to_thread(checkpoint_spec.read_spec, path)
     if self._reference is None:
-      self._reference = await self._served_spec() or new
-    problem = checkpoint_spec.spec_mismatch(new, self._reference)
-    if problem is not None:
-      self._count("refused_shapes")
-      raise PublishError(f"refusing to publish {path}: {problem}")
+      log.warning("no reference weights: the served models are not cross-checked")
+      return
+    problems = []
+    for url in self.urls:
+      try:
+        problem = await self._served_mismatch(url)
+      except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
+        log.warning("cannot cross-check the model %s serves: %r", url, e)  # checked again at its resync
+        continue
+      if problem is not None:
+        problems.append(f"{url}: {problem}")
+    if problems:
+      raise PublishError(f"refusing to start: servers serve another model than {self._reference_source}: "
+                         + "; ".join(problems))
 
-  async def _served_spec(self) -> Optional[dict]:
+  async def _served_mismatch(self, url: str) -> Optional[str]:
+    info = await self._call(url, "GET", "/get_model_info")
+    if not isinstance(info, dict):
+      return f"/get_model_info answered {info!r:.200}"
+    problem = checkpoint_spec.info_mismatch(info, self._reference)
+    model_path = info.get("model_path")
+    if problem is None and isinstance(model_path, str) and os.path.isfile(os.path.join(model_path, "config.json")):
+      served = await asyncio.to_thread(checkpoint_spec.read_spec, model_path)
+      problem = checkpoint_spec.spec_mismatch(served, self._reference, "the starting weights have")
+      if problem is not None:
+        problem = f"its model_path {model_path}: {problem}"
+    return problem
+
+  def _dir_problem(self, path: str) -> Optional[str]:
+    try:
+      new = checkpoint_spec.read_spec(path)
+    except (OSError, ValueError) as e:
+      return f"unreadable: {e}"
+    return checkpoint_spec.spec_mismatch(new, self._reference or new)
+
+  def _check_export(self, version: int, path: str) -> None:
+    """Raises PublishError (one line: the field or tensor and both values) for an export that does not fit.
+
+    SGLang accepts such an update with success: true and then serves garbage.
+    """
+    problem = self._dir_problem(path)
+    if problem is not None:
+      raise PublishError(f"refusing to publish {protocol.version_to_wire(version)}: {problem} "
+                         f"(reference: {self._reference_source}); the export was removed")
+    if self._reference is None:
+      self._reference = checkpoint_spec.read_spec(path)
+
+  async def _adopt_served_spec(self) -> None:
     for url in self.urls:
       try:
         info = await self._call(url, "GET", "/get_model_info")
         model_path = info.get("model_path") if isinstance(info, dict) else None
         if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
-          return await asyncio.to_thread(checkpoint_spec.read_spec, model_path)
+          self._reference = await asyncio.to_thread(checkpoint_spec.read_spec, model_path)
+          self._reference_source = f"{url}'s model_path {model_path}"
+          return
       except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, OSError, ValueError) as e:
         log.warning("cannot read the served model's shapes from %s: %r", url, e)
-    log.warning("no server's model_path is readable here: updates are checked against the first export")
-    return None
+    log.warning("no reference weights and no server's model_path is readable here: updates are checked "
+                "against the first export")
+
+  def _remove_unchecked_exports(self) -> None:
+    """Exports a crashed publisher left unchecked (never sent to a server)."""
+    for name in os.listdir(self.root_dir):
+      if name.startswith(".") and _TMP_MARK in name:
+        shutil.rmtree(os.path.join(self.root_dir, name), ignore_errors=True)
 
   # -- one server --------------------------------------------------------------------------------
   async def _call(self, url: str, method: str, path: str, payload: Optional[dict] = None) -> Any:
@@ -232,9 +308,23 @@ class WeightPublisher:
       self._count("version_mismatches")
       raise _Inconsistent(f"reports weight_version={reported!r} after a successful update to {wire}")
 
-  async def _sync(self, url: str, version: int, path: str) -> tuple[bool, Optional[Exception]]:
+  async def _sync(self, url: str, version: int, path: str, *,
+                  check_model: bool = False) -> tuple[bool, Optional[Exception]]:
     wire = protocol.version_to_wire(version)
     error: Optional[Exception] = None
+    if check_model and self._reference is not None:  # a server coming back may run another model now
+      try:
+        problem = await self._served_mismatch(url)
+      except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
+        problem = None
+        error = e
+      if problem is not None:
+        error = _Rejected(f"serves another model than {self._reference_source}: {problem}")
+      if error is not None:
+        self._count("server_failures")
+        self.out_of_sync[url] = repr(error)
+        log.error("not re-syncing %s to %s: %r", url, wire, error)
+        return False, error
     if self.client is not None and self.pause_mode == "abort":
       self.client.set_enabled(url, False)  # resumed requests wait for (or go to) an updated server
     t0 = time.perf_counter()
