@@ -28,6 +28,7 @@ from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
 from vcpo_jax.rollout import backend as backend_lib, batching, episodes, types
+from vcpo_jax.rollout.publisher import PublishError
 
 
 # --------------------------------------------------------------------------------------- warm start
@@ -237,11 +238,27 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
       groups = await rollouts.next_groups(run.step)
       batch = run.to_batch(groups)
       step_metrics = await asyncio.to_thread(run.learn, batch)
-      await rollouts.publish(run.step + 1, run.rollout_params())
+      refused = None
+      try:
+        await rollouts.publish(run.step + 1, run.rollout_params())
+      except PublishError as e:  # the step is done: its metrics (with the refusal counter) are written first
+        refused = e
       run.after_step(groups, batch, step_metrics, rollouts.stats(), time.perf_counter() - t0,
                      rollouts.state_dict)
+      if refused is not None:
+        raise refused
   finally:
     await rollouts.close()
+
+
+def run_rl_loop(run: RLRun) -> None:
+  """Runs rl_loop; a refused weight update ends the job with one line (the field or tensor, both values)."""
+  try:
+    asyncio.run(rl_loop(run, run.make_backend()))
+  except PublishError as e:
+    reason = " ".join(str(e).split())
+    logging.error("weight update refused after step %d: %s", run.step, reason)
+    raise SystemExit(f"error: weight update refused after step {run.step}: {reason}") from None
 
 
 def _distributed_timeout(config) -> float:
@@ -278,7 +295,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                base_info["eval/greedy_accuracy"], base_info["eval/sampled_accuracy"])
   run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info)
   try:
-    asyncio.run(rl_loop(run, run.make_backend()))
+    run_rl_loop(run)
   finally:
     run.close()
   final = run.last_eval

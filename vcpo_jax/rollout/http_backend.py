@@ -29,6 +29,14 @@ def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:
   return out
 
 
+def starting_weights_dir(workdir: str, hf_path: str = "") -> Optional[str]:
+  """The job's starting weights as servers are launched on them: WORKDIR/base (export_base), else hf_path."""
+  for path in (os.path.join(workdir, "base"), hf_path):
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+      return path
+  return None
+
+
 class HttpBackend(backend.RolloutBackend):
   """Servers generate with version v while the learner computes v+1; the scheduler keeps lag <= k.
 
@@ -38,7 +46,7 @@ class HttpBackend(backend.RolloutBackend):
 
   def __init__(self, ctx: backend.RolloutContext, rollout: ml_collections.ConfigDict, *, sampling_params: dict,
                group_size: int, batch_groups: int, max_lag: int,
-               episodes: Optional[episodes_lib.EpisodeRunner] = None):
+               episodes: Optional[episodes_lib.EpisodeRunner] = None, reference_dir: Optional[str] = None):
     self.ctx, self.cfg = ctx, rollout
     self.episodes = episodes  # multi-turn tasks: each sample is an episode of /generate turns
     self.sampling_params, self.group_size = sampling_params, group_size
@@ -50,6 +58,9 @@ class HttpBackend(backend.RolloutBackend):
     self._publisher: Optional[publisher_lib.WeightPublisher] = None
     self._sched: Optional[scheduler_lib.RolloutScheduler] = None
     self._restored: Optional[dict] = None
+    # External servers were launched on the job's starting weights; exports and served models are checked
+    # against them (embedded servers: against the directory they are started on).
+    self.reference_dir = reference_dir
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
@@ -60,7 +71,8 @@ class HttpBackend(backend.RolloutBackend):
     runner = episodes_lib.runner_for(ctx.task, ctx.tokenizer,
                                      max_new_tokens=rl.max_new_tokens, context_length=ctx.model_cfg.max_seq_len)
     return cls(ctx, config.rollout, sampling_params=params, group_size=rl.group_size,
-               batch_groups=rl.prompts_per_step, max_lag=rl.max_lag, episodes=runner)
+               batch_groups=rl.prompts_per_step, max_lag=rl.max_lag, episodes=runner,
+               reference_dir=starting_weights_dir(ctx.workdir, config.model.get("hf_path", "")))
 
   def _export(self, params: Any, out_dir: str) -> None:
     hf.export_hf(params, self.ctx.model_cfg, out_dir, self.ctx.tokenizer)
@@ -70,6 +82,7 @@ class HttpBackend(backend.RolloutBackend):
     wire = protocol.version_to_wire(version)
     first_dir = os.path.join(self.weights_root, wire)
     await asyncio.to_thread(self._export, params, first_dir)
+    self.reference_dir = first_dir
     workdir = self.ctx.workdir
     self._servers = await asyncio.to_thread(
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
@@ -91,8 +104,10 @@ class HttpBackend(backend.RolloutBackend):
                                             max_retries=self.cfg.max_retries)
     await self._client.start()
     self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
-                                                    keep_last=self.cfg.keep_versions)
-    if self.urls:  # external servers: load the starting weights explicitly
+                                                    keep_last=self.cfg.keep_versions,
+                                                    reference_dir=self.reference_dir)
+    if self.urls:  # external servers: check what they serve, then load the starting weights explicitly
+      await self._publisher.check_servers()
       await self._publisher.publish(params, version)
     if self.sampling_params["temperature"] != 1.0:  # SGLang's log-probs are scaled unless told otherwise
       await self._client.check_raw_logprobs(self.sampling_params["temperature"], list(range(1, 9)))
