@@ -136,6 +136,68 @@ def test_other_shapes_are_refused_before_sending(server, tmp_path):
   assert before == after
 
 
+def test_refused_updates_never_touch_the_last_good_weights(server, tmp_path):
+  """#27: with the served model_path unreadable by the learner, the reference is the job's own starting
+  weights; a mismatched first publish and a refused re-publish of v200 never reach the server nor change
+  root/v200, and a resync afterwards serves the good v200 (log-probs match its params)."""
+  import dataclasses  # noqa: PLC0415
+  import shutil  # noqa: PLC0415
+  srv, _ = server
+  start = os.path.join(os.path.dirname(server[1]), "start")
+  reference = str(tmp_path / "reference")
+  shutil.copytree(start, reference)
+  wide = dataclasses.replace(_cfg(), intermediate_size=2 * _cfg().intermediate_size)
+  exporter = {"fn": None}
+
+  def export_wide(params, out_dir):
+    import jax  # noqa: PLC0415
+    from vcpo_jax.model import hf  # noqa: PLC0415
+    from vcpo_jax.model import tokenizer  # noqa: PLC0415
+    from vcpo_jax.model import transformer as model  # noqa: PLC0415
+    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+
+  def files(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+  async def version_of(client):
+    return (await client.request_json(srv.url, "GET", "/get_model_info"))[1]["weight_version"]
+
+  async def run():
+    async with _client(srv.url) as client:
+      pub = publisher_lib.WeightPublisher(lambda p, d: exporter["fn"](p, d), str(tmp_path / "w"), client,
+                                          reference_dir=reference, resync_interval=3600)
+      try:
+        await pub.check_servers()
+        before = await version_of(client)
+        exporter["fn"] = export_wide
+        with pytest.raises(publisher_lib.PublishError, match="intermediate_size"):
+          await pub.publish(None, 200)
+        first = (await version_of(client), os.listdir(tmp_path / "w"))
+        exporter["fn"] = export
+        await pub.publish(params_of(200), 200)
+        good = files(tmp_path / "w" / "v200")
+        exporter["fn"] = export_wide
+        with pytest.raises(publisher_lib.PublishError, match="intermediate_size"):
+          await pub.publish(None, 200)
+        second = (files(tmp_path / "w" / "v200"), os.listdir(tmp_path / "w"))
+        pub.out_of_sync[srv.url] = "injected: missed v200"
+        back = await pub.resync()
+        samples = await client.generate([5, 6, 7, 8], {"max_new_tokens": 24, "temperature": 1.0,
+                                                       "ignore_eos": True}, n=2)
+        return before, first, good, second, back, samples
+      finally:
+        await pub.close()
+
+  os.rename(start, start + ".hidden")  # the servers' disk, not readable by the learner
+  try:
+    before, first, good, second, back, samples = asyncio.run(run())
+  finally:
+    os.rename(start + ".hidden", start)
+  assert first == (before, []) and second == (good, ["v200"]) and back == [srv.url]
+  assert all(set(s.token_versions.tolist()) == {200} for s in samples)
+  check_tags(samples)
+
+
 def test_paused_server_is_alive_and_idle_connections_are_retried(server):
   srv, _ = server
 
