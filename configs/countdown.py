@@ -102,7 +102,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
           min_ess_floor=0.0,   # > 0: multiply the step by min_ess_factor when ESS <= this floor (or NaN)
           min_ess_factor=0.5)),
       kl_beta=0.0,             # > 0: + beta * k3 KL to the frozen warm-start policy (computed in the step)
-      grad_path="auto",        # auto (one backward for per-sequence-coefficient losses) | two_pass
+      # Per-sequence grad norms (learner/grad_path.py): book_keeping (one backward, keeps every layer's a/g),
+      # bounded (norms layer by layer, then a backward: an ordinary step's memory), two_pass; auto = book-keeping
+      # while its estimated a/g per device fit grad_memory_budget_gb, else bounded (choice logged at the 1st step).
+      grad_path="auto",
+      grad_memory_budget_gb=16.0,
       grad_norm_mode="auto",   # per-sequence grad norms: auto | ghost | explicit
       # Rows per learner micro-batch (whole prompt groups, a scan): -1 = auto (whole groups up to
       # micro_batch_max_rows when the registered facts allow it, else 0), 0 = the whole batch at once.

@@ -50,6 +50,9 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
   c.sft.steps = 0                  # a pretrained (instruct) model needs no warm start
   c.rl.update(steps=200, prompts_per_step=16, group_size=8, max_new_tokens=512)
   c.algo.micro_batch_size = 8      # one prompt group per learner micro-batch: bounds [tokens, vocab] logits
+  # Per-sequence norms by memory (learner/grad_path.py): book-keeping while its a/g per device fit the budget,
+  # else the bounded path; the choice and its reason are logged when the step is first traced.
+  c.algo.update(grad_path="auto", grad_memory_budget_gb=16.0)
   c.optim.update(learning_rate=1e-6, weight_decay=0.0)
   c.eval_every = 25
   c.checkpoint_every = 25
