@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-sglang bench install-gpu reproduce-quick clean-venv docs
+.PHONY: train test test-fast test-sglang bench install-gpu reproduce-quick clean-venv docs
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ train: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
+
+# The unit tier: no job processes, no servers (tests marked slow or integration are left out; conftest.py
+# fails a unit test that starts a process or a server).
+test-fast: $(VENV)/.dev
+	VCPO_TEST_TIER=unit $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not integration" $(PYTEST_ARGS) tests
 
 # Opt-in, not part of `make test` or CI: real SGLang 0.5.23 servers on CPU (installs a cached venv under
 # ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~27 min on 2 busy cores).

@@ -58,3 +58,26 @@ def pytest_collection_modifyitems(config, items):
 
 def skip_if_not_enough_devices(n: int):
   return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")
+
+
+
+# `make test-fast` (VCPO_TEST_TIER=unit) runs the unit tier: tests marked neither `slow` nor `integration`.
+# A unit test must not start a process or a server: in the processes that run tests (xdist's workers, or the
+# one process without xdist) starting either raises, so an unmarked test fails clearly instead of silently
+# slowing the tier. Patched for the whole session so module-scoped fixtures are covered too.
+UNIT_TIER = os.environ.get("VCPO_TEST_TIER") == "unit"
+
+
+def _refuse(*args, **kwargs):
+  raise RuntimeError("the unit tier (make test-fast) starts no process or server: mark this test "
+                     "@pytest.mark.integration (or slow)")
+
+
+def pytest_configure(config):
+  runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+  if not (UNIT_TIER and runs_tests):
+    return
+  import subprocess
+  from aiohttp import web
+  subprocess.Popen.__init__ = _refuse
+  web.BaseSite.start = _refuse
