@@ -268,7 +268,7 @@ def test_micro_batch_misuse_names_the_field():
 def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
   """The book-keeping path assumes d loss / d logp_t is one constant per sequence on its response tokens."""
   batch = _batch()
-  lc = learner_config.LearnerConfig(policy_loss=name, aggregation=aggregation)
+  lc = learner_config.LearnerConfig(policy_loss=name, aggregation=aggregation, generation_budget=T)
   logp = jnp.asarray(batch.sampler_logp_BxT + 0.3 * batch.mask_BxT * np.cos(np.arange(T))[None, :])
   adv = jnp.linspace(-1.0, 1.0, B)
   dlogp = np.asarray(jax.grad(lambda lp: Lr._policy_loss(lp, batch, jnp.asarray(batch.mask_BxT), adv, lc)[0])(logp))

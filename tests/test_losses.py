@@ -319,16 +319,19 @@ def test_kl_k3_is_masked_before_it_is_formed():
                                      * adv)[:, None] * mask + k3_grad, rtol=1e-4, atol=1e-6)
 
 
-def test_dr_grpo_divides_by_longest_response_not_row_width():
-  """'seq-mean-token-sum-norm' (Dr.GRPO): token sums / L_max, L_max the longest response (prompt excluded)."""
+def test_dr_grpo_divides_by_the_given_budget_only():
+  """'seq-mean-token-sum-norm' (Dr.GRPO): token sums / the generation budget, a constant it must be given (no
+  batch statistic such as the longest response or the row width stands in for it)."""
   rng = np.random.default_rng(14)
   x = rng.normal(size=(B, T))
   _, _, _, _, mask, _ = _batch(14)      # responses start after a prompt of 1-3 tokens
-  longest = mask.sum(-1).max()
-  assert longest < T
   seqs = [i for i in range(B) if mask[i].sum() > 0]
-  np.testing.assert_allclose(float(losses.aggregate(_j(x), _j(mask), 'seq-mean-token-sum-norm')),
-                             np.mean([(x[i] * mask[i]).sum() / longest for i in seqs]), rtol=1e-5)
+  np.testing.assert_allclose(float(losses.aggregate(_j(x), _j(mask), 'seq-mean-token-sum-norm', max_len=24)),
+                             np.mean([(x[i] * mask[i]).sum() / 24 for i in seqs]), rtol=1e-5)
+  with pytest.raises(ValueError, match='max_len'):
+    losses.aggregate(_j(x), _j(mask), 'seq-mean-token-sum-norm')
+  with pytest.raises(ValueError, match='max_len'):
+    losses.aggregate(_j(x), _j(mask), 'seq-mean-token-sum-norm', max_len=0)
 
 
 def test_all_losses_jit_and_stay_finite_for_extreme_ratios():
@@ -427,3 +430,49 @@ def test_opob_estimator_and_registry_errors():
   with pytest.raises(ValueError, match='rollout_is'):
     losses.get_policy_loss('gspo')(_j(np.zeros((2, 3))), _j(np.zeros((2, 3))), _j(np.ones((2, 3))),
                                    _j(np.zeros(2)), rollout_is='seq')
+
+
+def test_dr_grpo_step_divides_by_generation_budget():
+  """Dr.GRPO's normalizer is a constant: the learner step's 'seq-mean-token-sum-norm' loss is each response's
+  token sum / rl.max_new_tokens (the generation budget, via LearnerConfig.generation_budget), never the
+  batch's longest response; whole batch and micro-batch chunks alike, against float64 numpy."""
+  import functools
+  from vcpo_jax.learner import config as learner_config
+  from vcpo_jax.learner import optimizer as optimizer_lib
+  from vcpo_jax.learner import step as step_lib
+  from vcpo_jax.learner import train_state
+  from vcpo_jax.learner.batch import RLBatch
+  from vcpo_jax.model import config as model_config
+  from vcpo_jax.model import transformer as M
+
+  cfg = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                                 num_kv_heads=1, head_dim=8, max_seq_len=32)
+  rows, width, budget = 8, 12, 16            # every response is shorter than the budget (longest: 6 tokens)
+  rng = np.random.default_rng(21)
+  tokens_BxT = rng.integers(1, cfg.vocab_size, (rows, width)).astype(np.int32)
+  mask_BxT = np.zeros((rows, width), np.float32)
+  for i in range(rows - 1):                  # the last row has no response: it is not a sequence of the mean
+    mask_BxT[i, 2:2 + 1 + i % 6] = 1
+  rewards_B = rng.normal(size=rows).astype(np.float32)
+  batch = RLBatch(tokens_BxT=tokens_BxT, mask_BxT=mask_BxT, sampler_logp_BxT=np.full((rows, width), -3.0, np.float32),
+                  rewards_B=rewards_B, group_B=np.repeat(np.arange(rows // 4), 4).astype(np.int32),
+                  lag_B=np.zeros(rows, np.float32), valid_B=np.ones(rows, np.float32))
+  opt = optimizer_lib.build_optimizer(learning_rate=0.0, weight_decay=0.0, ess_scaling=False)
+  params = jax.jit(functools.partial(M.init_params, cfg))(jax.random.PRNGKey(0))
+  logp_BxT = np.asarray(M.token_logprobs(params, cfg, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT)), np.float64)
+  # pg with reinforce advantages (A = R): loss = mean over non-empty rows of -R_i sum_t m_t logp_t / budget.
+  seqs = [i for i in range(rows) if mask_BxT[i].sum() > 0]
+  want = np.mean([-float(rewards_B[i]) * (logp_BxT[i] * mask_BxT[i]).sum() / budget for i in seqs])
+  assert mask_BxT.sum(-1).max() < budget     # the old normalizer (the longest response) would differ
+  for micro in (0, 4):
+    lc = learner_config.LearnerConfig(advantage="reinforce", advantage_options=dict(baseline=False),
+                                      policy_loss="pg", aggregation="seq-mean-token-sum-norm",
+                                      generation_budget=budget, micro_batch_size=micro)
+    state = train_state.create_train_state(cfg, opt, jax.random.PRNGKey(0))
+    state = train_state.with_params(state, jax.tree.map(jnp.copy, params))  # the step donates the state
+    _, metrics = step_lib.make_rl_step(cfg, lc, opt)(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=2e-5, err_msg=f"micro_batch_size={micro}")
+  with pytest.raises(ValueError, match="generation_budget"):
+    learner_config.LearnerConfig(aggregation="seq-mean-token-sum-norm")
+  with pytest.raises(ValueError, match="generation_budget"):
+    learner_config.LearnerConfig(aggregation="seq-mean-token-sum-norm", generation_budget=0)

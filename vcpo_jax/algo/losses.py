@@ -1,7 +1,6 @@
 """Entry points to the registered estimators and losses (options checked), loss aggregation and the k3 KL term."""
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 
 from vcpo_jax.algo import advantages
@@ -92,7 +91,8 @@ def get_policy_loss(name: str) -> Callable:
 def aggregate(per_token_loss_BxT, mask_BxT, mode: str = 'seq-mean-token-mean', max_len=None):
   """Scalar loss. 'seq-mean-token-mean': mean over sequences (with >= 1 token) of their token mean;
   'token-mean': mean over all tokens; 'seq-mean-token-sum-norm': mean over sequences of token sum / max_len
-  (Dr.GRPO; max_len defaults to the longest response here, never the row width, which includes the prompt).
+  (Dr.GRPO). max_len is the generation budget (rl.max_new_tokens) and is required: a constant, so a token's
+  weight never depends on the other rows of the batch (the longest response would make it do so).
   """
   if mode not in AGGREGATIONS:
     raise ValueError(f'mode must be one of {AGGREGATIONS}, got mode={mode!r}')
@@ -105,15 +105,7 @@ def aggregate(per_token_loss_BxT, mask_BxT, mode: str = 'seq-mean-token-mean', m
   n_seq = jnp.maximum(jnp.sum(has_B), 1.0)
   if mode == 'seq-mean-token-mean':
     return jnp.sum(sum_B / jnp.maximum(len_B, 1.0)) / n_seq
-  if max_len is None:
-    max_len = jnp.maximum(jnp.max(len_B), 1.0)
-  elif isinstance(max_len, (int, float)) and not max_len > 0:
-    raise ValueError(f'max_len must be positive, got max_len={max_len!r}')
-  return jnp.sum(sum_B) / max_len / n_seq
-
-
-def longest_response(mask_BxT) -> jax.Array:
-  """Dr.GRPO's L_max over a batch (>= 1): pass it as aggregate's max_len so micro-batches agree."""
-  return jnp.maximum(jnp.max(jnp.sum(mask_BxT.astype(jnp.float32), axis=-1)), 1.0)
-
-
+  if isinstance(max_len, bool) or not isinstance(max_len, (int, float)) or not max_len > 0:
+    raise ValueError(f"mode={mode!r} needs max_len, the generation budget (rl.max_new_tokens) > 0; "
+                     f"got max_len={max_len!r}")
+  return jnp.sum(sum_B) / jnp.float32(max_len) / n_seq

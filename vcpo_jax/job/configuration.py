@@ -74,7 +74,8 @@ def learner_config(config) -> learner_config_lib.LearnerConfig:
       policy_loss=a.policy_loss, policy_loss_options=_chosen_options(a.get("policy_loss_options"), a.policy_loss),
       aggregation=a.aggregation, tis_threshold=a.tis_threshold, kl_beta=a.kl_beta,
       grad_path=a.get("grad_path", "auto"), grad_norm_mode=a.get("grad_norm_mode", "auto"),
-      grad_memory_budget_gb=a.get("grad_memory_budget_gb", 16.0))
+      grad_memory_budget_gb=a.get("grad_memory_budget_gb", 16.0),
+      generation_budget=rl.max_new_tokens)  # Dr.GRPO's constant normalizer ('seq-mean-token-sum-norm')
   micro = a.micro_batch_size
   if micro == AUTO:
     micro = learner_config_lib.auto_micro_batch_size(lc, rl.prompts_per_step * rl.group_size, rl.group_size,

@@ -31,6 +31,9 @@ class LearnerConfig:
   grad_memory_budget_gb: float = 16.0      # auto: book-keeping while its a/g (per device) fit in this, else bounded
   grad_norm_mode: str = "auto"             # grad_norms mode: 'auto' | 'ghost' | 'explicit'
   micro_batch_size: int = 0                # > 0: rows processed in chunks of whole groups (scan); 0: at once
+  # rl.max_new_tokens: the constant that 'seq-mean-token-sum-norm' (Dr.GRPO) divides each token sum by; a
+  # batch statistic (the longest response) would make the per-token weight depend on the other rows.
+  generation_budget: Optional[int] = None
 
   def __post_init__(self):
     for name in ("advantage_options", "policy_loss_options"):
@@ -39,6 +42,11 @@ class LearnerConfig:
     self.loss_options()
     if self.aggregation not in losses.AGGREGATIONS:
       raise ValueError(f"aggregation must be one of {losses.AGGREGATIONS}, got aggregation={self.aggregation!r}")
+    if self.aggregation == "seq-mean-token-sum-norm" and (
+        isinstance(self.generation_budget, bool) or not isinstance(self.generation_budget, int)
+        or self.generation_budget < 1):
+      raise ValueError(f"aggregation={self.aggregation!r} divides by the generation budget (rl.max_new_tokens): "
+                       f"generation_budget must be an int >= 1, got generation_budget={self.generation_budget!r}")
     if self.tis_threshold is not None and not self.tis_threshold > 0:
       raise ValueError(f"tis_threshold must be positive or None, got tis_threshold={self.tis_threshold!r}")
     if not self.kl_beta >= 0:

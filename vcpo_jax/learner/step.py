@@ -50,6 +50,7 @@ def _policy_loss(logp_BxT, batch: RLBatch, mask_BxT, adv_B, lc: LearnerConfig, m
       lc.policy_loss, logp_BxT, batch.sampler_logp_BxT.astype(jnp.float32), mask_BxT,
       jax.lax.stop_gradient(adv_B), lc.loss_options(), prox_logp_BxT=batch.prox_logp_BxT,
       ref_logp_BxT=batch.ref_logp_BxT, kl_beta=lc.kl_beta)
+  max_len = lc.generation_budget if max_len is None else max_len
   return losses.aggregate(loss_BxT, loss_mask_BxT, lc.aggregation, max_len=max_len), aux
 
 
@@ -189,7 +190,7 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: model_config.ModelC
   lc = learner_cfg
   valid_B = _valid(batch)
   mask_BxT = batch.mask_BxT.astype(jnp.float32) * valid_B[:, None].astype(jnp.float32)
-  max_len = losses.longest_response(mask_BxT)  # Dr.GRPO's L_max, batch-wide so every chunk agrees
+  max_len = lc.generation_budget  # Dr.GRPO's constant normalizer (rl.max_new_tokens), the same in every chunk
   micro = lc.micro_batch_size if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0] else 0
   # 'auto' resolved here, once per trace, from the shapes the step really gets (logged: the start-up choice).
   path = grad_path.log_choice(lc, model_cfg, micro or mask_BxT.shape[0], mask_BxT.shape[1], row_shards)
