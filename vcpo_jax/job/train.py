@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vcpo_jax import tasks
 from vcpo_jax.job import checkpointing
 from vcpo_jax.job import data
 from vcpo_jax.job import metrics as metrics_lib

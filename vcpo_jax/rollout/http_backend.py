@@ -9,7 +9,6 @@ from typing import Any, Optional
 
 import ml_collections
 
-from vcpo_jax import tasks
 from vcpo_jax.model import hf
 from vcpo_jax.rollout import backend, client as client_lib, episodes as episodes_lib, launcher, protocol
 from vcpo_jax.rollout import publisher as publisher_lib
