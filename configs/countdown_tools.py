@@ -1,7 +1,8 @@
-"""Multi-turn tool use: Countdown with a calculator (`<calc>expr</calc>` -> `<result>value</result>`).
+"""Multi-turn tool use: Countdown with a calculator, called in the chat template's tool format.
 
 The main job's config (configs/countdown.py) with the countdown_tools task: every rollout is an episode of up
-to task.options.countdown_tools.max_turns model turns; tool outputs are tokens with mask 0 inside the response.
+to task.options.countdown_tools.max_turns model turns; a `<tool_call>{"name": "calculator", ...}</tool_call>`
+is answered by a `<tool_response>` tool turn, whose tokens have mask 0 inside the response.
 """
 import ml_collections
 
@@ -18,9 +19,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.task.options.countdown_tools.update(
       num_numbers=3, max_number=6, max_target=100, ops="+-*", eval_fraction=0.2,
       max_turns=3, max_result_chars=24, correction_rate=0.5)
-  # A prompt is <= 79 tokens; a warm-start trace (a failed check, its correction, the answer) <= 88 + the
-  # stop token (tests/test_tools.py checks both over many draws).
-  c.model.max_seq_len = 176
+  # A prompt (with the tools' system turn) is <= 92 tokens; a warm-start trace (a failed check, its
+  # correction, the answer) <= 84 + the stop token (tests/test_tools.py checks both over many draws).
+  c.model.max_seq_len = 192
   # The episode's whole response, generated and tool tokens together (prompt + response <= max_seq_len - 2).
   c.rl.max_new_tokens = 92
   # A short run on a 2-core CPU machine. The warm start is the expensive part (a 3-layer model learning

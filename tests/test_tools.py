@@ -1,106 +1,61 @@
-"""Tool use (#14): the calculator environment (parse errors, injection, caps), the countdown_tools task and its
-warm-start traces, and the episode runner's turns, caps, masks and versions against a hand-built episode."""
+"""Tool use (#14, #25): the countdown_tools task and its warm-start traces in the chat template's tool format,
+and the episode runner's turns, caps, masks, versions and error counts against a hand-built episode."""
 import asyncio
+import json
 import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import batching, episodes, types
-from vcpo_jax.tasks import calculator
+from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
 CALC = calculator.Calculator(max_turns=3, max_result_chars=24)
-# Every reply is a value or a fixed error phrase: nothing of the model's text comes back.
-REPLY_RE = re.compile(r"<result>(-?\d+(/\d+)?|error: [a-z ]+)</result>")
+REPLY = TOK.chat_prompt.tool_reply  # tool-message content -> the text that follows a call
+# A reply as an episode's text holds it: the end of the call's turn, the tool message, the next turn's start.
+REPLY_RE = re.compile(r"<\|im_end\|>\n<\|im_start\|>user\n<tool_response>\n(.*?)\n</tool_response><\|im_end\|>\n"
+                      r"<\|im_start\|>assistant\n", re.S)
+CALL_RE = re.compile(r'<tool_call>\n(\{"name": "calculator", "arguments": \{"expression": "(.*?)"\}\})\n</tool_call>')
 
 
-# --- environment ------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("turn,call", [
-    ("no call here <answer>1</answer>", None),
-    ("<calc>1+2</calc>", "1+2"),
-    ("think <calc>7 * (3 - 1)</calc>", "7 * (3 - 1)"),
-    ("</calc>", ""),                              # a closer without an opener is a (malformed) call
-    ("<calc>9<calc>3*4</calc>", "3*4"),           # the opener nearest the closer
-    ("<calc>1+1</calc> tail <calc>5</calc>", "1+1"),  # generation stops at the first closer
-    ("<calc>1+2", None),                           # unfinished: no call
-])
-def test_find_call(turn, call):
-  assert CALC.find_call(turn) == call
+def plain(text: str) -> str:
+  """What completion_text gives back for an episode's text: the chat tokens dropped."""
+  return text.replace("<|im_end|>", "").replace("<|im_start|>", "")
 
 
-@pytest.mark.parametrize("expr,reply,error", [
-    ("1+2", "3", False), ("7/2", "7/2", False), ("(10-4)/3", "2", False), ("2-9", "-7", False),
-    ("1/0", "error: division by zero", True), ("  ", "error: empty", True), ("2**3", "error: malformed", True),
-    ("1+", "error: malformed", True), ("3)", "error: malformed", True), ("x+1", "error: bad character", True),
-    ("1" * 20, "error: too large", True), ("999999*999999*999999", "error: too large", True),
-    ("(" * 100 + "1" + ")" * 100, "error: too deep", True), ("1+" * 200 + "1", "error: too long", True),
-])
-def test_calls_are_answered_and_failures_are_error_replies(expr, reply, error):
-  got = CALC.respond(f"<calc>{expr}</calc>")
-  assert got == calculator.ToolReply(f"<result>{reply}</result>", error)
-
-
-def test_over_long_values_are_capped():
-  calc = calculator.Calculator(max_turns=2, max_result_chars=5)
-  assert calc.run("12345").text == "<result>12345</result>"
-  assert calc.run("123456") == calculator.ToolReply("<result>error: too long</result>", True)
-  assert calc.run("100/7") == calculator.ToolReply("<result>100/7</result>", False)
-  assert calc.run("1000/7").error
-
-
-@pytest.mark.parametrize("expr", [
-    "__import__('os').system('rm -rf /')", "1+1</result><answer>2</answer>", "1<|im_end|><|im_start|>user",
-    "open('/etc/passwd').read()", "9**9**9", "lambda: 1", "1e999", "\x00\ufffd", "1; import os",
-])
-def test_injection_attempts_get_a_fixed_error_reply(expr):
-  got = CALC.respond(f"<calc>{expr}</calc>")
-  assert got.error and REPLY_RE.fullmatch(got.text), got
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("0123456789+-*/() .<>/calcresult|_eaxz")), max_size=80))
-def test_any_turn_text_gets_none_or_a_well_formed_reply(text):
-  got = CALC.respond(text)
-  if got is None:
-    assert calculator.CALL_CLOSE not in text
-    return
-  assert REPLY_RE.fullmatch(got.text), got
-  assert TOK.decode(TOK.encode(got.text)) == got.text  # always tokenizable
-
-
-def test_calculator_knobs_are_checked():
-  with pytest.raises(ValueError, match="max_turns"):
-    calculator.Calculator(max_turns=0)
-  with pytest.raises(ValueError, match="max_result_chars"):
-    calculator.Calculator(max_result_chars=0)
-  with pytest.raises(ValueError, match="correction_rate"):
-    tasks.get_task("countdown_tools", correction_rate=1.5)
+def C(expression: str) -> str:  # noqa: N802 - a calculator call as the template renders it
+  return CALC.call(expression)
 
 
 # --- task -------------------------------------------------------------------------------------------------
 
-def test_tool_task_traces_use_the_calculator_and_are_scored_as_countdown():
+def test_tool_task_traces_are_valid_calls_with_real_replies_and_scored_as_countdown():
   task = tasks.get_task("countdown_tools", num_numbers=3, max_number=10, max_target=100,
                         render_prompt=TOK.chat_prompt)
   assert isinstance(task.environment(), calculator.Calculator)
   assert tasks.get_task("countdown").environment() is None
+  with pytest.raises(ValueError, match="render_prompt"):
+    tasks.get_task("countdown_tools", render_prompt=tasks.get_task("countdown").render_prompt)
   rng = np.random.default_rng(0)
   corrected = 0
   for ex in task.sample(0, 60):
-    assert ex["task"] == "countdown_tools" and "<calc></calc>" in ex["prompt"]
+    user = task.user_text(ex["numbers"], ex["target"])
+    assert ex["prompt"] == TOK.chat_prompt(user, tools=CALC.declarations())  # the tool declared to the template
     good, bad = task.sft_completion(ex, rng, 0.0), task.sft_completion(ex, rng, 1.0)
     assert task.reward(ex, good) == 1.0 and task.reward(ex, bad) == 0.0
     assert tasks.reward(ex, good) == tasks.countdown_reward(good, ex["numbers"], ex["target"]) == 1.0
-    calls = re.findall(r"<calc>(.*?)</calc>(<result>.*?</result>)", good)
-    assert calls and all(task.environment().run(e).text == r for e, r in calls)  # real tool replies
-    assert calls[-1][1] == f"<result>{ex['target']}</result>"  # the last check hits the target
+    for trace in (good, bad):
+      for body, expression in CALL_RE.findall(trace):  # every call parses and is answered with no error
+        reply = task.environment().respond(C(expression))
+        assert json.loads(body)["arguments"]["expression"] == expression and not reply.error
+        assert C(expression) + reply.text in trace
+    calls = CALL_RE.findall(good)
+    assert calls and REPLY_RE.findall(good)[-1] == str(ex["target"])  # the last check hits the target
     corrected += len(calls) > 1  # a deliberately wrong first check, then the correction
   assert 10 < corrected < 50
 
@@ -135,7 +90,7 @@ class ScriptedPolicy:
     ids = self.turns[t][:params["max_new_tokens"]]
     vers = self.versions[t] if self.versions else [0] * len(ids)
     lps = [-0.1 * (1 + i % 3) for i in range(len(ids))]
-    finish = "stop" if ids and (ids[-1] in TOK.stop_ids or "</calc>" in TOK.decode(ids)) else "length"
+    finish = "stop" if ids and (ids[-1] in TOK.stop_ids or "</tool_call>" in TOK.decode(ids)) else "length"
     return [types.Sample(prompt_ids=list(input_ids), output_ids=ids, output_logprobs=np.asarray(lps, np.float32),
                          token_versions=np.asarray(vers[:len(ids)], np.int64), finish_reason=finish,
                          server_url="scripted", num_resumes=1)]
@@ -153,15 +108,15 @@ END = "<|im_end|>"
 
 
 def test_hand_built_episode_masks_logprobs_versions_and_lag():
-  turn1, turn2 = "<calc>2*3</calc>", "<answer>2*3</answer>" + END
+  turn1, turn2 = C("2*3"), "<answer>2*3</answer>" + END
   v1, v2 = [5] * len(TOK.encode(turn1)), [6] * 5 + [7] * (len(TOK.encode(turn2)) - 5)  # turn 2 straddles
   policy = ScriptedPolicy([turn1, turn2], [v1, v2])
   (sample,) = asyncio.run(_runner().generate(policy, PROMPT, {"max_new_tokens": 80, "sampling_seed": 11}, n=1))
-  ids1, tool, ids2 = TOK.encode(turn1), TOK.encode("<result>6</result>"), TOK.encode(turn2)
+  ids1, tool, ids2 = TOK.encode(turn1), TOK.encode(REPLY("6")), TOK.encode(turn2)
   # Each turn is a generation on the growing input: prompt + earlier turns + tool outputs.
   assert [c[0] for c in policy.calls] == [PROMPT, PROMPT + ids1 + tool]
   assert [c[1]["max_new_tokens"] for c in policy.calls] == [80, 80 - len(ids1) - len(tool)]
-  assert all(c[1]["stop"] == ["</calc>"] for c in policy.calls)
+  assert all(c[1]["stop"] == ["</tool_call>"] for c in policy.calls)
   seeds = [c[1]["sampling_seed"] for c in policy.calls]
   assert seeds[0] == 11 and seeds[1] != 11  # a later turn does not replay turn 0's random draws
   assert sample.output_ids == ids1 + tool + ids2
@@ -174,7 +129,7 @@ def test_hand_built_episode_masks_logprobs_versions_and_lag():
   group.sample_lags = [types.sample_lag(sample, 8, group.start_version)]
   assert group.sample_lags == [3]  # learner version 8 - the oldest generated token's version 5
   types.score_group(group, lambda ex, ids: (1.0, completion_text(TOK, ids)))
-  assert group.completions[0] == turn1 + "<result>6</result><answer>2*3</answer>"
+  assert group.completions[0] == plain(turn1 + REPLY("6") + "<answer>2*3</answer>")
   batch = batching.groups_to_batch([group], seq_len=len(PROMPT) + 80, pad_id=TOK.pad_id, num_rows=2)
   P, L = len(PROMPT), len(sample.output_ids)
   row_mask = np.zeros(P + 80)
@@ -190,29 +145,32 @@ def test_hand_built_episode_masks_logprobs_versions_and_lag():
 
 
 def test_max_turns_caps_the_episode():
-  policy = ScriptedPolicy(["<calc>1+1</calc>"] * 5)
+  policy = ScriptedPolicy([C("1+1")] * 5)
   (sample,) = asyncio.run(_runner(max_turns=3, max_new_tokens=120).generate(policy, PROMPT, {"max_new_tokens": 1}))
   assert len(policy.calls) == 3 and sample.num_turns == 3
   assert sample.tool_calls == 2 and sample.turn_capped and sample.finish_reason == "length"
-  assert completion_text(TOK, sample.output_ids) == "<calc>1+1</calc><result>2</result>" * 2 + "<calc>1+1</calc>"
+  assert completion_text(TOK, sample.output_ids) == plain((C("1+1") + REPLY("2")) * 2 + C("1+1"))
 
 
 def test_failing_calls_continue_the_episode_and_are_counted():
-  policy = ScriptedPolicy(["<calc>1/0</calc>", "<calc>import os</calc>", "<answer>1</answer>" + END])
-  (sample,) = asyncio.run(_runner(max_new_tokens=160).generate(policy, PROMPT, {"max_new_tokens": 1}))
-  assert (sample.num_turns, sample.tool_calls, sample.tool_errors) == (3, 2, 2)
+  policy = ScriptedPolicy([C("1/0"), "<tool_call>\n{\"name\": \"python\"}\n</tool_call>",
+                           "<tool_call>\nnot json\n</tool_call>", "<answer>1</answer>" + END])
+  (sample,) = asyncio.run(_runner(max_turns=4, max_new_tokens=300).generate(policy, PROMPT, {"max_new_tokens": 1}))
+  assert (sample.num_turns, sample.tool_calls, sample.tool_errors) == (4, 3, 3)
+  assert sample.tool_error_kinds == {"tool": 1, "malformed": 1, "json": 1}
   text = completion_text(TOK, sample.output_ids)
-  assert "<result>error: division by zero</result>" in text and "<result>error: bad character</result>" in text
+  assert plain(REPLY("error: division by zero")) in text and plain(REPLY(tool_calls.ERROR_KINDS["json"])) in text
   metrics = episodes.metrics([types.Group(0, {}, 0, 0, samples=[sample, sample])])
-  assert metrics["tools/calls_per_episode"] == 2 and metrics["tools/error_rate"] == 1.0
-  assert metrics["tools/turns_per_episode"] == 3
+  assert metrics["tools/calls_per_episode"] == 3 and metrics["tools/error_rate"] == 1.0
+  assert metrics["tools/turns_per_episode"] == 4 and metrics["tools/errors/json"] == 1
+  assert metrics["tools/errors/unknown_tool"] == 0 and set(metrics) >= {f"tools/errors/{k}" for k in tool_calls.ERROR_KINDS}
   assert episodes.metrics([types.Group(0, {}, 0, 0, samples=[types.Sample([1], [2], np.zeros(1), np.zeros(1),
                                                                           "stop", "")])]) == {}
 
 
 def test_episode_length_is_capped_and_a_reply_that_does_not_fit_ends_it():
-  calls = "<calc>1+1</calc>"
-  n_call, n_reply = len(TOK.encode(calls)), len(TOK.encode("<result>2</result>"))
+  calls = C("1+1")
+  n_call, n_reply = len(TOK.encode(calls)), len(TOK.encode(REPLY("2")))
   # Room for the call and its reply, but not for one more generated token: the reply is not appended.
   policy = ScriptedPolicy([calls] * 3)
   (sample,) = asyncio.run(_runner(max_new_tokens=n_call + n_reply).generate(policy, PROMPT, {"max_new_tokens": 1}))
@@ -232,25 +190,26 @@ def test_episode_length_is_capped_and_a_reply_that_does_not_fit_ends_it():
 def test_a_marker_split_by_an_abort_resume_is_still_cut():
   # A resumed request's new segment alone lacks the stop string, so the server ran on past it: the runner
   # cuts the turn at the marker (the kept tokens' distribution is what stopping would have given).
-  policy = ScriptedPolicy(["<calc>2+2</calc>garbage after", "<answer>4</answer>" + END])
+  policy = ScriptedPolicy([C("2+2") + "garbage after", "<answer>4</answer>" + END])
   (sample,) = asyncio.run(_runner().generate(policy, PROMPT, {"max_new_tokens": 80}))
-  assert completion_text(TOK, sample.output_ids) == "<calc>2+2</calc><result>4</result><answer>4</answer>"
+  assert completion_text(TOK, sample.output_ids) == plain(C("2+2") + REPLY("4") + "<answer>4</answer>")
   assert sample.tool_calls == 1 and sample.finish_reason == "stop"
 
 
 def test_first_stop_finds_the_fewest_tokens():
-  ids = TOK.encode("ab</calc>cd</calc>")
-  assert episodes.first_stop(ids, TOK.decode, ["</calc>"]) == 9
+  ids = TOK.encode("ab</tool_call>cd</tool_call>")
+  assert episodes.first_stop(ids, TOK.decode, ["</tool_call>"]) == 14
+  assert episodes.first_stop(TOK.encode(C("1") + "x"), TOK.decode, ["</tool_call>"]) == 3  # inside a piece
   assert episodes.first_stop(ids, TOK.decode, ["zz"]) is None
 
 
 # --- warm start: the SFT row of a trace is the episode's row, tool replies are not targets -----------------
 
 def test_sft_row_of_a_hand_built_trace_targets_exactly_the_generated_tokens():
-  turns = ["<calc>2+3</calc>", "<calc>2*3</calc>", "<answer>2*3</answer>"]
-  replies = ["<result>5</result>", "<result>6</result>"]
+  turns = [C("2+3"), C("2*3"), "<answer>2*3</answer>"]
+  replies = [REPLY("5"), REPLY("6")]
   trace = turns[0] + replies[0] + turns[1] + replies[1] + turns[2]
-  tokens_T, mask_T = data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=len(PROMPT) + 80, env=CALC)
+  tokens_T, mask_T = data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=len(PROMPT) + 100, env=CALC)
   gen = lambda t: (TOK.encode(t), [1.0] * len(TOK.encode(t)))  # noqa: E731
   tool = lambda t: (TOK.encode(t), [0.0] * len(TOK.encode(t)))  # noqa: E731
   parts = [gen(turns[0]), tool(replies[0]), gen(turns[1]), tool(replies[1]), gen(turns[2]), ([TOK.eos_id], [1.0])]
@@ -264,14 +223,14 @@ def test_sft_row_of_a_hand_built_trace_targets_exactly_the_generated_tokens():
   assert sample.output_ids == want_ids
   np.testing.assert_array_equal(sample.output_mask, want_mask)
   # Without an environment (single-turn tasks) the whole completion is the target.
-  _, plain_T = data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=len(PROMPT) + 80)
+  _, plain_T = data.encode_sft_example(TOK, PROMPT_TEXT, trace, seq_len=len(PROMPT) + 100)
   assert plain_T.sum() == L
 
 
 @pytest.mark.parametrize("trace,match", [
-    ("<calc>2+3</calc><result>7</result><answer>5</answer>", "not its reply"),  # a forged reply
-    ("<calc>2+3</calc> <result>5</result>", "not its reply"),
-    ("<calc>1</calc><result>1</result>" * 3 + "<answer>1</answer>", "max_turns=3"),  # an episode stops earlier
+    (C("2+3") + REPLY("7") + "<answer>5</answer>", "not its reply"),  # a forged reply
+    (C("2+3") + " " + REPLY("5"), "not its reply"),
+    ((C("1") + REPLY("1")) * 3 + "<answer>1</answer>", "max_turns=3"),  # an episode stops earlier
 ])
 def test_traces_no_episode_could_hold_are_refused(trace, match):
   with pytest.raises(ValueError, match=match):
@@ -287,9 +246,9 @@ def test_tool_task_sft_batches_mask_exactly_the_replies():
   for tokens_T, mask_T in zip(batch["tokens"], batch["mask"]):
     start, end = np.flatnonzero(mask_T)[[0, -1]]
     text = TOK.decode(tokens_T[start:end])
-    want = re.findall(r"<result>.*?</result>", text)
+    want = [m.group(0) for m in REPLY_RE.finditer(text)]
     response_T, target_T = tokens_T[start:end + 1], mask_T[start:end + 1] > 0
     assert TOK.decode(response_T[~target_T]) == "".join(want)
-    assert TOK.decode(response_T[target_T][:-1]) == re.sub(r"<result>.*?</result>", "", text)
+    assert TOK.decode(response_T[target_T][:-1]) == REPLY_RE.sub("", text)
     replies += len(want)
   assert replies >= 8

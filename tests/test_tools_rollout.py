@@ -15,11 +15,11 @@ from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import client as client_lib, episodes, scheduler as sched_lib, types
-from vcpo_jax.tasks import calculator
+from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
 PROMPT = [5, 6, 7, 8]
-REPLY = "<result>42</result>"
+REPLY = TOK.chat_prompt.tool_reply("42")  # the template's tool turn around a tool message
 
 
 class MarkerEnv:
@@ -29,7 +29,7 @@ class MarkerEnv:
     self.stop_strings, self.max_turns = (marker,), max_turns
 
   def respond(self, turn_text):
-    return calculator.ToolReply(REPLY, False) if self.stop_strings[0] in turn_text else None
+    return tool_calls.ToolReply(REPLY, False, "42") if self.stop_strings[0] in turn_text else None
 
 
 def _runner(marker, max_new_tokens=60):
@@ -152,8 +152,9 @@ class VersionedPolicy:
       ids.append(TOK.token_to_id("1"))
       versions.append(self.version)
     if self.rng.random() < 0.6:  # a call
-      ids += TOK.encode("<calc>1+1</calc>")
-      versions += [self.version] * len(TOK.encode("<calc>1+1</calc>"))
+      call = TOK.encode(calculator.Calculator().call("1+1"))
+      ids += call
+      versions += [self.version] * len(call)
     return [types.Sample(list(input_ids), ids, np.full(len(ids), -0.5, np.float32), np.asarray(versions, np.int64),
                          "stop", "sim")]
 
@@ -208,6 +209,6 @@ def test_tool_task_job_runs_three_steps(tmp_path):
     scalars = [json.loads(line) for line in f]
   for s in scalars:
     assert s["lag/max"] <= 1
-    for key in ("calls_per_episode", "errors_per_episode", "turns_per_episode", "error_rate"):
+    for key in ("calls_per_episode", "errors_per_episode", "turns_per_episode", "error_rate", "errors/json"):
       assert f"tools/{key}" in s
     assert s["tools/turns_per_episode"] >= 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -76,9 +77,17 @@ def read_info(model_dir: str, vocab: Mapping[str, int]) -> TokenizerInfo:
                        frozenset(special), ids.get("bos_token"))
 
 
-def render_chat(template: str | None, messages: Sequence[Mapping[str, str]], template_vars: Mapping) -> str:
-  """The chat template applied as transformers applies it (sandboxed Jinja, trim_blocks, lstrip_blocks),
-  ending with the assistant's generation prompt."""
+def render_chat(template: str | None, messages: Sequence[Mapping[str, Any]], template_vars: Mapping, *,
+                tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+  """The chat template applied as transformers applies it (sandboxed Jinja, trim_blocks, lstrip_blocks), with
+  the tools' JSON schemas declared to it (tools=None: none), by default ending with the generation prompt."""
+  return compile_template(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                           tools=list(tools) if tools else None, documents=None, **template_vars)
+
+
+@functools.lru_cache(maxsize=16)
+def compile_template(template: str | None):
+  """The compiled Jinja template (cached: prompts and tool replies render it once per example or call)."""
   if not template:
     raise ValueError("the pretrained tokenizer has no chat template (tokenizer_config.json chat_template or "
                      "chat_template.jinja); the tasks' prompts need one")
@@ -99,8 +108,7 @@ def render_chat(template: str | None, messages: Sequence[Mapping[str, str]], tem
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-  return env.from_string(template).render(messages=list(messages), add_generation_prompt=True, tools=None,
-                                          documents=None, **template_vars)
+  return env.from_string(template)
 
 
 def copy_files(src_dir: str, out_dir: str) -> None:

@@ -10,6 +10,7 @@ from typing import Iterable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from vcpo_jax.model import chat
 from vcpo_jax.model import pretrained_tokenizer as pretrained
 
 PAD_TOKEN = "<|endoftext|>"
@@ -28,11 +29,34 @@ WORDS = (
     " each", " exactly", " once", " with", " and", " parentheses", " Put", " final", " answer", " in",
     "Compute",
 )
+# The calculator call and the tool turn of the Qwen-style tool format (model.chat), appended after WORDS so every
+# earlier id is unchanged; three pieces fill the 128 rows the task configs give the model.
+TOOL_WORDS = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "', '"}}\n</tool_call>',
+              "user\n<tool_response>\n")
 
+# ChatML plus Qwen2.5's tool format: a call renders as `\n<tool_call>\n{"name": ..., "arguments": {...}}\n
+# </tool_call>` in the assistant's turn, consecutive tool messages as `\n<tool_response>\n...\n</tool_response>`
+# in one user turn. The tools section is a compact system turn, `<tools>name,...</tools>` (a from-scratch model
+# cannot read JSON schemas, and rows are short); without tools the rendering is the plain ChatML above it.
+# Literal newlines never follow a `%}` (trim_blocks would drop them): those are written `{{ '\n' }}`.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}"
+    "{{ (tool.function if tool.function is defined else tool).name }}{% if not loop.last %},{% endif %}"
+    "{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% if message['content'] %}\n{{ message['content'] }}{% endif %}"
+    "{% for call in message.tool_calls %}{% set call = call.function if call.function is defined else call %}"
+    "{{ '\n' }}<tool_call>\n{\"name\": \"{{ call.name }}\", \"arguments\": {{ call.arguments | tojson }}"
+    "{{ '}' }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TASK_CHAT = chat.ChatFormat(CHAT_TEMPLATE)  # the task tokenizer's conversation format
 
 
 def chat_prompt(user_text: str) -> str:
@@ -41,7 +65,7 @@ def chat_prompt(user_text: str) -> str:
 
 
 def _vocab() -> dict[str, int]:
-  pieces = list(SPECIAL_TOKENS) + list(CHARS) + list(WORDS)
+  pieces = list(SPECIAL_TOKENS) + list(CHARS) + list(WORDS) + list(TOOL_WORDS)
   if len(set(pieces)) != len(pieces):
     raise ValueError("tokenizer pieces are not unique")
   return {p: i for i, p in enumerate(pieces)}
@@ -50,7 +74,7 @@ def _vocab() -> dict[str, int]:
 def _split_regex() -> str:
   # Longest alternatives first: the regex engine takes the first alternative that matches, so " numbers"
   # must be tried before " number". The final `[\s\S]` makes every remaining char its own piece.
-  words = sorted(WORDS, key=len, reverse=True)
+  words = sorted(WORDS + TOOL_WORDS, key=len, reverse=True)
   return "|".join(re.escape(w) for w in words) + r"|[\s\S]"
 
 
@@ -95,13 +119,9 @@ class Tokenizer:
       self.pad_id, self.eos_id, self.stop_ids = info.pad_id, info.eos_id, info.stop_ids
       self.special_ids, self.bos_id = info.special_ids, info.bos_id
     self.im_start_id: int | None = vocab.get(IM_START)
-
-  def chat_prompt(self, user_text: str) -> str:
-    """The prompt text for one user message, ending where the assistant's reply starts."""
-    if self.pretrained_dir is None:
-      return chat_prompt(user_text)
-    return pretrained.render_chat(self.chat_template, [{"role": "user", "content": user_text}],
-                                  self._template_vars)
+    # chat_prompt(user_text, tools=None): the prompt for one user message, ending where the assistant's reply
+    # starts; chat_prompt.tool_reply(content): a tool's reply as the template renders it (model.chat).
+    self.chat_prompt = chat.ChatFormat(self.chat_template, self._template_vars)
 
   def encode(self, text: str) -> list[int]:
     if not isinstance(text, str):

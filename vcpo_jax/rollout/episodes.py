@@ -19,15 +19,16 @@ import numpy as np
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import protocol, types
+from vcpo_jax.tasks import tool_calls
 
 
 class Environment(Protocol):
-  """What a tool environment offers (tasks.calculator.Calculator is one)."""
+  """What a tool environment offers (tasks.tool_calls.ToolEnvironment, e.g. the Calculator)."""
   stop_strings: tuple[str, ...]
   max_turns: int
 
   def respond(self, turn_text: str) -> Optional[Any]:
-    """A reply (.text, .error) to the turn's tool call, or None when the turn makes no call."""
+    """A reply (.text, .error, optional .kind) to the turn's tool call, or None when the turn makes no call."""
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class Episode:
   turns: int = 0
   tool_calls: int = 0
   tool_errors: int = 0
+  error_kinds: dict = dataclasses.field(default_factory=dict)  # failure kind -> count
   turn_capped: bool = False
   finish_reason: str = "length"
   num_resumes: int = 0
@@ -65,7 +67,7 @@ class Episode:
         output_logprobs=np.asarray(self.logprobs, np.float32), token_versions=np.asarray(self.versions, np.int64),
         finish_reason=self.finish_reason, server_url=self.server_url, num_resumes=self.num_resumes,
         output_mask=np.asarray(self.mask, np.float32), num_turns=self.turns, tool_calls=self.tool_calls,
-        tool_errors=self.tool_errors, turn_capped=self.turn_capped)
+        tool_errors=self.tool_errors, turn_capped=self.turn_capped, tool_error_kinds=dict(self.error_kinds))
 
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -159,6 +161,9 @@ class EpisodeRunner:
     ep.add_tool(tool_ids)
     ep.tool_calls += 1
     ep.tool_errors += int(bool(reply.error))
+    kind = getattr(reply, "kind", None)
+    if reply.error and kind:
+      ep.error_kinds[kind] = ep.error_kinds.get(kind, 0) + 1
     return True
 
   # -- over HTTP (or any per-sample generate) ----------------------------------------------------------
@@ -233,7 +238,9 @@ def metrics(groups: Sequence[types.Group]) -> dict[str, float]:
           "tools/turns_per_episode": float(np.mean([s.num_turns for s in samples])),
           "tools/max_turns": float(max(s.num_turns for s in samples)),
           "tools/turn_capped_fraction": float(np.mean([s.turn_capped for s in samples])),
-          "tools/tool_tokens_per_episode": float(np.mean(tool_tokens))}
+          "tools/tool_tokens_per_episode": float(np.mean(tool_tokens)),
+          **{f"tools/errors/{kind}": float(np.mean([(s.tool_error_kinds or {}).get(kind, 0) for s in samples]))
+             for kind in tool_calls.ERROR_KINDS}}
 
 
 def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional[int] = None

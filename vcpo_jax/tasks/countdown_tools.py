@@ -1,13 +1,15 @@
-"""Countdown with a calculator tool: the model may check an expression with `<calc>expr</calc>` before answering.
+"""Countdown with a calculator tool: the model may check an expression with a `calculator` call before answering.
 
-Same problems, keys and reward as Countdown (the last answer block, exact multiset, exact value); the episode
-is multi-turn (environment(): the Calculator), and the warm-start traces use the tool: check a candidate, and
-when the result misses the target (deliberately wrong first tries), correct it and check again.
+Same problems, keys and reward as Countdown (the last answer block, exact multiset, exact value); the prompt
+declares the tool to the chat template (tools=[...]), the episode is multi-turn (environment(): the Calculator),
+and the warm-start traces use the tool in the template's format: check a candidate, and when the result misses
+the target (deliberately wrong first tries), correct it and check again.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.tasks import base, calculator, countdown
 
 
@@ -34,16 +36,26 @@ class CountdownTools(countdown.Countdown):
       raise ValueError(f"correction_rate must be in [0, 1], got {correction_rate!r}")
     self.correction_rate = float(correction_rate)
     self.calculator = calculator.Calculator(max_turns=max_turns, max_result_chars=max_result_chars)
+    self.use_chat_template(tokenizer_lib.TASK_CHAT)
+
+  def use_chat_template(self, render_prompt) -> "CountdownTools":
+    """Prompts declare the calculator to the template and replies are its tool messages: render_prompt is a
+    Tokenizer.chat_prompt (model.chat.ChatFormat: called with tools=[...], with a tool_reply)."""
+    if not callable(getattr(render_prompt, "tool_reply", None)):
+      raise ValueError(f"countdown_tools needs a chat format with tool support (Tokenizer.chat_prompt), got "
+                       f"render_prompt={render_prompt!r}")
+    tools = self.calculator.declarations()
+    self.calculator.render_reply = render_prompt.tool_reply
+    self.render_prompt = lambda user_text: render_prompt(user_text, tools=tools)
+    return self
 
   def environment(self) -> calculator.Calculator:
     return self.calculator
 
-  def user_text(self, numbers: list[int], target: int) -> str:
-    return super().user_text(numbers, target) + f" Check with {calculator.CALL_OPEN}{calculator.CALL_CLOSE}."
-
   def _check(self, text: str) -> str:
-    """A call and the calculator's real reply to it."""
-    return f"{calculator.CALL_OPEN}{text}{calculator.CALL_CLOSE}{self.calculator.run(text).text}"
+    """A call and the calculator's real reply to it, as an episode holds them."""
+    call = self.calculator.call(text)
+    return call + self.calculator.respond(call).text
 
   def _miss(self, example: base.Example, expr: countdown.Expr, rng: np.random.Generator) -> countdown.Expr:
     """A near miss whose value differs from the target (so checking it visibly fails)."""
