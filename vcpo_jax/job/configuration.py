@@ -17,6 +17,7 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import backend as backend_lib
+from vcpo_jax.rollout import lag_model as lag_model_lib
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -162,6 +163,10 @@ _SCALAR_FIELDS = {
     "optim.schedule.warmup_steps": (_int_at_least(0), "must be an int >= 0"),
     "optim.schedule.decay_steps": (_int_at_least(0), "must be an int >= 0 (0: rl.steps)"),
     "optim.schedule.final_lr_fraction": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "rl.emulation.speed_ratio": (_number(lambda v: v > 0), "must be a number > 0"),
+    "rl.emulation.duration_cv": (_number(lambda v: v >= 0), "must be a number >= 0"),
+    "rl.emulation.server_rows": (_int_at_least(0), "must be an int >= 0 (0: unbounded)"),
+    "rl.emulation.first_token_fraction": (_number(lambda v: 0 <= v <= 1), "must be a number in [0, 1]"),
     "rollout.num_servers": (_int_at_least(0), "must be an int >= 0"),
     "rollout.base_port": (lambda v: _int_at_least(0)(v) and v <= 65535, "must be an int in [0, 65535] (0: free ports)"),
     "rollout.request_timeout": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
@@ -212,6 +217,8 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
   backend_lib.backend_entry(rl.mode)  # the backends' registry is the one list of modes (old names: an error)
   if not isinstance(rl.max_lag, int) or rl.max_lag < 0:
     _fail("rl.max_lag", rl.max_lag, "must be an int >= 0 (0 is synchronous)")
+  if "emulation" in rl and rl.emulation.get("lag_model", "fixed") not in lag_model_lib.LAG_MODELS:
+    _fail("rl.emulation.lag_model", rl.emulation.lag_model, f"must be one of {list(lag_model_lib.LAG_MODELS)}")
   for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
     if not isinstance(rl[field], int) or rl[field] < 1:
       _fail(f"rl.{field}", rl[field], "must be a positive int")

@@ -26,7 +26,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
-from vcpo_jax.rollout import backend as backend_lib, batching, episodes, types
+from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model, types
 from vcpo_jax.rollout.publisher import PublishError
 
 
@@ -198,7 +198,8 @@ class RLRun:
       return
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
-    scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra}
+    scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra,
+               **lag_model.lag_metrics(groups, rl.max_lag)}  # the step's lag histogram, every mode
     for key, value in step_metrics.items():
       arr = np.asarray(value)
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):

@@ -1,4 +1,4 @@
-"""In-process lag emulation: rollouts for learner step t come from the params of step t - k (ring buffer)."""
+"""In-process lag emulation: step t trains on rollouts from the params of step t - lag (ring buffer of k + 1)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.rollout import backend, episodes, types
+from vcpo_jax.rollout import backend, episodes, lag_model as lag_model_lib, types
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
 # multi-turn episodes.Episode rows (tool tasks)
@@ -17,16 +17,19 @@ LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
 
 
 class LagEmulator:
-  """Deterministic controlled staleness with no servers: every sample of step t has lag exactly
-  min(t - first_version, k). Holds at most k + 1 parameter versions (host memory: (k+1) x params)."""
+  """Deterministic controlled staleness with no servers. Lag model 'fixed' (lag_model None): every sample of
+  step t has lag exactly min(t - first_version, k); 'pipeline' (a lag_model.PipelineLagModel): group i of step
+  t has the lag the simulated async pipeline gives it, clamped the same way. Holds at most k + 1 parameter
+  versions (host memory: (k+1) x params)."""
 
-  def __init__(self, generate: LocalGenerate, *, max_lag: int, group_size: int, seed: int):
+  def __init__(self, generate: LocalGenerate, *, max_lag: int, group_size: int, seed: int,
+               lag_model: lag_model_lib.PipelineLagModel | None = None):
     if not isinstance(max_lag, int) or max_lag < 0:
       raise ValueError(f"max_lag must be an int >= 0, got {max_lag!r}")
     if not isinstance(group_size, int) or group_size < 1:
       raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     self.max_lag, self.group_size, self.seed = max_lag, group_size, seed
-    self._generate = generate
+    self._generate, self.lag_model = generate, lag_model
     self._ring: collections.OrderedDict[int, object] = collections.OrderedDict()
 
   def push(self, version: int, params) -> None:
@@ -42,16 +45,30 @@ class LagEmulator:
       raise ValueError(f"learner version {step} was never pushed (have {list(self._ring)})")
     return max(step - self.max_lag, next(iter(self._ring)))
 
+  def group_versions(self, step: int, num_groups: int) -> list[int]:
+    """The policy version each of the step's groups is sampled from (oldest: behaviour_version(step))."""
+    oldest = self.behaviour_version(step)
+    if self.lag_model is None:
+      return [oldest] * num_groups
+    lags = self.lag_model.lags(step)
+    # The model's batch has rl.prompts_per_step groups; a short last batch takes its first lags.
+    return [max(step - lag, oldest) for lag in lags[:num_groups]] + [oldest] * max(0, num_groups - len(lags))
+
   def rollout(self, step: int, examples: Sequence[dict]) -> list[types.Group]:
-    """Generates group_size samples per example with the params of version behaviour_version(step)."""
-    version = self.behaviour_version(step)
+    """Generates group_size samples per example, group i with the params of group_versions(step)[i]."""
+    versions = self.group_versions(step, len(examples))
     prompts = [[int(t) for t in e["prompt_ids"]] for e in examples for _ in range(self.group_size)]
     # One seed per (example index, sample): the same example always draws the same random streams.
     seeds = [int(np.random.default_rng([self.seed, int(e.get("index", i)), s]).integers(2**31 - 1))
              for i, e in enumerate(examples) for s in range(self.group_size)]
-    rows = self._generate(self._ring[version], prompts, seeds)
+    rows = [None] * len(prompts)
+    for version in sorted(set(versions)):  # one generate call per policy version (one in 'fixed')
+      at = [r for r in range(len(prompts)) if versions[r // self.group_size] == version]
+      for r, row in zip(at, self._generate(self._ring[version], [prompts[r] for r in at], [seeds[r] for r in at])):
+        rows[r] = row
     groups = []
     for gi, example in enumerate(examples):
+      version = versions[gi]
       samples = []
       for s in range(self.group_size):
         row = rows[gi * self.group_size + s]
@@ -94,7 +111,13 @@ class EmulatedBackend(backend.RolloutBackend):
     else:
       generate = lambda params, prompts, seeds: runner.run_local(  # noqa: E731
           params, ctx.model_cfg, prompts, seeds, temperature=rl.temperature)
-    emulator = LagEmulator(generate, max_lag=rl.max_lag, group_size=rl.group_size, seed=config.seed)
+    em = rl.get("emulation") or {}
+    options = {k: v for k, v in dict(em).items() if k != "lag_model"}
+    lag_model = lag_model_lib.make_lag_model(em.get("lag_model", "fixed"), max_lag=rl.max_lag,
+                                             batch_groups=rl.prompts_per_step, group_size=rl.group_size,
+                                             seed=config.seed, options=options)
+    emulator = LagEmulator(generate, max_lag=rl.max_lag, group_size=rl.group_size, seed=config.seed,
+                           lag_model=lag_model)
     return cls(emulator, ctx, batch_groups=rl.prompts_per_step)
 
   async def start(self, version: int, params: Any) -> None:
