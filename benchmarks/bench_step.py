@@ -1,4 +1,4 @@
-"""Learner step cost side by side: plain GRPO, VCPO (book-keeping), two-pass VCPO, micro-batch-1 oracle."""
+"""Learner step cost side by side: plain GRPO, VCPO (book-keeping, bounded), two-pass VCPO, micro-batch-1 oracle."""
 from __future__ import annotations
 
 import functools
@@ -114,10 +114,11 @@ def produce(quick: bool) -> list[dict]:
                                 opt_state=opt.init(params), skipped_updates=jnp.zeros((), jnp.int32))
   configs = {
       "grpo": learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo"),
-      "vcpo": learner_config.LearnerConfig(),
+      "vcpo": learner_config.LearnerConfig(grad_path="book_keeping"),
+      "bounded": learner_config.LearnerConfig(grad_path="bounded"),
       "two_pass": learner_config.LearnerConfig(grad_path="two_pass"),
       "grpo_mb": learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo", micro_batch_size=micro),
-      "vcpo_mb": learner_config.LearnerConfig(micro_batch_size=micro),
+      "vcpo_mb": learner_config.LearnerConfig(grad_path="book_keeping", micro_batch_size=micro),
   }
   jitted = {name: _jit_rl(cfg, lc, opt) for name, lc in configs.items()}
   jitted["oracle"] = jax.jit(functools.partial(_oracle_step, cfg=cfg, opt=opt), donate_argnums=0)
@@ -143,6 +144,8 @@ def produce(quick: bool) -> list[dict]:
       common.figure("step_vcpo_over_grpo", "VCPO step (ESS + group OPOB, book-keeping) / plain GRPO step",
                     unit="x", goal="<= 1.3", stats=ratio("vcpo", "grpo"),
                     details={**shape, "seconds": common.timing_details(times)}),
+      common.figure("step_bounded_over_grpo", "bounded VCPO step (norms layer by layer + backward) / GRPO step",
+                    unit="x", goal="<= 1.6", stats=ratio("bounded", "grpo"), details=shape),
       common.figure("step_two_pass_over_grpo", "two-pass VCPO step (norm pass + backward) / plain GRPO step",
                     unit="x", goal="<= 1.8", stats=ratio("two_pass", "grpo"), details=shape),
       common.figure("step_oracle_over_vcpo", "micro-batch-1 oracle step / VCPO step", unit="x", goal=">= 4",

@@ -42,6 +42,8 @@ JOBS = (
     Job("flops", "benchmarks.bench_flops", "learner FLOP/s / matmul peak; GRPO MFU; VCPO / GRPO", 200, 150),
     # The 0.5B shape compiled on abstract inputs (nothing allocated); 24 unrolled layers compile in minutes.
     Job("compile", "benchmarks.bench_compile", "compiled step: compile seconds, temporaries per token", 540, 150),
+    # Compile-only memory of bounded / book-keeping VCPO vs GRPO: 0.5B per-token slope, 7B per device (fsdp=8).
+    Job("bounded", "benchmarks.bench_bounded", "bounded VCPO memory vs GRPO and book-keeping", 600, 600),
     Job("arith", "benchmarks.bench_arith", "ESS + OPOB arithmetic share of the VCPO step", 120, 120),
     Job("decode", "benchmarks.bench_decode", "decode tokens/s: ours / HF generate; vs the memory floor", 300, 180),
     Job("async", "benchmarks.bench_async", "async / sync RL steps per hour", 460, 300),

@@ -1,0 +1,156 @@
+"""Memory of the per-sequence gradient paths, compiled on abstract inputs: bounded VCPO vs book-keeping vs GRPO.
+
+Figures (issue 23), nothing allocated (jax.ShapeDtypeStruct inputs, `lower().compile().memory_analysis()`):
+- Qwen2.5-0.5B shape, B=8 x T=1024, remat=full: XLA temporaries per extra token (fit over B=8 and B=4) of the
+  bounded VCPO step over GRPO's; book-keeping's beside it.
+- Qwen2.5-7B shape, rows of T=8192, fsdp over 8 fake CPU devices, one group of 8 rows (one row per device, as
+  the job's micro-batch of one group): per-device arguments + outputs + temporaries of each step.
+
+  python -m benchmarks.bench_bounded --json /tmp/bounded.json            # as `make bench` runs it
+  python -m benchmarks.bench_bounded --part 7b                            # one part, table on stdout
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax: the fsdp mesh
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+from benchmarks import bench_compile, common  # noqa: E402
+
+TEMP_GOAL = "<= 1.3"      # bounded VCPO / GRPO temporaries per extra token, same remat (0.5B shape)
+DEVICE_GOAL = "<= 80"     # GB per device, bounded VCPO step, 7B shape, T=8192
+SHAPE_05B = (8, 1024)
+SHAPE_7B = dict(rows=8, t=8192, devices=8)
+
+
+def steps(name: str) -> dict:
+  """GRPO and the job's VCPO learner along each path (whole batch: no micro-batch scan)."""
+  lcs = bench_compile.learner_configs(name)
+  vcpo = lcs["vcpo"]
+  return {"grpo": lcs["grpo"], "vcpo_book_keeping": dataclasses.replace(vcpo, grad_path="book_keeping"),
+          "vcpo_bounded": dataclasses.replace(vcpo, grad_path="bounded")}
+
+
+def part_05b(remat: str = "full") -> list[dict]:
+  """Per-extra-token temporaries of each step at the 0.5B shape (bench_compile's fit over B and B/2)."""
+  from vcpo_jax.job import configuration
+  name = "qwen2.5-0.5b"
+  b, t = SHAPE_05B
+  cfg = dataclasses.replace(common.model_config(name), max_seq_len=t, scan_layers=True, remat=remat)
+  opt = configuration.build_optimizer(common.job_config(name))
+  rows = []
+  for step, lc in steps(name).items():
+    load = os.getloadavg()[0]
+    temp = {n: bench_compile.compile_one(cfg, lc, opt, n, t) for n in (b, b // 2, 2 * b)}
+    fit = lambda n2: bench_compile.temp_fit(b, t, temp[b]["memory"]["temp_size_in_bytes"], n2,
+                                            temp[n2]["memory"]["temp_size_in_bytes"])
+    row = {"step": step, "remat": remat, "B": b, "T": t, "cpu_s": temp[b]["cpu_s"], "wall_s": temp[b]["total_s"],
+           "temp_gb": {n: r["memory"]["temp_size_in_bytes"] / 1e9 for n, r in temp.items()},
+           "per_extra_token_mb": fit(b // 2)["per_token_mb"], "fixed_gb": fit(b // 2)["fixed_gb"],
+           # Between B and 2B as well: at B/2..B GRPO's peak is its optimizer update (parameter-sized), so its
+           # slope there misses the backward's per-token buffers; from B to 2B the backward is the peak.
+           "per_extra_token_mb_2b": fit(2 * b)["per_token_mb"],
+           "load_avg_1min": [round(load, 1), round(os.getloadavg()[0], 1)]}
+    print(f"[bounded 0.5b] {json.dumps(row)}", flush=True)
+    rows.append(row)
+  return rows
+
+
+def _mesh_compile(cfg, lc, opt, mesh, b: int, t: int) -> dict:
+  """Compiles the job's sharded step (train_state.jit_step's shardings) on abstract inputs."""
+  import jax
+  from flax import linen as nn
+  from vcpo_jax.learner import step as Lr, train_state
+  from vcpo_jax.parallel import sharding
+  state = bench_compile.abstract_state(cfg, opt)
+  batch = bench_compile.abstract_batch(b, t, group=b)
+  state_sh = train_state.state_shardings(cfg, opt, mesh, sharding.DEFAULT_RULES)
+  rows_sh = sharding.batch_sharding(mesh, ndim=1)
+  shards = train_state.batch_rows(mesh)
+
+  def fn(state, batch):
+    with jax.default_matmul_precision(cfg.matmul_precision):
+      return Lr.rl_step(state, batch, model_cfg=cfg, learner_cfg=lc, optimizer=opt, row_shards=shards)
+
+  jitted = jax.jit(fn, in_shardings=(state_sh, rows_sh), out_shardings=(state_sh, sharding.replicated(mesh)),
+                   donate_argnums=0)
+  c0 = time.process_time()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(list(sharding.DEFAULT_RULES)):
+    compiled = jitted.lower(state, batch).compile()
+  mem = bench_compile.memory_bytes(compiled)
+  per_device = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] + mem["temp_size_in_bytes"]
+                - mem.get("alias_size_in_bytes", 0))
+  return {"cpu_s": round(time.process_time() - c0, 1), "memory": mem, "per_device_gb": per_device / 1e9}
+
+
+def part_7b() -> list[dict]:
+  """Per-device memory of the three steps at the 7B shape, T=8192, fsdp=8, one group of 8 rows."""
+  from vcpo_jax.job import configuration
+  from vcpo_jax.parallel import sharding
+  from configs import qwen2_5
+  from vcpo_jax.model import hf
+  job = qwen2_5.get_config("7b")  # the 7B variant's model (bf16 compute) and optimizer
+  # remat=full: at 8k tokens every policy that keeps per-layer activations is over a device for GRPO itself.
+  cfg = dataclasses.replace(hf.model_config(job.model), max_seq_len=SHAPE_7B["t"], remat="full")
+  opt = configuration.build_optimizer(job)
+  mesh = sharding.make_mesh(dict(data=1, fsdp=SHAPE_7B["devices"], tensor=1))
+  rows = []
+  for step, lc in steps("qwen2.5-0.5b").items():
+    load = os.getloadavg()[0]
+    try:
+      row = _mesh_compile(cfg, lc, opt, mesh, SHAPE_7B["rows"], SHAPE_7B["t"])
+    except Exception as e:  # noqa: BLE001 - one step failing must not lose the others
+      row = {"error": f"{type(e).__name__}: {e}"[:400]}
+    row.update(step=step, remat=cfg.remat, dtype=cfg.dtype, load_avg_1min=[round(load, 1),
+                                                                          round(os.getloadavg()[0], 1)])
+    print(f"[bounded 7b] {json.dumps(row)}", flush=True)
+    rows.append(row)
+  return rows
+
+
+def figures(rows_05b: list[dict], rows_7b: list[dict]) -> list[dict]:
+  out = []
+  by = {r["step"]: r for r in rows_05b}
+  if {"grpo", "vcpo_bounded"} <= set(by):
+    g = by["grpo"]["per_extra_token_mb"]
+    for step, goal in (("vcpo_bounded", TEMP_GOAL), ("vcpo_book_keeping", None)):
+      r = by[step]
+      out.append(common.figure(
+          f"temp_per_token_{step}_over_grpo", f"{step} / GRPO XLA temporaries per extra token (0.5B, remat=full)",
+          unit="x", value=r["per_extra_token_mb"] / g if g else None, goal=goal, details={"rows": rows_05b},
+          note=f"B=8,4 x T=1024: {r['per_extra_token_mb']:.3f} vs GRPO {g:.3f} MB per extra token; "
+               f"compile {r['cpu_s']} CPU s"))
+      g2 = by["grpo"]["per_extra_token_mb_2b"]
+      out.append(common.figure(
+          f"temp_per_token_2b_{step}_over_grpo", f"{step} / GRPO temporaries per extra token, fit over B=16,8",
+          unit="x", value=r["per_extra_token_mb_2b"] / g2 if g2 else None, details={},
+          note=f"T=1024, remat=full: {r['per_extra_token_mb_2b']:.3f} vs GRPO {g2:.3f} MB per extra token"))
+  for r in rows_7b:
+    out.append(common.figure(
+        f"device_memory_7b_{r['step']}", f"{r['step']} step per-device memory, 7B shape, 8 x 8192 over fsdp=8",
+        unit="GB", value=r.get("per_device_gb"), goal=DEVICE_GOAL if r["step"] == "vcpo_bounded" else None,
+        error=r.get("error"), details=r,
+        note=f"arguments + outputs + temporaries - aliased, XLA memory_analysis, remat={r['remat']}, {r['dtype']}"))
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="accepted for the suite; the figures are compile-only")
+  parser.add_argument("--json", default=None)
+  parser.add_argument("--part", default="all", choices=("all", "05b", "7b"))
+  args = parser.parse_args(argv)
+  import jax
+  jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would time nothing
+  rows_05b = part_05b() if args.part in ("all", "05b") else []
+  rows_7b = part_7b() if args.part in ("all", "7b") else []
+  return common.emit_figures(figures(rows_05b, rows_7b), args.json)
+
+
+if __name__ == "__main__":
+  main()
