@@ -199,7 +199,7 @@ class RLRun:
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
     scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra,
-               **lag_model.lag_metrics(groups, rl.max_lag)}  # the step's lag histogram, every mode
+               **lag_model.lag_metrics(groups, rl.get("max_lag"))}  # the step's lag histogram, every mode
     for key, value in step_metrics.items():
       arr = np.asarray(value)
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):

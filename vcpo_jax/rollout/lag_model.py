@@ -179,9 +179,11 @@ def total_variation(p_K: np.ndarray, q_K: np.ndarray) -> float:
   return 0.5 * float(np.abs(np.asarray(p_K, np.float64) - np.asarray(q_K, np.float64)).sum())
 
 
-def lag_metrics(groups: Sequence[Any], max_lag: int) -> dict[str, float]:
-  """lag/frac_0..lag/frac_k: the step's per-sample lag histogram (fractions), logged every step in every mode."""
+def lag_metrics(groups: Sequence[Any], max_lag: int | None) -> dict[str, float]:
+  """lag/frac_0..lag/frac_k: the step's per-sample lag histogram (fractions), logged every step in every mode
+  (max_lag None: bins up to the largest lag seen)."""
   lags = [lag for g in groups for lag in (getattr(g, "sample_lags", None) or [])]
   if not lags:
     return {}
-  return {f"lag/frac_{j}": float(f) for j, f in enumerate(histogram(lags, max_lag))}
+  k = max(lags) if max_lag is None else max_lag
+  return {f"lag/frac_{j}": float(f) for j, f in enumerate(histogram(lags, k))}
