@@ -33,11 +33,25 @@ def _zero_taps(cfg: M.ModelConfig, taps: Taps, tokens_BxT, positions_BxT):
   return zeros(shapes["norm_taps"]), zeros(shapes["perturbations"])
 
 
-def _head_inputs(params, cfg: M.ModelConfig, x_BxTxD, mask_BxT):
-  """grad_norms' capture() layout of the LM head's inputs (one log-sum-exp pass serves every head term)."""
-  w_DxV = M.head_kernel(params, cfg)
-  lse_BxT = lm_head.logsumexp(x_BxTxD, w_DxV, cfg.precision, cfg.logits_chunk)
-  return {G.HEAD: (x_BxTxD, w_DxV, mask_BxT, lse_BxT)}
+def _head(params, cfg: M.ModelConfig):
+  """(head kernel, vocab_major): a tied head is the embedding itself, read vocab-major by model.lm_head, so
+  no [D, V] transposed copy of it is made (nor of its gradient)."""
+  if cfg.tie_word_embeddings:
+    return params["embed_tokens"], True
+  return params["lm_head"]["kernel"], False
+
+
+def _head_sq_norms(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, x_BxTxD, g_embed_BxTxD, mode: str):
+  """{leaf: sq_B} of the embedding (+ tied head and cross term) and the untied head (model.lm_head's terms)."""
+  w, vocab_major = _head(params, cfg)
+  lse_BxT = lm_head.logsumexp(x_BxTxD, w, cfg.precision, cfg.logits_chunk, vocab_major=vocab_major)
+  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse_BxT, vocab_major=vocab_major)
+  head_sq_B = lm_head.head_sq_norms(x_BxTxD, w, tokens_BxT, mask_BxT, mode, **head)
+  embed_sq_B = G.embedding_sq_norms(tokens_BxT, g_embed_BxTxD, cfg.vocab_size, mode)
+  if not cfg.tie_word_embeddings:
+    return {"embed_tokens": embed_sq_B, "lm_head/kernel": head_sq_B}
+  cross_B = lm_head.tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxTxD, w, mask_BxT, **head)
+  return {"embed_tokens": jnp.maximum(embed_sq_B + head_sq_B + 2.0 * cross_B, 0.0)}
 
 
 def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None,
@@ -58,8 +72,9 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   def forward(p, taps_tree, perts):
     x_BxTxD, _ = M.Transformer(cfg, capture=taps, head=False).apply(
         {"params": p, "norm_taps": taps_tree, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask)
+    w, vocab_major = _head(p, cfg)
     logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(
-        x_BxTxD, M.head_kernel(p, cfg), tokens_BxT, mask_BxT, cfg.precision, cfg.logits_chunk)
+        x_BxTxD, w, tokens_BxT, mask_BxT, cfg.precision, cfg.logits_chunk, vocab_major=vocab_major)
     return (logp_BxT, ent_BxT), x_BxTxD
 
   (logp_BxT, ent_BxT), vjp, x_BxTxD = jax.vjp(forward, params, taps0, perts0, has_aux=True)
@@ -70,11 +85,7 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   for path, sq in traverse_util.flatten_dict(tap_sq).items():
     # Under scan a tap is [L, B] (one row per layer): that leaf's norm sums its layers' contributions.
     leaf_sq["/".join(path)] = jnp.maximum(jnp.sum(sq, axis=0) if sq.ndim == 2 else sq, 0.0).astype(_F32)
-  inputs = _head_inputs(params, cfg, x_BxTxD, mask_BxT)
-  out_grads = {("embed_outputs",): d_perts["embed_outputs"]}
-  head_paths = [("embed_tokens",)] + ([] if cfg.tie_word_embeddings else [("lm_head", "kernel")])
-  for path in head_paths:  # grad_norms' rules: embedding (+ tied head and cross term), untied head
-    leaf_sq["/".join(path)] = G._leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg, mode)
+  leaf_sq.update(_head_sq_norms(params, cfg, tokens_BxT, mask_BxT, x_BxTxD, d_perts["embed_outputs"], mode))
   missing = {"/".join(p) for p in traverse_util.flatten_dict(params)} - set(leaf_sq)
   if missing:  # a parameter without a tap would silently drop out of every norm
     raise ValueError(f"bounded_norms: no per-sequence norm for parameter(s) {sorted(missing)}")
