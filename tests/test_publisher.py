@@ -10,7 +10,7 @@ import pytest
 from tests import fake_sglang
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout import client as client_lib, publisher as publisher_lib
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout import launcher, weight_store
 
 pytestmark = pytest.mark.integration
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
@@ -46,12 +46,12 @@ def test_export_version_replaces_atomically_and_validates(tmp_path):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
       f.write(params)
 
-  path = publisher_lib.export_version(export, "a", str(tmp_path), 3)
-  publisher_lib.export_version(export, "b", str(tmp_path), 3)
+  path = weight_store.export_version(export, "a", str(tmp_path), 3)
+  weight_store.export_version(export, "b", str(tmp_path), 3)
   assert path == str(tmp_path / "v3") and open(os.path.join(path, "config.json")).read() == "b"
   assert sorted(os.listdir(tmp_path)) == ["v3"]
   with pytest.raises(RuntimeError, match="config.json"):
-    publisher_lib.export_version(lambda p, d: os.makedirs(d), None, str(tmp_path), 4)
+    weight_store.export_version(lambda p, d: os.makedirs(d), None, str(tmp_path), 4)
   assert sorted(os.listdir(tmp_path)) == ["v3"]  # the failed export left nothing behind
   with pytest.raises(ValueError, match="keep_last"):
     publisher_lib.WeightPublisher(export, str(tmp_path), ["http://x"], keep_last=0)

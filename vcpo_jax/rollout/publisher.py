@@ -13,61 +13,20 @@ import asyncio
 import functools
 import logging
 import os
-import re
-import shutil
 import time
-import uuid
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import aiohttp
 
-from vcpo_jax.model import hf
-from vcpo_jax.rollout import checkpoint_spec, client as client_lib, protocol
+from vcpo_jax.rollout import admin, checkpoint_spec, client as client_lib, protocol, weight_store
 
-ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
 PAUSE_MODES = ("abort", "in_place")
-_VERSION_DIR = re.compile(r"v([0-9]+)")
-_TMP_MARK = ".publish-"  # in the name of an export not yet checked; servers are never sent one
 log = logging.getLogger(__name__)
 
 
 class PublishError(RuntimeError):
   """The update cannot succeed: every server rejected it (a 4xx), its shapes do not fit the model, or a
   server serves another model than the job's starting weights."""
-
-
-def version_dirs(root_dir: str) -> dict[int, str]:
-  """The published version directories under root_dir, by version."""
-  out = {}
-  for name in os.listdir(root_dir):
-    match = _VERSION_DIR.fullmatch(name)
-    if match and os.path.isdir(os.path.join(root_dir, name)):
-      out[int(match.group(1))] = os.path.join(root_dir, name)
-  return out
-
-
-def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int,
-                   check: Optional[Callable[[str], None]] = None) -> str:
-  """Runs export_fn into a private temporary dir, `check`s it, then renames it to root/v{version} (replacing one).
-
-  A failed export or check removes the temporary dir and leaves root/v{version} as it was.
-  """
-  final = os.path.join(root_dir, protocol.version_to_wire(version))
-  tmp = os.path.join(root_dir, f".{os.path.basename(final)}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
-  try:
-    export_fn(params, tmp)
-    if not os.path.isfile(os.path.join(tmp, "config.json")):
-      raise RuntimeError(f"export_fn wrote no config.json into {tmp}")
-    if check is not None:
-      check(tmp)
-    hf.replace_directory(tmp, final)  # a re-publish after a resume swaps, never leaves a half directory
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  return final
-
-
-class _Rejected(RuntimeError):
-  """A server answered with a 4xx."""
 
 
 class _Inconsistent(RuntimeError):
@@ -84,7 +43,7 @@ class WeightPublisher:
   against its shapes. Without it, the served model_path if readable here, else the first export.
   """
 
-  def __init__(self, export_fn: ExportFn, root_dir: str,
+  def __init__(self, export_fn: weight_store.ExportFn, root_dir: str,
                client_or_urls: Union[client_lib.RolloutClient, Iterable[str]], *, keep_last: int = 3,
                timeout: float = 300.0, resync_interval: float = 5.0, pause_mode: str = "abort",
                update_attempts: int = 3, reference_dir: Optional[str] = None):
@@ -118,9 +77,9 @@ class WeightPublisher:
       except (OSError, ValueError) as e:
         raise ValueError(f"reference_dir={reference_dir!r} is not a readable Hugging Face directory: {e}") from e
       self._reference_source = os.path.abspath(reference_dir)
-    self._remove_unchecked_exports()
+    weight_store.remove_unchecked_exports(self.root_dir)
     self._lock = asyncio.Lock()
-    self._session: Optional[aiohttp.ClientSession] = None
+    self._admin = admin.AdminSession(timeout, self._count)
     self._resync_task: Optional[asyncio.Task] = None
 
   def _count(self, key: str, n: int = 1) -> None:
@@ -137,7 +96,7 @@ class WeightPublisher:
       if self._reference is None:
         await self._adopt_served_spec()
       try:  # checked before the rename: root/vN (maybe the last good directory) is untouched by a refusal
-        path = await asyncio.to_thread(export_version, self._export, params, self.root_dir, version,
+        path = await asyncio.to_thread(weight_store.export_version, self._export, params, self.root_dir, version,
                                        functools.partial(self._check_export, version))
       except PublishError:
         self._count("refused_shapes")
@@ -146,9 +105,9 @@ class WeightPublisher:
       if self.client is not None:
         self.client.required_version = version
       results = await asyncio.gather(*(self._sync(url, version, path) for url in self.urls))
-      await asyncio.to_thread(self._delete_old)
+      await asyncio.to_thread(weight_store.delete_old, self.root_dir, self.keep_last)
     self._count("published")
-    if not any(ok for ok, _ in results) and all(isinstance(err, _Rejected) for _, err in results):
+    if not any(ok for ok, _ in results) and all(isinstance(err, admin.Rejected) for _, err in results):
       raise PublishError(f"every server rejected {path}: " + "; ".join(
           f"{url}: {err}" for url, (_, err) in zip(self.urls, results)))
     if self._resync_task is None:
@@ -178,9 +137,7 @@ class WeightPublisher:
       self._resync_task.cancel()
       await asyncio.gather(self._resync_task, return_exceptions=True)
       self._resync_task = None
-    if self._session is not None:
-      await self._session.close()
-      self._session = None
+    await self._admin.close()
 
   # -- shapes ------------------------------------------------------------------------------------
   async def check_servers(self) -> None:
@@ -205,7 +162,7 @@ class WeightPublisher:
                          + "; ".join(problems))
 
   async def _served_mismatch(self, url: str) -> Optional[str]:
-    info = await self._call(url, "GET", "/get_model_info")
+    info = await self._admin.call(url, "GET", "/get_model_info")
     if not isinstance(info, dict):
       return f"/get_model_info answered {info!r:.200}"
     problem = checkpoint_spec.info_mismatch(info, self._reference)
@@ -239,7 +196,7 @@ class WeightPublisher:
   async def _adopt_served_spec(self) -> None:
     for url in self.urls:
       try:
-        info = await self._call(url, "GET", "/get_model_info")
+        info = await self._admin.call(url, "GET", "/get_model_info")
         model_path = info.get("model_path") if isinstance(info, dict) else None
         if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
           self._reference = await asyncio.to_thread(checkpoint_spec.read_spec, model_path)
@@ -250,35 +207,7 @@ class WeightPublisher:
     log.warning("no reference weights and no server's model_path is readable here: updates are checked "
                 "against the first export")
 
-  def _remove_unchecked_exports(self) -> None:
-    """Exports a crashed publisher left unchecked (never sent to a server)."""
-    for name in os.listdir(self.root_dir):
-      if name.startswith(".") and _TMP_MARK in name:
-        shutil.rmtree(os.path.join(self.root_dir, name), ignore_errors=True)
-
   # -- one server --------------------------------------------------------------------------------
-  async def _call(self, url: str, method: str, path: str, payload: Optional[dict] = None) -> Any:
-    if self._session is None:
-      # Updates come seconds apart and SGLang drops idle keep-alive connections after 5 s: close ours first.
-      self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=4.0))
-    try:
-      return await self._call_once(url, method, path, payload)
-    except aiohttp.ClientError as e:
-      if not client_lib.stale_connection(e):
-        raise
-      self._count("stale_connection_retries")  # a dropped pooled connection, not a failed server
-      return await self._call_once(url, method, path, payload)
-
-  async def _call_once(self, url: str, method: str, path: str, payload: Optional[dict]) -> Any:
-    async with self._session.request(method, url + path, json=payload,
-                                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
-      body = await resp.json(content_type=None)
-      if 400 <= resp.status < 500:
-        raise _Rejected(f"{path} answered {resp.status}: {protocol.error_message(body)}")
-      if resp.status != 200:
-        raise RuntimeError(f"{path} answered {resp.status}: {protocol.error_message(body)}")
-      return body
-
   async def _update(self, url: str, wire: str, path: str) -> None:
     """pause -> update_weights_from_disk, retried while SGLang says the cache could not be flushed.
 
@@ -287,22 +216,22 @@ class WeightPublisher:
     """
     flush = self.pause_mode == "abort"
     for attempt in range(self.update_attempts):
-      await self._call(url, "POST", "/pause_generation", {"mode": self.pause_mode})
+      await self._admin.call(url, "POST", "/pause_generation", {"mode": self.pause_mode})
       try:
-        body = await self._call(url, "POST", "/update_weights_from_disk",
+        body = await self._admin.call(url, "POST", "/update_weights_from_disk",
                                 {"model_path": path, "weight_version": wire, "abort_all_requests": False,
                                  "flush_cache": flush})
-      except _Rejected as e:
+      except admin.Rejected as e:
         if protocol.CACHE_NOT_FLUSHED not in str(e) or attempt == self.update_attempts - 1:
           raise
         self._count("cache_not_flushed_retries")
         continue
       if not (isinstance(body, dict) and body.get("success") is True):
-        raise _Rejected(f"/update_weights_from_disk answered {body!r:.300}")
+        raise admin.Rejected(f"/update_weights_from_disk answered {body!r:.300}")
       return
 
   async def _confirm(self, url: str, wire: str) -> None:
-    info = await self._call(url, "GET", "/get_model_info")
+    info = await self._admin.call(url, "GET", "/get_model_info")
     reported = info.get("weight_version") if isinstance(info, dict) else None
     if reported != wire:
       self._count("version_mismatches")
@@ -319,7 +248,7 @@ class WeightPublisher:
         problem = None
         error = e
       if problem is not None:
-        error = _Rejected(f"serves another model than {self._reference_source}: {problem}")
+        error = admin.Rejected(f"serves another model than {self._reference_source}: {problem}")
       if error is not None:
         self._count("server_failures")
         self.out_of_sync[url] = repr(error)
@@ -333,7 +262,7 @@ class WeightPublisher:
         await self._update(url, wire, path)
         await self._confirm(url, wire)
       finally:
-        await self._call(url, "POST", "/continue_generation", {})  # never leave a server paused
+        await self._admin.call(url, "POST", "/continue_generation", {})  # never leave a server paused
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RuntimeError) as e:
       error = e
     self.pause_seconds.append(time.perf_counter() - t0)
@@ -361,8 +290,3 @@ class WeightPublisher:
       await asyncio.sleep(self.resync_interval)
       if self._needs_sync():
         await self.resync()
-
-  def _delete_old(self) -> None:
-    dirs = version_dirs(self.root_dir)
-    for version in sorted(dirs)[:-self.keep_last]:
-      shutil.rmtree(dirs[version], ignore_errors=True)
