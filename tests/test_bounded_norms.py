@@ -76,7 +76,7 @@ def _run(fn, cfg, params, tokens, mask, key_mask, mode="auto"):
 
 
 @pytest.mark.parametrize("tied,scan,remat,mode", [
-    (False, False, "none", "auto"), (True, False, "none", "ghost"), (False, True, "none", "explicit"),
+    (False, False, "none", "auto"), (True, False, "dots", "ghost"), (False, True, "none", "explicit"),
     (True, True, "full", "auto"), (False, True, "dots", "auto"), (True, True, "dots_no_batch", "auto")])
 def test_bounded_equals_bookkeeping_and_vmap_grad(tied, scan, remat, mode):
   _, params, tokens, mask, key_mask = _setup(tied)
@@ -107,6 +107,18 @@ def test_bounded_equals_bookkeeping_and_vmap_grad(tied, scan, remat, mode):
     assert scale > 0, path
     np.testing.assert_allclose(g / scale, w / scale, atol=1e-5, err_msg=str(path))
     np.testing.assert_allclose(g / scale, bk / scale, atol=1e-5, err_msg=str(path))
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  """bf16 activations (the 7B setting): the taps' cotangents stay float32 and the norms near float32's."""
+  _, params, tokens, mask, key_mask = _setup(False)
+  cfg = _cfg(False, scan=True)
+  out = {}
+  for dtype in ("float32", "bfloat16"):
+    c = dataclasses.replace(cfg, dtype=dtype)
+    out[dtype] = _run(BN.per_sequence_sq_norms_and_grad, c, params, tokens, mask, key_mask)
+  assert out["bfloat16"][1].dtype == jnp.float32
+  np.testing.assert_allclose(out["bfloat16"][1][:3], out["float32"][1][:3], rtol=0.1)
 
 
 def test_a_parameter_without_a_tap_fails_loudly():
