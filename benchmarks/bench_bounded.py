@@ -106,8 +106,9 @@ def _mesh_compile(cfg, lc, opt, mesh, b: int, t: int) -> dict:
   return {"cpu_s": round(time.process_time() - c0, 1), "memory": mem, "per_device_gb": per_device / 1e9}
 
 
-def part_7b() -> list[dict]:
-  """Per-device memory of the three steps at the 7B shape, T=8192, fsdp=8, one group of 8 rows."""
+def part_7b(rows: int = SHAPE_7B["rows"], micro: int = 0) -> list[dict]:
+  """Per-device memory of the three steps at the 7B shape, T=8192, fsdp=8, one group of 8 rows (or `rows`
+  rows in micro-batch chunks of `micro`: the job's scan over groups, with its float32 gradient accumulator)."""
   from vcpo_jax.job import configuration
   from vcpo_jax.parallel import sharding
   from configs import qwen2_5
@@ -117,18 +118,18 @@ def part_7b() -> list[dict]:
   cfg = dataclasses.replace(hf.model_config(job.model), max_seq_len=SHAPE_7B["t"], remat="full")
   opt = configuration.build_optimizer(job)
   mesh = sharding.make_mesh(dict(data=1, fsdp=SHAPE_7B["devices"], tensor=1))
-  rows = []
+  out = []
   for step, lc in steps("qwen2.5-0.5b").items():
     load = os.getloadavg()[0]
     try:
-      row = _mesh_compile(cfg, lc, opt, mesh, SHAPE_7B["rows"], SHAPE_7B["t"])
+      row = _mesh_compile(cfg, dataclasses.replace(lc, micro_batch_size=micro), opt, mesh, rows, SHAPE_7B["t"])
     except Exception as e:  # noqa: BLE001 - one step failing must not lose the others
       row = {"error": f"{type(e).__name__}: {e}"[:400]}
-    row.update(step=step, remat=cfg.remat, dtype=cfg.dtype, load_avg_1min=[round(load, 1),
+    row.update(step=step, rows=rows, micro_batch_size=micro, remat=cfg.remat, dtype=cfg.dtype, load_avg_1min=[round(load, 1),
                                                                           round(os.getloadavg()[0], 1)])
     print(f"[bounded 7b] {json.dumps(row)}", flush=True)
-    rows.append(row)
-  return rows
+    out.append(row)
+  return out
 
 
 def figures(rows_05b: list[dict], rows_7b: list[dict], rows_compile: list[dict] = ()) -> list[dict]:
@@ -155,7 +156,9 @@ def figures(rows_05b: list[dict], rows_7b: list[dict], rows_compile: list[dict] 
           note=f"T=1024, remat=full: {r['per_extra_token_mb_2b']:.3f} vs GRPO {g2:.3f} MB per extra token"))
   for r in rows_7b:
     out.append(common.figure(
-        f"device_memory_7b_{r['step']}", f"{r['step']} step per-device memory, 7B shape, 8 x 8192 over fsdp=8",
+        f"device_memory_7b_{r['step']}",
+        f"{r['step']} step per-device memory, 7B shape, {r['rows']} x 8192 over fsdp=8"
+        + (f", micro-batches of {r['micro_batch_size']}" if r["micro_batch_size"] else ""),
         unit="GB", value=r.get("per_device_gb"), goal=DEVICE_GOAL if r["step"] == "vcpo_bounded" else None,
         error=r.get("error"), details=r,
         note=f"arguments + outputs + temporaries - aliased, XLA memory_analysis, remat={r['remat']}, {r['dtype']}"))
@@ -167,11 +170,13 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="accepted for the suite; the figures are compile-only")
   parser.add_argument("--json", default=None)
   parser.add_argument("--part", default="all", choices=("all", "05b", "7b", "compile"))
+  parser.add_argument("--rows-7b", type=int, default=SHAPE_7B["rows"], help="rows of the 7B step (8: one group)")
+  parser.add_argument("--micro-7b", type=int, default=0, help="micro-batch rows of the 7B step (0: all at once)")
   args = parser.parse_args(argv)
   import jax
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would time nothing
   rows_05b = part_05b() if args.part in ("all", "05b") else []
-  rows_7b = part_7b() if args.part in ("all", "7b") else []
+  rows_7b = part_7b(args.rows_7b, args.micro_7b) if args.part in ("all", "7b") else []
   rows_compile = part_compile() if args.part in ("all", "compile") else []
   return common.emit_figures(figures(rows_05b, rows_7b, rows_compile), args.json)
 
