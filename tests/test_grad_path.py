@@ -96,3 +96,21 @@ def test_bookkeeping_estimate_counts_what_capture_keeps():
   _, _, inputs, out_grads = jax.eval_shape(lambda p, x: G.capture(p, cfg, x, jnp.ones((b, t))), params, tok)
   kept = [v for tree in (inputs, out_grads) for k, v in tree.items() if k not in (G.HEAD, ("embed_outputs",))]
   assert sum(int(np.prod(v.shape)) for v in kept) == GP.stored_elements_per_token(cfg) * b * t
+
+
+def test_bounded_takes_any_registered_loss_kl_included():
+  """The bounded path pulls the loss's own dloss/dlogp back (no per-sequence coefficient assumed): with the k3
+  KL term (per-token, so no book-keeping) it gives the two-pass path's update over two steps."""
+  from vcpo_jax.learner import optimizer as O
+  opt = O.build_optimizer(learning_rate=3e-2, ess_scaling=False)
+  out = {}
+  for path in ("two_pass", "bounded"):
+    step = Lr.make_rl_step(TL.CFG, LC.LearnerConfig(kl_beta=0.5, grad_path=path), opt)
+    state = train_state.with_reference(train_state.create_train_state(TL.CFG, opt, jax.random.PRNGKey(0)))
+    state, _ = step(state, TL._batch())
+    out[path] = step(state, TL._batch())  # the second step has a non-zero KL
+  (s0, m0), (s1, m1) = out["two_pass"], out["bounded"]
+  assert float(m0["kl/mean"]) > 1e-7
+  for key in ("loss", "kl/mean", "baseline", "grad_norm", "seq_grad_norm/p50"):
+    np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, err_msg=key)
+  TL._assert_tree_close(s1.params, s0.params, 1e-5, "kl bounded vs two_pass")

@@ -95,7 +95,3 @@ class Taps:
 
   def scale(self, xhat_BxTxD, scale_D, tap_B):
     return _scale(xhat_BxTxD, scale_D, tap_B)
-
-
-def is_taps(capture) -> bool:
-  return isinstance(capture, Taps)
