@@ -13,9 +13,20 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax: the fsdp mesh
+import glob  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# Before jax starts: the fsdp mesh's 8 fake devices, and XLA's live-range dump of the 0.5B steps only (module
+# jit_live_peak_step, ~11 MB each, removed at exit): it states the step's true peak of live bytes.
+DUMP_DIR = tempfile.mkdtemp(prefix="bench_bounded_xla_")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] += (f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=NONE"
+                            f" --xla_dump_hlo_module_re=jit_live_peak_step")
 
 import argparse  # noqa: E402
+import atexit  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
@@ -36,8 +47,36 @@ def steps(name: str) -> dict:
           "vcpo_bounded": dataclasses.replace(vcpo, grad_path="bounded")}
 
 
+atexit.register(shutil.rmtree, DUMP_DIR, ignore_errors=True)
+
+
+def _compile_with_live_peak(cfg, lc, opt, b: int, t: int) -> dict:
+  """bench_compile.compile_one's step, plus the peak of live bytes (arguments included) from XLA's live-range
+  dump. Why both: temp_size_in_bytes is the size of the packed temporaries allocation, which also moves with how
+  XLA's heap simulator happens to pack buffers of different phases; the live peak does not."""
+  import jax
+  fn = bench_compile.step_fn(cfg, lc, opt)
+
+  def live_peak_step(state, batch):  # the module name the dump flag selects
+    return fn(state, batch)
+
+  shutil.rmtree(DUMP_DIR, ignore_errors=True)  # only this compile's dump is read below
+  os.makedirs(DUMP_DIR, exist_ok=True)
+  state, batch = bench_compile.abstract_state(cfg, opt), bench_compile.abstract_batch(b, t, group=b)
+  c0 = time.process_time()
+  compiled = jax.jit(live_peak_step, donate_argnums=0).lower(state, batch).compile()
+  out = {"cpu_s": round(time.process_time() - c0, 2), "memory": bench_compile.memory_bytes(compiled)}
+  for path in glob.glob(os.path.join(DUMP_DIR, "*live_peak_step*live-range.txt")):
+    with open(path) as f:
+      m = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", f.read())
+    if m:
+      out["live_peak_bytes"] = int(m.group(1).replace(" ", ""))
+  return out
+
+
 def part_05b(remat: str = "full") -> list[dict]:
-  """Per-extra-token temporaries of each step at the 0.5B shape (bench_compile's fit over B and B/2)."""
+  """Per-extra-token temporaries of each step at the 0.5B shape (bench_compile's fit over B and B/2), and the
+  same fits of the true live peak."""
   from vcpo_jax.job import configuration
   name = "qwen2.5-0.5b"
   b, t = SHAPE_05B
@@ -46,10 +85,14 @@ def part_05b(remat: str = "full") -> list[dict]:
   rows = []
   for step, lc in steps(name).items():
     load = os.getloadavg()[0]
-    temp = {n: bench_compile.compile_one(cfg, lc, opt, n, t) for n in (b, b // 2, 2 * b)}
+    temp = {n: _compile_with_live_peak(cfg, lc, opt, n, t) for n in (b, b // 2, 2 * b)}
+    live = {n: r.get("live_peak_bytes") for n, r in temp.items()}
     fit = lambda n2: bench_compile.temp_fit(b, t, temp[b]["memory"]["temp_size_in_bytes"], n2,
                                             temp[n2]["memory"]["temp_size_in_bytes"])
-    row = {"step": step, "remat": remat, "B": b, "T": t, "cpu_s": temp[b]["cpu_s"], "wall_s": temp[b]["total_s"],
+    live_slope = lambda n2: (live[b] - live[n2]) / ((b - n2) * t) / 1e6 if live[b] and live[n2] else None
+    row = {"step": step, "remat": remat, "B": b, "T": t, "cpu_s": temp[b]["cpu_s"],
+           "live_peak_gb": {n: v / 1e9 if v else None for n, v in live.items()},
+           "live_per_extra_token_mb": live_slope(b // 2), "live_per_extra_token_mb_2b": live_slope(2 * b),
            "temp_gb": {n: r["memory"]["temp_size_in_bytes"] / 1e9 for n, r in temp.items()},
            "per_extra_token_mb": fit(b // 2)["per_token_mb"], "fixed_gb": fit(b // 2)["fixed_gb"],
            # Between B and 2B as well: at B/2..B GRPO's peak is its optimizer update (parameter-sized), so its
@@ -149,6 +192,14 @@ def figures(rows_05b: list[dict], rows_7b: list[dict], rows_compile: list[dict] 
           unit="x", value=r["per_extra_token_mb"] / g if g else None, goal=goal, details={"rows": rows_05b},
           note=f"B=8,4 x T=1024: {r['per_extra_token_mb']:.3f} vs GRPO {g:.3f} MB per extra token; "
                f"compile {r['cpu_s']} CPU s"))
+      gl, rl = by["grpo"]["live_peak_gb"][SHAPE_05B[0]], r["live_peak_gb"][SHAPE_05B[0]]
+      if gl and rl:
+        out.append(common.figure(
+            f"live_peak_{step}_over_grpo", f"{step} / GRPO live peak (XLA live-range dump), 0.5B B=8 x T=1024",
+            unit="x", value=rl / gl, details={},
+            note=f"remat=full, arguments included: {rl:.3f} vs GRPO {gl:.3f} GB; per extra token (B=8,4) "
+                 f"{r['live_per_extra_token_mb']:.4f} vs {by['grpo']['live_per_extra_token_mb']:.4f} MB, "
+                 f"(B=16,8) {r['live_per_extra_token_mb_2b']:.3f} vs {by['grpo']['live_per_extra_token_mb_2b']:.3f} MB"))
       g2 = by["grpo"]["per_extra_token_mb_2b"]
       out.append(common.figure(
           f"temp_per_token_2b_{step}_over_grpo", f"{step} / GRPO temporaries per extra token, fit over B=16,8",
