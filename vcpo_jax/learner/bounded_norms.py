@@ -20,8 +20,9 @@ from vcpo_jax.model import transformer as M
 #     tied, their cross term.
 #  2. The caller forms its coefficients from the norms and asks for the VJP of any cotangent on the log-probs
 #     (the registered loss's dloss/dlogp): an ordinary backward, reusing the same forward.
-# So memory is an ordinary step's plus [L, B] floats and two [B, T, D] tensors; compute is one forward and two
-# backwards (the first without weight gradients).
+# So memory is an ordinary step's plus [L, B] floats, two [B, T, D] tensors and, inside one layer's backward,
+# its ops' a and g held until their norm rules ran (measured: benchmarks/bench_bounded.py); compute is one
+# forward and two backwards (the first without weight gradients: XLA drops the unused ones).
 _F32 = jnp.float32
 
 
