@@ -62,9 +62,8 @@ def skip_if_not_enough_devices(n: int):
 
 
 # `make test-fast` (VCPO_TEST_TIER=unit) runs the unit tier: tests marked neither `slow` nor `integration`.
-# A unit test must not start a process or a server: in the processes that run tests (xdist's workers, or the
-# one process without xdist) starting either raises, so an unmarked test fails clearly instead of silently
-# slowing the tier. Patched for the whole session so module-scoped fixtures are covered too.
+# A unit test must not start a process or a server: starting either raises while tests run, so an unmarked test fails
+# clearly instead of silently slowing the tier.
 UNIT_TIER = os.environ.get("VCPO_TEST_TIER") == "unit"
 
 
@@ -73,11 +72,17 @@ def _refuse(*args, **kwargs):
                      "@pytest.mark.integration (or slow)")
 
 
-def pytest_configure(config):
-  runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-  if not (UNIT_TIER and runs_tests):
+@pytest.fixture(scope="session", autouse=True)
+def _unit_tier_starts_nothing():
+  """Session-scoped and autouse, so it is in force before any module's fixtures (servers) start."""
+  if not UNIT_TIER:
+    yield
     return
   import subprocess
   from aiohttp import web
-  subprocess.Popen.__init__ = _refuse
-  web.BaseSite.start = _refuse
+  saved = subprocess.Popen.__init__, web.BaseSite.start
+  subprocess.Popen.__init__, web.BaseSite.start = _refuse, _refuse
+  try:
+    yield
+  finally:
+    subprocess.Popen.__init__, web.BaseSite.start = saved

@@ -137,6 +137,7 @@ def fake_modules(tmp_path, monkeypatch):
   return tmp_path
 
 
+@pytest.mark.integration
 def test_run_job_isolates_failures(fake_modules):
   [ok] = run.run_job(run.Job("ok", "fake_bench_ok", "ok", 30, 30), quick=True)
   assert ok["value"] == 2.0 and ok["details"]["quick"] is True and "job_seconds" in ok["details"]
@@ -151,6 +152,7 @@ def test_run_job_isolates_failures(fake_modules):
   assert "No module named" in missing["error"]
 
 
+@pytest.mark.integration
 def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tmp_path, monkeypatch):
   monkeypatch.setenv(common.MODEL_ENV, "auto")  # run.main fixes the resolved model in the environment
   monkeypatch.setattr(run, "JOBS", (run.Job("ok", "fake_bench_ok", "ok", 30, 30),
@@ -186,6 +188,7 @@ def test_async_rate_arithmetic():
   assert "--config.rl.max_lag=2" in cmd and "--config.rl.steps=7" in cmd and "--config.sft.steps=0" in cmd
 
 
+@pytest.mark.integration
 def test_async_watch_training_stamps_steps_and_stops_the_run(tmp_path):
   from benchmarks import bench_async
   workdir = tmp_path / "w"
@@ -201,6 +204,7 @@ def test_async_watch_training_stamps_steps_and_stops_the_run(tmp_path):
   assert times == {} and ended.startswith("exited with code 1") and "bad config" in ended
 
 
+@pytest.mark.integration
 def test_run_subprocess_timeout_ends_grandchildren_in_other_sessions(tmp_path):
   import subprocess
   import time
@@ -397,6 +401,7 @@ def test_goals_table_says_where_each_goal_was_measured():
   assert "## Goals (issue 12)" in md and "`.venv/bin/python -m benchmarks.run --only compile`" in md
 
 
+@pytest.mark.integration
 def test_run_records_the_command_and_commit():
   assert run.command_line(["--only", "compile"]) == ".venv/bin/python -m benchmarks.run --only compile"
   assert common.git_commit() not in ("", None)

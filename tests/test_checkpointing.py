@@ -30,6 +30,7 @@ def tiny_disk(tmp_path):
   subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.integration
 def test_full_disk_is_reported_and_previous_checkpoint_stays_usable(tiny_disk):
   ck = checkpointing.Checkpointer(str(tiny_disk / "ck"))
   small = {"w": jnp.ones((8,), jnp.float32)}

@@ -31,12 +31,14 @@ def _load(argv):
   return ml_collections.ConfigDict(json.loads(proc.stdout))
 
 
+@pytest.mark.integration
 def test_override_through_flags():
   config = _load(["--config=configs/countdown.py", "--config.model.num_layers=4", "--config.rl.max_lag=7"])
   assert config.model.num_layers == 4 and config.rl.max_lag == 7
   assert model_config.ModelConfig.from_dict(config.model).num_layers == 4
 
 
+@pytest.mark.integration
 def test_variant_argument():
   assert _load(["--config=configs/countdown.py:sync"]).rl.max_lag == 0
   assert countdown.get_config("emulate").rl.mode == "emulate"
@@ -44,11 +46,13 @@ def test_variant_argument():
     countdown.get_config("bogus")
 
 
+@pytest.mark.integration
 def test_mistyped_override_key_is_an_error_naming_it():
   with pytest.raises(ValueError, match="num_layerz"):
     _load(["--config=configs/countdown.py", "--config.model.num_layerz=4"])
 
 
+@pytest.mark.integration
 def test_main_rejects_mistyped_key_before_starting(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "vcpo_jax.main", "--config=configs/countdown.py",
                          f"--workdir={tmp_path}", "--config.rl.max_lagg=3"], capture_output=True, text=True,
@@ -94,6 +98,7 @@ def test_micro_batch_must_hold_whole_groups():
     configuration.validate_config(config)
 
 
+@pytest.mark.integration
 def test_base_ess_ratio_number_or_auto_on_the_command_line():
   for arg, want in (("auto", "auto"), ("0.5", 0.5), ("1", 1)):
     config = _load(["--config=configs/countdown.py", f"--config.algo.ess.base_ess_ratio={arg}"])
@@ -105,6 +110,7 @@ def test_base_ess_ratio_number_or_auto_on_the_command_line():
     configuration.validate_config(config)
 
 
+@pytest.mark.integration
 def test_every_registered_option_is_settable_from_the_command_line():
   config = _load(["--config=configs/countdown.py", "--config.algo.policy_loss=ppo",
                   "--config.algo.policy_loss_options.ppo.clip_eps_low=0.1",

@@ -92,6 +92,7 @@ def test_warm_start_key_ignores_rl_only_fields_but_not_seed(tmp_path):
   assert _unit(tmp_path, **{"optim.weight_decay": 0.0}).warm_start_key != base.warm_start_key
 
 
+@pytest.mark.integration
 def test_record_has_config_hash_and_git_sha(tmp_path):
   unit = _unit(tmp_path)
   record = workunit.write_record(unit, "local", ["cmd"])
@@ -202,6 +203,7 @@ def synthetic_root(tmp_path):
   return root
 
 
+@pytest.mark.integration
 def test_report_tables_collapse_and_lead_time(synthetic_root, tmp_path):
   text = report.write_report(str(synthetic_root), str(tmp_path / "out"), plots=False)
   assert "## Lag k = 0" in text and "## Lag k = 64" in text
@@ -213,6 +215,7 @@ def test_report_tables_collapse_and_lead_time(synthetic_root, tmp_path):
   assert "IQM final greedy acc" in text and "| vcpo | 1 | 3 |" in text
 
 
+@pytest.mark.integration
 def test_report_writes_plots(synthetic_root, tmp_path):
   pytest.importorskip("matplotlib")
   report.main([str(synthetic_root), "--out", str(tmp_path / "out")])
