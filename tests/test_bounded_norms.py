@@ -75,6 +75,7 @@ def _run(fn, cfg, params, tokens, mask, key_mask, mode="auto"):
         _params_for(cfg, params), tokens_BxT=tokens, mask_BxT=mask, key_mask_BxT=key_mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied,scan,remat,mode", [
     (False, False, "none", "auto"), (True, False, "dots", "ghost"), (False, True, "none", "explicit"),
     (True, True, "full", "auto"), (False, True, "dots", "auto"), (True, True, "dots_no_batch", "auto")])
@@ -109,6 +110,7 @@ def test_bounded_equals_bookkeeping_and_vmap_grad(tied, scan, remat, mode):
     np.testing.assert_allclose(g / scale, bk / scale, atol=1e-5, err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_stays_close_to_float32():
   """bf16 activations (the 7B setting): the taps' cotangents stay float32 and the norms near float32's."""
   _, params, tokens, mask, key_mask = _setup(False)
@@ -142,6 +144,7 @@ def test_dropping_a_leaf_contribution_changes_the_total(monkeypatch):
   assert np.all(np.abs(np.asarray(sq_B[:3]) / want_B - 1) > 1e-4)
 
 
+@pytest.mark.slow
 def test_bounded_keeps_no_per_layer_stack():
   """The compiled norms pass holds no [L, B, T, width] stack: its temporaries at 4 layers stay within a
   small margin of an ordinary backward's, while book-keeping's grow by the stored a/g."""

@@ -60,6 +60,7 @@ def test_mismatch_metrics_without_lagged_rows_are_zero_with_zero_count():
   assert np.isfinite([float(v) for v in got.values()]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lc_kwargs", [{}, {"micro_batch_size": 4}, {"advantage": "grpo", "policy_loss": "ppo"}])
 def test_learner_step_reports_mismatch_apart_from_lag(lc_kwargs):
   """In the job's metrics: lag-0 rows scored by the sampler with the learner's own weights show ~0, lagged

@@ -2,6 +2,7 @@
 import asyncio
 
 import jax
+import pytest
 
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
@@ -17,6 +18,7 @@ def _row(rid: str, n: int = 6) -> engine_lib.Row:
                         rid=rid)
 
 
+@pytest.mark.slow
 def test_loop_survives_a_failure_and_pause_still_returns():
   params = M.init_params(CFG, jax.random.PRNGKey(0))
 

@@ -64,6 +64,7 @@ def _leaf_sq(per_seq):
 
 # T=10 < V: 'auto' already mixes ghost (head, embedding) and explicit (small dense) rules; the forced modes
 # cover the other branch of each.
+@pytest.mark.slow
 @pytest.mark.parametrize("tied,mode", [(False, "auto"), (False, "ghost"), (False, "explicit"), (True, "auto")])
 def test_norms_match_vmap_grad_per_leaf(tied, mode):
   cfg, params, tokens, mask = _setup(tied)
@@ -113,6 +114,7 @@ def _coef_fn(sq_B, logp_BxT, ent_BxT):
   return c_B, {"L_B": L_B}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied,two_pass", [(False, False), (True, False), (False, True)])
 def test_weighted_grad_matches_vmap_and_jax_grad(tied, two_pass):
   cfg, params, tokens, mask = _setup(tied)
@@ -153,6 +155,7 @@ def test_bad_mode_names_field():
     G.per_sequence_sq_norms(params, cfg, tokens, mask, mode="fast")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_head_norms_and_grad_equal_the_full_logits_path(tied):
   """model.logits_chunk < vocab (3 chunks, the last overlapping) gives the full-logits path's norms, log-probs

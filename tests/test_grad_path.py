@@ -20,6 +20,7 @@ from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import sharding
 
 
+@pytest.mark.slow
 def test_bounded_step_matches_float64_oracle():
   """Golden value as test_learner's, along the bounded path: float32 step vs micro-batch-1 float64 oracle."""
   state, metrics = TL._run(LC.LearnerConfig(grad_path="bounded"))
@@ -44,6 +45,7 @@ SCAN_CFG = dataclasses.replace(TL.CFG, num_layers=2, num_heads=4, num_kv_heads=2
                                remat="full")
 
 
+@pytest.mark.slow
 @skip_if_not_enough_devices(8)
 def test_paths_agree_on_a_mesh_with_scan_remat_and_micro_batches():
   mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=4))  # rows over the 2 fsdp shards
@@ -64,6 +66,7 @@ def test_paths_agree_on_a_mesh_with_scan_remat_and_micro_batches():
     np.testing.assert_allclose(m["hist/seq_grad_norm_B"], m0["hist/seq_grad_norm_B"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_auto_chooses_by_memory_and_logs_why(caplog):
   lc = LC.LearnerConfig()
   assert GP.choose(dataclasses.replace(lc, grad_memory_budget_gb=0.0), TL.CFG, 8, 12)[0] == "bounded"
@@ -98,6 +101,7 @@ def test_bookkeeping_estimate_counts_what_capture_keeps():
   assert sum(int(np.prod(v.shape)) for v in kept) == GP.stored_elements_per_token(cfg) * b * t
 
 
+@pytest.mark.slow
 def test_bounded_takes_any_registered_loss_kl_included():
   """The bounded path pulls the loss's own dloss/dlogp back (no per-sequence coefficient assumed): with the k3
   KL term (per-token, so no book-keeping) it gives the two-pass path's update over two steps."""

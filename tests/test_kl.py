@@ -22,6 +22,7 @@ def _logp(params, batch):
                     np.float64)
 
 
+@pytest.mark.slow
 def test_kl_step_uses_the_frozen_reference_inside_the_step():
   lc = learner_config.LearnerConfig(kl_beta=0.5)   # OPOB + vcpo: the KL term forces the two-pass gradient path
   assert not lc.uses_bookkeeping

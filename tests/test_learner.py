@@ -85,6 +85,7 @@ def _assert_tree_close(got, want, tol, what=""):
     np.testing.assert_allclose(g / scale, w / scale, atol=tol, err_msg=f"{what} {path}")
 
 
+@pytest.mark.slow
 def test_rl_step_matches_float64_oracle():
   """Golden value: one VCPO step (book-keeping path, float32) vs micro-batch-1 oracle in float64.
 
@@ -114,6 +115,7 @@ def test_rl_step_matches_float64_oracle():
   _assert_tree_close(delta, want_delta, 1e-5, "param delta")
 
 
+@pytest.mark.slow
 def test_two_pass_path_equals_bookkeeping():
   s1, m1 = _run(learner_config.LearnerConfig())
   s2, m2 = _run(learner_config.LearnerConfig(grad_path="two_pass"))
@@ -129,6 +131,7 @@ def test_two_pass_path_equals_bookkeeping():
     np.testing.assert_allclose(m1[key], m2[key], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow
 def test_grpo_step_matches_numpy_advantages():
   """advantage 'grpo' + seq-TIS loss: params move by -lr sqrt(rho) g, g from numpy float64 advantages."""
   state, metrics = _run(learner_config.LearnerConfig(advantage="grpo"))
@@ -178,6 +181,7 @@ def test_nonfinite_input_skips_update(field):
   assert int(good.skipped_updates) == 1 and float(metrics["update_applied"]) == 1.0
 
 
+@pytest.mark.slow
 @skip_if_not_enough_devices(8)
 @pytest.mark.parametrize("mesh_shape", [dict(data=2, fsdp=2, tensor=2), dict(data=8)])
 def test_sharded_step_equals_unsharded(mesh_shape):
@@ -232,6 +236,7 @@ def test_bad_config_and_batch_name_the_field():
                         batch.rewards_B, group_size=3)
 
 
+@pytest.mark.slow
 @skip_if_not_enough_devices(8)
 def test_micro_batched_step_equals_whole_batch():
   """Chunks of whole groups (scan) give the whole-batch step; with 2 data shards each chunk spans both."""
@@ -278,6 +283,7 @@ def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
     assert np.all(dlogp[i][batch.mask_BxT[i] == 0] == 0)
 
 
+@pytest.mark.slow
 def test_bfloat16_params_and_compute_train():
   """Mixed precision (#12 item 4): bf16 params and compute, float32 optimizer state (the float32 master copy)
   and float32 log-probs, IS log-weights and loss. Two REINFORCE steps at lr 1e-5 move the master by <= lr

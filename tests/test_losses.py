@@ -432,6 +432,7 @@ def test_opob_estimator_and_registry_errors():
                                    _j(np.zeros(2)), rollout_is='seq')
 
 
+@pytest.mark.slow
 def test_dr_grpo_step_divides_by_generation_budget():
   """Dr.GRPO's normalizer is a constant: the learner step's 'seq-mean-token-sum-norm' loss is each response's
   token sum / rl.max_new_tokens (the generation budget, via LearnerConfig.generation_budget), never the

@@ -20,6 +20,7 @@ def _expected_spec(logical, rules):
   return P(*[table[name] for name in logical])
 
 
+@pytest.mark.slow
 @skip_if_not_enough_devices(8)
 @pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": -1}, {"fsdp": 4, "tensor": 2}])
 def test_sharded_state_follows_rules_and_forward_matches(shape):
