@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from test_grad_norms import padded_rows, perturbed_params
 from vcpo_jax.learner import bounded_norms as BN
 from vcpo_jax.learner import grad_norms as G
 from vcpo_jax.model import transformer as M
@@ -27,22 +28,8 @@ def _cfg(tied: bool, scan: bool = False, remat: str = "none", layers: int = 2) -
 def _setup(tied: bool):
   """Unrolled params with non-trivial norms/biases; repeated tokens, prompts, unequal lengths, padding."""
   cfg = _cfg(tied)
-
-  @jax.jit
-  def init(key):
-    params = M.init_params(cfg, key)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-
-  params = init(jax.random.PRNGKey(0))
-  tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, 7)
-  prompt_B, end_B = jnp.array([2, 3, 1, 4]), jnp.array([4, 8, 10, 4])  # last row: empty response
-  t_T = jnp.arange(T)
-  mask = ((t_T[None, :] >= prompt_B[:, None]) & (t_T[None, :] < end_B[:, None])).astype(jnp.float32)
-  key_mask = (t_T[None, :] < end_B[:, None]).astype(jnp.int32)  # padded keys are invisible
-  tokens = jnp.where(key_mask > 0, tokens, 0)
-  return cfg, params, tokens, mask, key_mask
+  tokens, mask, key_mask = padded_rows(B, T)
+  return cfg, perturbed_params(cfg), tokens, mask, key_mask
 
 
 def _params_for(cfg, params):

@@ -19,25 +19,34 @@ def _cfg(tied: bool) -> model_config.ModelConfig:
                        num_kv_heads=1, head_dim=8, max_seq_len=32, tie_word_embeddings=tied)
 
 
-@functools.lru_cache(maxsize=None)
-def _setup(tied: bool):
-  """Params with non-trivial norms/biases, repeated tokens, prompts and right padding of unequal length."""
-  cfg = _cfg(tied)
-
+def perturbed_params(cfg):
+  """Initial params plus noise, so RMSNorm scales and biases are not at their trivial initial values."""
   @jax.jit
   def init(key):
     params = M.init_params(cfg, key)
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
     return jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  return init(jax.random.PRNGKey(0))
 
-  params = init(jax.random.PRNGKey(0))
-  tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, 7)  # few ids: many repeats
+
+def padded_rows(b: int, t: int):
+  """tokens_BxT (few ids: many repeats), response mask_BxT and key_mask_BxT: prompts of unequal length,
+  unequal ends, one empty response, pad id 0 after each end."""
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t), 0, 7)
   prompt_B, end_B = jnp.array([2, 3, 1, 4]), jnp.array([4, 8, 10, 4])  # last row: empty response
-  t_T = jnp.arange(T)
+  t_T = jnp.arange(t)
   mask = ((t_T[None, :] >= prompt_B[:, None]) & (t_T[None, :] < end_B[:, None])).astype(jnp.float32)
-  tokens = jnp.where(t_T[None, :] < end_B[:, None], tokens, 0)  # pad id 0 after the end
-  return cfg, params, tokens, mask
+  key_mask = (t_T[None, :] < end_B[:, None]).astype(jnp.int32)  # padded keys are invisible
+  return jnp.where(key_mask > 0, tokens, 0), mask, key_mask
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(tied: bool):
+  """Params with non-trivial norms/biases, repeated tokens, prompts and right padding of unequal length."""
+  cfg = _cfg(tied)
+  tokens, mask, _ = padded_rows(B, T)
+  return cfg, perturbed_params(cfg), tokens, mask
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,18 +42,26 @@ TEXTS = ["Using the numbers [7, 9], make 63.", "<answer>7 * 9</answer>", "ünïc
 MODEL_VOCAB = 512  # more rows than tokenizer ids, as Qwen2.5 pads its vocabulary
 
 
-def build_checkpoint(out: str, *, tied: bool = True, shard: bool = False, template_in_config: bool = False):
-  """A float32 Qwen2 checkpoint with its tokenizer, written by transformers + tokenizers (no hub)."""
+def qwen_style_tokenizer(corpus, chat_template: str, added_tokens=()):
+  """A byte-level BPE tokenizer with Qwen's special tokens, trained on `corpus` (tokenizers, no hub)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE(unk_token=None))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-  tok.train_from_iterator(CORPUS * 20, trainer)
+  tok.train_from_iterator(list(corpus) * 20, trainer)
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                               pad_token="<|endoftext|>")
-  fast.chat_template = CHAT_TEMPLATE
+  if added_tokens:
+    fast.add_tokens(list(added_tokens))
+  fast.chat_template = chat_template
+  return fast
+
+
+def build_checkpoint(out: str, *, tied: bool = True, shard: bool = False, template_in_config: bool = False):
+  """A float32 Qwen2 checkpoint with its tokenizer, written by transformers + tokenizers (no hub)."""
+  fast = qwen_style_tokenizer(CORPUS, CHAT_TEMPLATE)
   fast.save_pretrained(out)
   if template_in_config:  # the older layout (Qwen2.5's own files): the template inside tokenizer_config.json
     path = os.path.join(out, "tokenizer_config.json")
@@ -64,7 +72,7 @@ def build_checkpoint(out: str, *, tied: bool = True, shard: bool = False, templa
   cfg = transformers.Qwen2Config(
       vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied, rope_theta=1e6,
-      initializer_range=0.1, eos_token_id=[tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")])
+      initializer_range=0.1, eos_token_id=[fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|endoftext|>")])
   torch.manual_seed(0)
   model = transformers.Qwen2ForCausalLM(cfg).float()
   with torch.no_grad():  # non-zero biases, so the q/k/v bias mapping is exercised

@@ -6,6 +6,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from test_pretrained import qwen_style_tokenizer
 from vcpo_jax import tasks
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import episodes, types
@@ -57,18 +58,8 @@ CORPUS = ["Using the numbers [3, 5], make an equation that equals 8. Put the fin
 def ckpt(tmp_path_factory):
   """Tokenizer files only (the template and ids are what is checked): byte-level BPE with Qwen's added
   tokens, <tool_call> and </tool_call> as non-special added tokens as in Qwen2.5."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   out = str(tmp_path_factory.mktemp("qwen_tools"))
-  tok = Tokenizer(models.BPE(unk_token=None))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-  tok.train_from_iterator(CORPUS * 20, trainer)
-  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                              pad_token="<|endoftext|>")
-  fast.add_tokens(["<tool_call>", "</tool_call>"])
-  fast.chat_template = CHAT_TEMPLATE
+  fast = qwen_style_tokenizer(CORPUS, CHAT_TEMPLATE, added_tokens=["<tool_call>", "</tool_call>"])
   fast.save_pretrained(out)
   return out
 
