@@ -222,8 +222,6 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
   for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
     if not isinstance(rl[field], int) or rl[field] < 1:
       _fail(f"rl.{field}", rl[field], "must be a positive int")
-  if not rl.temperature > 0:
-    _fail("rl.temperature", rl.temperature, "must be > 0 for on-policy sampling")
   if "kwargs" in config.task:
     _fail("task.kwargs", dict(config.task.kwargs), f"replaced by task.options.{config.task.name}.<option>")
   if config.task.name not in tasks.TASKS:

@@ -55,9 +55,9 @@ class LearnerConfig:
       raise ValueError(f"grad_path must be one of {GRAD_PATHS}, got grad_path={self.grad_path!r}")
     if isinstance(self.grad_memory_budget_gb, bool) or not self.grad_memory_budget_gb >= 0:
       raise ValueError(f"grad_memory_budget_gb must be a number >= 0, got {self.grad_memory_budget_gb!r}")
-    if self.grad_path == "book_keeping" and self.needs_grad_norms and grad_path_lib.why_no_bookkeeping(self):
-      raise ValueError(f"grad_path='book_keeping' is impossible here: {grad_path_lib.why_no_bookkeeping(self)}; "
-                       f"use 'bounded' or 'auto'")
+    why_not = grad_path_lib.why_no_bookkeeping(self) if self.grad_path == "book_keeping" else None
+    if why_not and self.needs_grad_norms:
+      raise ValueError(f"grad_path='book_keeping' is impossible here: {why_not}; use 'bounded' or 'auto'")
     if self.grad_norm_mode not in grad_norms.MODES:
       raise ValueError(f"grad_norm_mode must be one of {grad_norms.MODES}, got {self.grad_norm_mode!r}")
     if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \

@@ -10,9 +10,10 @@ import dataclasses
 import json
 from typing import Any, Callable, Mapping, Optional
 
+from vcpo_jax.model import chat
 from vcpo_jax.model import tokenizer as tokenizer_lib
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", chat.CALL_CLOSE
 # JSON schema type -> the Python types json.loads gives it (bool is an int in Python: excluded explicitly).
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
                "object": (dict,), "array": (list,)}
