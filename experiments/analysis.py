@@ -8,6 +8,8 @@ Definitions (stated on every report page):
   median over steps t .. t+window-1 is below it too (a lone dip is not a drop; a non-finite ratio counts as 0).
 - Lead time (C1): collapse step - ESS-drop step, for runs that have both; its resolution is the evaluation
   interval, since accuracy is only measured at evaluation steps.
+- Endpoint: the mean of a run's last ENDPOINT_EVALS held-out evaluations (the base model's excluded), so one
+  noisy evaluation does not decide a run's score.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from scipy import stats
 COLLAPSE_FRACTION = 0.5
 ESS_DROP_THRESHOLD = 0.1
 ESS_DROP_WINDOW = 5
+ENDPOINT_EVALS = 3
 
 
 def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
@@ -31,6 +34,18 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]
     return float(x[0]), math.nan
   half = stats.t.ppf(0.5 + level / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
   return float(x.mean()), float(half)
+
+
+def interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+  """(mean, lower, upper) of the Student-t interval; both bounds NaN with fewer than two values."""
+  m, h = mean_ci(values, level)
+  return m, m - h, m + h
+
+
+def endpoint(steps: Sequence[int], values: Sequence[float], n: int = ENDPOINT_EVALS) -> Optional[float]:
+  """Mean of the last n evaluations after step 0 (the base); None when the run has fewer than n."""
+  after = [float(v) for s, v in sorted(zip(steps, values)) if s > 0]
+  return float(np.mean(after[-n:])) if len(after) >= n else None
 
 
 def format_mean_ci(values: Sequence[Optional[float]], scale: float = 100.0, signed: bool = False) -> str:

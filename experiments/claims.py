@@ -19,6 +19,7 @@ COMPARISONS = (
     ("C1", "seq-TIS at k vs sync", ("seq_tis", None), ("sync", 0)),
     ("C2", "VCPO at k vs sync", ("vcpo", None), ("sync", 0)),
     ("C2", "VCPO at k vs sync at the lr VCPO's ESS scaling averaged (0.5x)", ("vcpo", None), ("sync_lr0.5x", 0)),
+    ("C2", "VCPO with OPOB is_weight=truncated at k vs sync", ("vcpo_truncated", None), ("sync", 0)),
     ("C3", "VCPO vs ESS scaling only (OPOB's share)", ("vcpo", None), ("ess_only", None)),
     ("C3", "VCPO vs OPOB only (ESS scaling's share)", ("vcpo", None), ("opob_only", None)),
     ("C3", "ESS scaling only vs seq-TIS (ESS scaling added to seq-TIS)", ("ess_only", None), ("seq_tis", None)),
@@ -34,12 +35,15 @@ def paired(a: dict[int, Summary], b: dict[int, Summary], key: str = "final") -> 
           if a[s].get(key) is not None and b[s].get(key) is not None]
 
 
-def comparison_rows(find: Finder, k: int) -> list[str]:
-  lines = ["| claim | comparison (lag k = %d) | seeds | Δ final greedy acc, pts (mean ± 95%% CI) | per seed |" % k,
+METRIC_TITLES = {"final": "final greedy acc", "endpoint": "endpoint greedy acc (mean of the last 3 evals)"}
+
+
+def comparison_rows(find: Finder, k: int, key: str = "final") -> list[str]:
+  lines = [f"| claim | comparison (lag k = {k}) | seeds | Δ {METRIC_TITLES[key]}, pts (mean ± 95% CI) | per seed |",
            "|---|---|---|---|---|"]
   for claim, label, (arm_a, lag_a), (arm_b, lag_b) in COMPARISONS:
     a, b = find(arm_a, k if lag_a is None else lag_a), find(arm_b, k if lag_b is None else lag_b)
-    d = paired(a, b)
+    d = paired(a, b, key)
     if d:
       lines.append(f"| {claim} | {label} | {len(d)} | {analysis.format_mean_ci(d, signed=True)} | {', '.join(f'{100 * x:+.1f}' for x in d)} |")
   return lines
@@ -64,31 +68,37 @@ def stability_rows(find: Finder, lags: list[int], arms: list[str]) -> list[str]:
   return lines
 
 
-def section(groups, summaries) -> list[str]:
-  """Markdown lines: paired comparisons at the largest lag, and stability per arm and lag."""
+def finder(groups, summaries) -> Finder:
+  """(arm, lag) -> {seed: summary} of the finished runs."""
+  def find(arm: str, lag: int) -> dict[int, Summary]:
+    return {r.seed: summaries[r.name] for r in groups.get(lag, {}).get(arm, []) if summaries[r.name]["done"]}
+  return find
+
+
+def section(groups, summaries, key: str = "final", k: int | None = None) -> list[str]:
+  """Markdown lines: paired comparisons of `key` at lag k (default: the largest), and stability per arm and lag."""
   lags = sorted(groups)
   stale = [k for k in lags if k > 0]
   if not stale:
     return []
 
-  def find(arm: str, lag: int) -> dict[int, Summary]:
-    return {r.seed: summaries[r.name] for r in groups.get(lag, {}).get(arm, []) if summaries[r.name]["done"]}
-
-  arms = sorted({a for k in lags for a in groups[k]})
-  return ["Seed-paired differences of final held-out greedy accuracy (both units of a pair share the seed's "
+  find = finder(groups, summaries)
+  arms = sorted({a for lag in lags for a in groups[lag]})
+  return [f"Seed-paired differences of the {METRIC_TITLES[key]} (both units of a pair share the seed's "
           "warm start); a verdict needs the interval to exclude 0.", "",
-          *comparison_rows(find, max(stale)), "", *stability_rows(find, lags, arms)]
+          *comparison_rows(find, k if k is not None else max(stale), key), "", *stability_rows(find, lags, arms)]
 
 
 
 # The arms the claims compare, in legend order: (arm, lag or None = the largest lag).
 FOCUS = (("sync", 0), ("sync_lr0.5x", 0), ("no_correction", None), ("seq_tis", None), ("ess_only", None),
-         ("opob_only", None), ("vcpo", None))
+         ("opob_only", None), ("vcpo", None), ("vcpo_truncated", None))
 
 
-def focus_arms(groups) -> dict:
-  """{'arm (k=K)': runs} for the FOCUS arms that have runs, for one uncluttered figure."""
-  k = max(groups)
+def focus_arms(groups, k: int | None = None) -> dict:
+  """{'arm (k=K)': runs} for the FOCUS arms that have runs (stale arms at lag k, default the largest), for one
+  uncluttered figure."""
+  k = max(groups) if k is None else k
   out = {}
   for arm, lag in FOCUS:
     lag = k if lag is None else lag

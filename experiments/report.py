@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from experiments import analysis, claims, workunit
+from experiments import analysis, claims, verdicts, workunit
 
 ACC = "eval/greedy_accuracy"
 SAMPLED = "eval/sampled_accuracy"
@@ -97,14 +97,24 @@ def run_summary(run: Run, fraction: float, ess_threshold: float) -> dict:
   final = run.result["final"] if run.result else {}
   lr_scale = list(run.series.get("lr_scale", {}).values())
   seconds = run.series.get("throughput/step_seconds", {})
+  at_k = list(run.series.get(f"lag/frac_{run.lag}", {}).values())
   return {"final": final.get(ACC), "final_sampled": final.get(SAMPLED), "base": run.series.get(ACC, {}).get(0),
+          "endpoint": analysis.endpoint(*run.evals(ACC)), "endpoint_sampled": analysis.endpoint(*run.evals(SAMPLED)),
+          "median_ess": float(np.median(list(ess.values()))) if ess else None,
+          "lag_at_k": float(np.mean(at_k)) if at_k else None,  # mean over steps of the share of samples at lag k
           "min_ess": min(ess.values()) if ess else None, "lr_scale": float(np.mean(lr_scale)) if lr_scale else None,
           "collapse": collapse, "ess_drop": drop, "lead": analysis.lead_time(collapse, drop),
-          "rl_minutes": sum(seconds.values()) / 60 if seconds else None, "done": run.result is not None}
+          "rl_minutes": sum(seconds.values()) / 60 if seconds else None, "done": run.result is not None,
+          "steps": int(run.config["rl"]["steps"])}
 
 
 def _fmt(v, spec="{:.3f}") -> str:
   return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else spec.format(v)
+
+
+def _mean_of(summaries: list[dict], key: str) -> str:
+  values = [x[key] for x in summaries if x.get(key) is not None]
+  return _fmt(float(np.mean(values)) if values else None, "{:.3g}")
 
 
 def group_runs(runs: list[Run]) -> dict[int, dict[str, list[Run]]]:
@@ -116,8 +126,9 @@ def group_runs(runs: list[Run]) -> dict[int, dict[str, list[Run]]]:
 
 def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], references: dict[str, float]) -> list[str]:
   lines = ["| arm | seeds (done) | final greedy acc % (mean ± 95% CI) | Δ vs k=0 (pts) | final sampled acc % "
-           "| min ESS ratio (worst seed) | mean lr scale | collapsed (step) | ESS drop step | RL step min |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| min ESS ratio (worst seed) | mean lr scale | collapsed (step) | ESS drop step | RL step min "
+           "| endpoint greedy acc % (last 3 evals) | median ESS ratio (mean over seeds) | share of samples at lag k |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for arm, runs in arms.items():
     s = [summaries[r.name] for r in runs]
     finals = [x["final"] for x in s if x["final"] is not None]
@@ -133,7 +144,9 @@ def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], references
         f"| {analysis.format_mean_ci([x['final_sampled'] for x in s])} | {_fmt(min(mins) if mins else None, '{:.3g}')} "
         f"| {_fmt(float(np.mean(lrs)) if lrs else None)} | {len(collapsed)}/{len(s)}"
         f"{' (' + ', '.join(map(str, collapsed)) + ')' if collapsed else ''} "
-        f"| {', '.join(map(str, drops)) or '-'} | {_fmt(float(np.mean(minutes)) if minutes else None, '{:.1f}')} |")
+        f"| {', '.join(map(str, drops)) or '-'} | {_fmt(float(np.mean(minutes)) if minutes else None, '{:.1f}')} "
+        f"| {analysis.format_mean_ci([x['endpoint'] for x in s])} | {_mean_of(s, 'median_ess')} "
+        f"| {_mean_of(s, 'lag_at_k')} |")
   return lines
 
 
@@ -218,8 +231,10 @@ def _provenance(runs: list[Run]) -> list[str]:
 
 
 def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRACTION,
-                 ess_threshold: float = analysis.ESS_DROP_THRESHOLD, plots: bool = True) -> str:
-  """Writes out/report.md (+ PNGs); returns the markdown."""
+                 ess_threshold: float = analysis.ESS_DROP_THRESHOLD, plots: bool = True,
+                 claims_metric: str = "endpoint", claims_lag: int | None = None) -> str:
+  """Writes out/report.md (+ PNGs); returns the markdown. The claims section compares `claims_metric` (endpoint:
+  mean of the last 3 evaluations; final: the last) at lag `claims_lag` (default: the largest)."""
   runs = load_runs(root)
   if not runs:
     raise ValueError(f"no work units under {root!r} (expected <unit>/unit.json or <unit>/config.json)")
@@ -260,16 +275,21 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
     plots_lib.aggregate_figure([(a, p, lo, hi) for a, _, _, p, lo, hi in rows], os.path.join(out, "aggregate.png"))
     md += ["![aggregate](aggregate.png)", ""]
   md += ["## C1: ESS drop before collapse", "", *lead_table(runs, summaries), ""]
-  claim_lines = claims.section(groups, summaries)
+  claim_lines = claims.section(groups, summaries, claims_metric, claims_lag)
   if claim_lines:
     md += ["## Claims C1-C4: paired comparisons and stability", "", *claim_lines, ""]
-    focus = claims.focus_arms(groups)
+    focus = claims.focus_arms(groups, claims_lag)
     if plots and focus:
       from experiments import plots as plots_lib  # noqa: PLC0415
-      k = max(groups)
+      k = max(groups) if claims_lag is None else claims_lag
       plots_lib.curves_figure(focus, CURVES, f"the claims' arms (stale arms at k = {k})",
                               os.path.join(out, "claims.png"))
       md += ["![the claims' arms](claims.png)", ""]
+  if verdicts.K_MAIN in groups and 0 in groups:
+    md += ["## Pre-registered verdicts (experiments/verdicts.py)", "",
+           "Endpoint = mean of the last 3 held-out greedy evaluations; differences seed-paired, 95% Student-t "
+           "intervals, in points; collapse as defined above.", "",
+           *verdicts.section(claims.finder(groups, summaries)), ""]
   text = "\n".join(md)
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(text)
@@ -283,10 +303,13 @@ def main(argv=None):
   parser.add_argument("--collapse_fraction", type=float, default=analysis.COLLAPSE_FRACTION)
   parser.add_argument("--ess_drop_threshold", type=float, default=analysis.ESS_DROP_THRESHOLD)
   parser.add_argument("--no_plots", action="store_true")
+  parser.add_argument("--claims_metric", choices=sorted(claims.METRIC_TITLES), default="endpoint",
+                      help="what the claims section compares (the first study's page: final)")
+  parser.add_argument("--claims_lag", type=int, help="the claims section's lag (default: the largest)")
   args = parser.parse_args(argv)
   out = args.out or os.path.join(args.root, "report")
   write_report(args.root, out, fraction=args.collapse_fraction, ess_threshold=args.ess_drop_threshold,
-               plots=not args.no_plots)
+               plots=not args.no_plots, claims_metric=args.claims_metric, claims_lag=args.claims_lag)
   print(f"wrote {os.path.join(out, 'report.md')}")
 
 

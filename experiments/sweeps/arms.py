@@ -15,9 +15,17 @@ LR_CONTROL_MULTIPLIERS = (0.5, 0.25, 0.1)
 _GRPO = {"algo.advantage": "grpo", "algo.ess.enabled": False}
 
 
-def overrides(lr: float) -> dict[str, dict]:
-  """name -> overrides of every arm except the lag (set by the sweep)."""
+OPOB_IS_WEIGHT = "algo.advantage_options.opob.is_weight"
+
+
+def overrides(lr: float, opob_is_weight: str = "raw") -> dict[str, dict]:
+  """name -> overrides of every arm except the lag (set by the sweep). opob_is_weight: the OPOB weight of the
+  `vcpo` and `opob_only` arms (raw: W = w^2 ||s||^2, the first study's; reference: wt^2 w^2 ||s||^2, what the
+  authors' code computes); `vcpo_truncated` always uses W = wt^2 ||s||^2."""
   baseline = lambda loss: {"algo.policy_loss": loss, **_GRPO, "optim.learning_rate": lr}  # noqa: E731
+  opob = lambda ess, is_weight=opob_is_weight: {  # noqa: E731
+      "algo.policy_loss": "vcpo", "algo.advantage": "opob", "algo.ess.enabled": ess, "algo.tis_threshold": 8.0,
+      OPOB_IS_WEIGHT: is_weight, "optim.learning_rate": lr}
   return {
       # k = 0 only: the on-policy reference (importance weights are 1, so no correction is needed).
       "sync": baseline("pg"),
@@ -32,10 +40,9 @@ def overrides(lr: float) -> dict[str, dict]:
       "cispo": baseline("cispo"),
       # VCPO's two components alone and together (sequence TIS, tau = 8, in all three).
       "ess_only": {**baseline("seq_tis"), "algo.tis_threshold": 8.0, "algo.ess.enabled": True},
-      "opob_only": {"algo.policy_loss": "vcpo", "algo.advantage": "opob", "algo.ess.enabled": False,
-                    "algo.tis_threshold": 8.0, "optim.learning_rate": lr},
-      "vcpo": {"algo.policy_loss": "vcpo", "algo.advantage": "opob", "algo.ess.enabled": True,
-               "algo.tis_threshold": 8.0, "optim.learning_rate": lr},
+      "opob_only": opob(False),
+      "vcpo": opob(True),
+      "vcpo_truncated": opob(True, "truncated"),
   }
 
 
@@ -43,8 +50,8 @@ ASYNC_ARMS = ("no_correction", "seq_tis", "token_tis", "seq_mis", "ppo_decoupled
               "ess_only", "opob_only", "vcpo")
 
 
-def arms(names, lr: float) -> Sweep:
-  table = overrides(lr)
+def arms(names, lr: float, opob_is_weight: str = "raw") -> Sweep:
+  table = overrides(lr, opob_is_weight)
   unknown = [n for n in names if n not in table]
   if unknown:
     raise ValueError(f"unknown arms {unknown}; known: {sorted(table)}")

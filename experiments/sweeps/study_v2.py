@@ -1,0 +1,46 @@
+"""The powered claims study (issue #24 item 3; docs/results/study/README.md pre-registers its rules).
+
+`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/study_v2.py:lr=0.0002,steps=150,long_steps=384`
+(defaults shown; the learning rate is the pilot's). Units in priority order (C2 > C3 > C4), seed-major inside
+each tier, so that a study cut short still has whole seeds of the most important arms:
+  1. C2 and the preconditions, k = 8: sync (k = 0), no correction, seq-TIS, VCPO, seeds 0-3;
+  2. the same minus no correction, seeds 4-5 (6 seeds for sync, seq-TIS and VCPO);
+  3. C3, k = 8: ESS-only and OPOB-only, seeds 0-3;
+  4. the VCPO variant with OPOB is_weight=truncated, k = 8, seeds 0-3 (reported, not deciding);
+  5. C4: VCPO and seq-TIS at k = 32 (`steps` >= 3k steps, against the same sync runs), then `sync_long`
+     (sync, `long_steps`), VCPO and seq-TIS at k = 128 (`long_steps` >= 3k), seeds 0-2.
+VCPO and OPOB-only weight OPOB as the authors' code does (is_weight=reference: wt^2 w^2 ||s||^2).
+C5 (real async, learner and server on separate cores) is not a lag-emulation unit: see the page.
+The first study's units (k = 64, 60 steps) are experiments/sweeps/study.py, unchanged.
+"""
+from experiments.sweep import arm, chain, fixed, parse_arg, product, sweep
+from experiments.sweeps import arms
+
+K = 8
+C4_LAGS = (32, 128)
+EVAL = {"task.eval_size": 512, "eval_every": 25, "checkpoint_every": 25}
+
+
+def _seed_major(units, seeds):
+  return chain(*(product(units, sweep("config.seed", [s])) for s in seeds))
+
+
+def get_sweep(arg: str = "") -> list[dict]:
+  a = parse_arg(arg, lr=2e-4, steps=150, long_steps=384)
+  if a["steps"] < 3 * C4_LAGS[0] or a["long_steps"] < 3 * C4_LAGS[1]:
+    raise ValueError(f"C4 needs runs of >= 3k steps: steps >= {3 * C4_LAGS[0]}, long_steps >= {3 * C4_LAGS[1]}")
+  table = lambda names, k: product(arms.arms(names, a["lr"], opob_is_weight="reference"),  # noqa: E731
+                                   fixed({"rl.max_lag": k}))
+  sync = product(arms.arms(["sync"], a["lr"]), fixed({"rl.max_lag": 0}))
+  steps = fixed({"rl.steps": a["steps"]})
+  tiers = [
+      _seed_major(chain(sync, table(["no_correction", "seq_tis", "vcpo"], K)), range(4)),
+      _seed_major(chain(sync, table(["seq_tis", "vcpo"], K)), range(4, 6)),
+      _seed_major(table(["ess_only", "opob_only"], K), range(4)),
+      _seed_major(table(["vcpo_truncated"], K), range(4)),
+      _seed_major(table(["vcpo", "seq_tis"], C4_LAGS[0]), range(3)),
+  ]
+  sync_long = product(arm("sync_long", arms.overrides(a["lr"])["sync"]), fixed({"rl.max_lag": 0}))
+  long_tier = _seed_major(chain(sync_long, table(["vcpo", "seq_tis"], C4_LAGS[1])), range(3))
+  return chain(product(chain(*tiers), steps, fixed(EVAL)),
+               product(long_tier, fixed({"rl.steps": a["long_steps"]}), fixed(EVAL)))

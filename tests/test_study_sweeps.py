@@ -1,0 +1,47 @@
+"""The pilot's and the powered study's sweeps (issue #24): every unit validates, seeds per arm, priority order."""
+import collections
+import os
+
+from experiments import launch, workunit
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEPS = os.path.join(REPO, "experiments", "sweeps")
+CONFIG = os.path.join(REPO, "experiments", "configs", "pilot.py")
+
+
+def _units(spec):
+  return workunit.prepare(launch.load_sweep(os.path.join(SWEEPS, spec)), CONFIG, "/nonexistent")
+
+
+def test_study_v2_arms_seeds_lags_and_steps():
+  units = _units("study_v2.py")
+  seeds = collections.defaultdict(set)
+  for u in units:
+    c = u.config
+    seeds[(u.labels["arm"], c["rl"]["max_lag"], c["rl"]["steps"])].add(c["seed"])
+    assert c["task"]["eval_size"] >= 512 and c["eval_every"] == 25
+    assert c["rl"]["mode"] == "emulate" and c["rl"]["emulation"]["lag_model"] == "pipeline"
+    assert c["rl"]["steps"] >= 3 * c["rl"]["max_lag"]
+    if c["algo"]["advantage"] == "opob":
+      expected = "truncated" if u.labels["arm"] == "vcpo_truncated" else "reference"
+      assert c["algo"]["advantage_options"]["opob"]["is_weight"] == expected
+  n = {key: len(s) for key, s in seeds.items()}
+  assert n == {("sync", 0, 150): 6, ("seq_tis", 8, 150): 6, ("vcpo", 8, 150): 6, ("no_correction", 8, 150): 4,
+               ("ess_only", 8, 150): 4, ("opob_only", 8, 150): 4, ("vcpo_truncated", 8, 150): 4,
+               ("vcpo", 32, 150): 3, ("seq_tis", 32, 150): 3, ("sync_long", 0, 384): 3, ("vcpo", 128, 384): 3,
+               ("seq_tis", 128, 384): 3}
+
+
+def test_study_v2_runs_c2_first_then_c3_then_c4():
+  arms = [u.labels["arm"] for u in _units("study_v2.py")]
+  first = lambda name: arms.index(name)  # noqa: E731
+  assert set(arms[:16]) == {"sync", "no_correction", "seq_tis", "vcpo"}
+  assert first("ess_only") > max(i for i, a in enumerate(arms) if a == "sync")
+  assert first("vcpo_truncated") > first("opob_only") and first("sync_long") > first("vcpo_truncated")
+
+
+def test_pilot_units_per_learning_rate():
+  units = _units("pilot.py:lrs=0.0001+0.0002,steps=40")
+  got = [(u.labels["arm"], u.config["rl"]["max_lag"], u.config["optim"]["learning_rate"]) for u in units]
+  assert got == [("sync", 0, 1e-4), ("no_correction", 8, 1e-4), ("seq_tis", 8, 1e-4),
+                 ("sync", 0, 2e-4), ("no_correction", 8, 2e-4), ("seq_tis", 8, 2e-4)]
