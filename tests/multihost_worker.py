@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vcpo_jax.job import multihost
+from vcpo_jax.rollout import batching
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import processes
@@ -39,7 +39,7 @@ def hung_leader(process_id: int):
     return
   mesh = sharding.make_mesh({"data": -1})
   try:
-    multihost.feed_rows(None, 0, mesh, 8, timeout_s=2.0)
+    batching.feed_rows(None, 0, mesh, 8, timeout_s=2.0)
   except processes.ProcessGroupError as e:
     print(f"ProcessGroupError: {e}", flush=True)
     sys.exit(3)

@@ -60,3 +60,42 @@ def test_batch_is_the_learners_type():
   assert isinstance(batch, RLBatch)
   check_batch(batch)
   assert batch.lag_B.dtype == np.float32 and batch.version_BxT.dtype == np.int32
+
+
+def _scored_groups():
+  groups = [_group(7, [1, 2, 3], [[4, 5], [6]], [[0, 1], [1]], 1), _group(9, [8], [[9, 9, 9], [5]], [[2, 2, 2], [2]], 0)]
+  groups[1].samples[0].output_mask = np.asarray([1, 0, 1], np.float32)  # a tool-output token inside
+  for g in groups:
+    types.score_group(g, lambda ex, ids: (float(len(ids)) / 4, str(ids)))
+  return groups
+
+
+def test_next_batch_is_the_backends_groups_as_rows():
+  """One process: the loop's one call gives the backend's groups and exactly groups_to_batch's rows."""
+  import asyncio
+
+  class Backend:
+    async def next_groups(self, version):
+      self.version = version
+      return groups
+
+  groups, backend = _scored_groups(), Backend()
+  layout = batching.BatchLayout(seq_len=6, pad_id=0, num_rows=6, vocab_size=10)
+  got_groups, batch = asyncio.run(batching.next_batch(backend, 3, layout))
+  assert got_groups is groups and backend.version == 3
+  want = batching.groups_to_batch(groups, seq_len=6, pad_id=0, num_rows=6, vocab_size=10)
+  for name in RLBatch.__dataclass_fields__:
+    np.testing.assert_array_equal(getattr(batch, name), getattr(want, name), err_msg=name)
+
+
+def test_batch_metrics_equal_the_rows_statistics():
+  """Reward and length statistics from the groups equal those of the valid rows (generated tokens only)."""
+  groups = _scored_groups()
+  rows = batching.groups_to_batch(groups, seq_len=6, pad_id=0, num_rows=6)
+  valid = rows.valid_B > 0
+  lengths = rows.mask_BxT.sum(axis=1)[valid]
+  m = batching.batch_metrics(groups, 2.0)
+  assert m["reward/mean"] == float(rows.rewards_B[valid].mean())
+  assert m["reward/std"] == float(rows.rewards_B[valid].std())
+  assert m["response_length/mean"] == float(lengths.mean()) == 1.5  # 2, 1, 2 (3 tokens, one a tool output), 1
+  assert m["throughput/tokens_per_s"] == float(lengths.sum() / 2.0) and m["throughput/step_seconds"] == 2.0

@@ -19,10 +19,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests import multihost_worker as worker
-from vcpo_jax.job import multihost
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
+from vcpo_jax.rollout import batching
 from vcpo_jax.rollout.launcher import free_port
 
 CPU_ONLY = pytest.mark.cpu_only(reason="each process fakes 4 CPU devices (XLA_FLAGS host device count)")
@@ -37,9 +37,9 @@ TIMING = ("throughput/", "seconds", "_s", "time")
 def test_single_process_is_unchanged():
   """With one process nothing is distributed: rows pass through, params come back whole."""
   mesh = sharding.make_mesh({"data": -1})
-  assert multihost.process_rows(mesh, 16) == {0: (0, 16)}
+  assert batching.process_rows(mesh, 16) == {0: (0, 16)}
   batch = object()
-  assert multihost.feed_rows(batch, 0, mesh, 16, 1.0) is batch
+  assert batching.feed_rows(batch, 0, mesh, 16, 1.0) is batch
   x = jax.device_put(np.arange(16.0), sharding.batch_sharding(mesh, 1))
   np.testing.assert_array_equal(processes.to_host(x), np.arange(16.0))
   np.testing.assert_array_equal(processes.host_tree({"x": x}, "t", 1.0)["x"], np.arange(16.0))

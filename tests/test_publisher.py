@@ -441,7 +441,7 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
   ends the job with one line naming the field and both values."""
   import ml_collections
   from vcpo_jax.job import train
-  from vcpo_jax.rollout import http_backend
+  from vcpo_jax.rollout import batching, http_backend
   procs, urls = _fake_servers(tmp_path, 1)
 
   class Backend:  # the HTTP backend's publish and stats over a fake server; no generation needed
@@ -478,6 +478,7 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
 
   class Run:  # RLRun's surface that rl_loop uses
     config = ml_collections.ConfigDict({"rl": {"steps": 5}})
+    layout = batching.BatchLayout(seq_len=4, pad_id=0, num_rows=1)
     step, rollout_state, written = 0, {}, []
     backend = Backend()
 
@@ -487,13 +488,10 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
     def rollout_params(self):
       return None
 
-    def to_batch(self, groups):
-      return None
-
     def learn(self, batch):
       return {"loss": 1.0}
 
-    def after_step(self, groups, batch, step_metrics, extra, seconds, rollout_state_fn):
+    def after_step(self, groups, step_metrics, extra, seconds, rollout_state_fn):
       self.step += 1
       self.written.append((self.step, extra.get("rollout/publish_refused_shapes", 0.0)))
 

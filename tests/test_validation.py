@@ -98,7 +98,7 @@ def _fake_run(tmp_path, *, leader, steps, eval_every, checkpoint_every, log_ever
       config=config, step=0, eval_step=-1, leader=leader, state=None, last_eval={},
       host_params=record("eval_gather"), ckpt=types.SimpleNamespace(save=record("checkpoint")),
       writer=types.SimpleNamespace(write=record("log")), progress=types.SimpleNamespace(update=lambda *a: None),
-      prompts=types.SimpleNamespace(get_state=lambda: {}), host_metrics=lambda batch, seconds: {},
+      prompts=types.SimpleNamespace(get_state=lambda: {}),
       consumed_log=str(tmp_path / "consumed.jsonl"), scalars_log=str(tmp_path / "metrics.jsonl"),
       model_cfg=None, tok=None, task=None, eval_examples=None)
   return run
@@ -109,9 +109,10 @@ def test_after_step_with_every_zero_acts_only_after_the_last_step(tmp_path, monk
   calls = []
   monkeypatch.setattr(train, "evaluate", lambda *a, **k: calls.append(("eval", run.step)) or {"eval/x": 1.0})
   monkeypatch.setattr(train.episodes, "metrics", lambda groups: {})
+  monkeypatch.setattr(train.batching, "batch_metrics", lambda groups, seconds: {})
   run = _fake_run(tmp_path, leader=leader, steps=3, eval_every=0, checkpoint_every=0, log_every=0, calls=calls)
   for _ in range(3):
-    train.RLRun.after_step(run, [], None, {"loss": np.float32(0.5)}, {}, 1.0, lambda: {})
+    train.RLRun.after_step(run, [], {"loss": np.float32(0.5)}, {}, 1.0, lambda: {})
   assert calls and all(step == 3 for _, step in calls), calls
   assert run.eval_step == 3
   if leader:
@@ -122,8 +123,9 @@ def test_after_step_with_positive_every_keeps_its_schedule(tmp_path, monkeypatch
   calls = []
   monkeypatch.setattr(train, "evaluate", lambda *a, **k: calls.append(("eval", run.step)) or {"eval/x": 1.0})
   monkeypatch.setattr(train.episodes, "metrics", lambda groups: {})
+  monkeypatch.setattr(train.batching, "batch_metrics", lambda groups, seconds: {})
   run = _fake_run(tmp_path, leader=True, steps=5, eval_every=2, checkpoint_every=3, log_every=4, calls=calls)
   for _ in range(5):
-    train.RLRun.after_step(run, [], None, {}, {}, 1.0, lambda: {})
+    train.RLRun.after_step(run, [], {}, {}, 1.0, lambda: {})
   steps = lambda kind: [s for k, s in calls if k == kind]
   assert steps("eval") == [2, 4, 5] and steps("checkpoint") == [3, 5] and steps("log") == [2, 4, 5]

@@ -21,12 +21,11 @@ from vcpo_jax.job.evaluation import evaluate, make_score_fn
 from vcpo_jax.learner import step as learner
 from vcpo_jax.learner import train_state
 from vcpo_jax.learner.batch import RLBatch
-from vcpo_jax.learner.config import check_chunks
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
-from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model, types
+from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model
 from vcpo_jax.rollout.publisher import PublishError
 
 
@@ -101,6 +100,10 @@ class RLRun:
     self.batch_rows = -(-rl.prompts_per_step * rl.group_size // shards) * shards
     self.optimizer = build_optimizer(config)
     self.learner_cfg = learner_config(config)
+    self.layout = batching.BatchLayout(
+        seq_len=model_cfg.max_seq_len, pad_id=tok.pad_id, num_rows=self.batch_rows,
+        vocab_size=model_cfg.vocab_size, mesh=self.mesh, micro_batch_size=self.learner_cfg.micro_batch_size,
+        timeout_s=self.timeout_s)
     self.step_fn = learner.make_rl_step(model_cfg, self.learner_cfg, self.optimizer, mesh=self.mesh)
     state = train_state.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
                                        mesh=self.mesh)
@@ -159,31 +162,12 @@ class RLRun:
     """The params on the leader's host (None on the other processes, which join the gathers)."""
     return processes.host_tree(self.state.params, f"{name}/{self.step}", self.timeout_s)
 
-  def to_batch(self, groups: list[types.Group]) -> RLBatch | None:
-    if not self.leader:  # the leader's rows come in learn()
-      return None
-    return batching.groups_to_batch(groups, seq_len=self.model_cfg.max_seq_len, pad_id=self.tok.pad_id,
-                                    num_rows=self.batch_rows, vocab_size=self.model_cfg.vocab_size)
-
   def learn(self, batch: RLBatch) -> dict:
     """One learner step (blocking; the loop runs it in a worker thread while rollouts go on)."""
-    if processes.multi_process() and self.leader:  # the step's own check cannot read rows on other hosts
-      check_chunks(batch, self.learner_cfg.micro_batch_size, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
-    batch = multihost.feed_rows(batch, self.step, self.mesh, self.batch_rows, self.timeout_s)
     self.state, step_metrics = self.step_fn(self.state, batch)
     return jax.device_get(step_metrics)
 
-  def host_metrics(self, batch: RLBatch, seconds: float) -> dict:
-    valid = batch.valid_B > 0
-    lengths = batch.mask_BxT.sum(axis=1)[valid]
-    return {"reward/mean": float(batch.rewards_B[valid].mean()),
-            "reward/std": float(batch.rewards_B[valid].std()),
-            "response_length/mean": float(lengths.mean()),
-            "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
-            "throughput/step_seconds": seconds}
-
-  def after_step(self, groups, batch: RLBatch, step_metrics: dict, extra: dict, seconds: float,
-                 rollout_state_fn):
+  def after_step(self, groups, step_metrics: dict, extra: dict, seconds: float, rollout_state_fn):
     """Logging, periodic evaluation and checkpointing once learner version self.step exists."""
     self.step += 1
     rl = self.config.rl
@@ -198,7 +182,7 @@ class RLRun:
       return
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
-    scalars = {**step_metrics, **self.host_metrics(batch, seconds), **episodes.metrics(groups), **extra,
+    scalars = {**step_metrics, **batching.batch_metrics(groups, seconds), **episodes.metrics(groups), **extra,
                **lag_model.lag_metrics(groups, rl.get("max_lag"))}  # the step's lag histogram, every mode
     for key, value in step_metrics.items():
       arr = np.asarray(value)
@@ -235,16 +219,14 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
     await rollouts.start(run.step, run.rollout_params())
     while run.step < run.config.rl.steps:
       t0 = time.perf_counter()
-      groups = await rollouts.next_groups(run.step)
-      batch = run.to_batch(groups)
+      groups, batch = await batching.next_batch(rollouts, run.step, run.layout)
       step_metrics = await asyncio.to_thread(run.learn, batch)
       refused = None
       try:
         await rollouts.publish(run.step + 1, run.rollout_params())
       except PublishError as e:  # the step is done: its metrics (with the refusal counter) are written first
         refused = e
-      run.after_step(groups, batch, step_metrics, rollouts.stats(), time.perf_counter() - t0,
-                     rollouts.state_dict)
+      run.after_step(groups, step_metrics, rollouts.stats(), time.perf_counter() - t0, rollouts.state_dict)
       if refused is not None:
         raise refused
   finally:

@@ -1,12 +1,60 @@
-"""Turns completed, scored rollout groups into the learner's RLBatch of right-padded numpy rows."""
+"""The one place the learner's batch is built: a backend's scored groups -> right-padded rows on every process."""
 from __future__ import annotations
 
-from typing import Sequence
+import asyncio
+import dataclasses
+import io
+from typing import Any, Optional, Sequence
 
+import jax
 import numpy as np
 
 from vcpo_jax.learner.batch import RLBatch
+from vcpo_jax.learner.config import check_chunks
+from vcpo_jax.parallel import processes, sharding
+from vcpo_jax.rollout.backend import RolloutBackend
 from vcpo_jax.rollout.types import Group
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """How a step's rows are laid out: fixed per job (RLRun.layout)."""
+  seq_len: int
+  pad_id: int
+  num_rows: int  # rows per step: the samples, then invalid padding rows up to a multiple of the row shards
+  vocab_size: Optional[int] = None
+  mesh: Any = None  # several processes: rows are fed to the processes whose devices hold them
+  micro_batch_size: int = 0
+  timeout_s: float = 1800.0  # a follower's longest wait for its rows
+
+
+async def next_batch(backend: RolloutBackend, version: int, layout: BatchLayout) -> tuple[list[Group], RLBatch]:
+  """The groups learner version `version` trains on and its RLBatch: host numpy rows with one process; with
+  several, global arrays sharded like the step expects, each process fed its own rows (the leader's backend
+  yields the groups, a follower's none: it waits for its rows from the leader)."""
+  groups = await backend.next_groups(version)
+  if not processes.multi_process():
+    return groups, groups_to_batch(groups, seq_len=layout.seq_len, pad_id=layout.pad_id,
+                                   num_rows=layout.num_rows, vocab_size=layout.vocab_size)
+  rows = None
+  if processes.is_leader():
+    rows = groups_to_batch(groups, seq_len=layout.seq_len, pad_id=layout.pad_id, num_rows=layout.num_rows,
+                           vocab_size=layout.vocab_size)
+    # The step's own check cannot read rows held by other processes: the leader checks the host rows.
+    check_chunks(rows, layout.micro_batch_size, layout.mesh.shape["data"] * layout.mesh.shape["fsdp"])
+  # In a worker thread: an asynchronous backend keeps generating while the processes exchange rows.
+  return groups, await asyncio.to_thread(feed_rows, rows, version, layout.mesh, layout.num_rows, layout.timeout_s)
+
+
+def batch_metrics(groups: Sequence[Group], seconds: float) -> dict:
+  """Reward and response-length statistics of a step's samples (generated tokens only) and its throughput."""
+  rewards = np.asarray([r for g in groups for r in g.rewards], np.float32)
+  lengths = np.asarray([_output_mask(g, s, len(s.output_ids)).sum() for g in groups for s in g.samples],
+                       np.float32)
+  return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+          "response_length/mean": float(lengths.mean()),
+          "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+          "throughput/step_seconds": seconds}
 
 
 def _check_sample(g: Group, ids: np.ndarray, logprobs, mask: np.ndarray, seq_len: int,
@@ -70,3 +118,61 @@ def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_r
   group[pad_rows] = len(groups) + np.arange(len(pad_rows))
   return RLBatch(tokens_BxT=tokens, mask_BxT=mask, sampler_logp_BxT=logp, rewards_B=rewards, group_B=group,
                  lag_B=lag, valid_B=valid, version_BxT=version)
+
+
+# ------------------------------------------------------------------------------------ rows per process
+def process_rows(mesh, num_rows: int) -> dict[int, tuple[int, int]]:
+  """process index -> [start, stop) of the batch rows its devices hold under the step's row sharding."""
+  spans: dict[int, set] = {}
+  for device, index in sharding.batch_sharding(mesh, 1).devices_indices_map((num_rows,)).items():
+    spans.setdefault(device.process_index, set()).update(range(*index[0].indices(num_rows)))
+  out = {}
+  for p, rows in spans.items():
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+      raise ValueError(f"the mesh gives process {p} non-contiguous batch rows; order the mesh's devices by "
+                       "process (sharding.make_mesh does)")
+    out[p] = (lo, hi)
+  return out
+
+
+def _pack(batch: RLBatch) -> bytes:
+  buf = io.BytesIO()
+  np.savez(buf, **{f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+                   if getattr(batch, f.name) is not None})
+  return buf.getvalue()
+
+
+def _unpack(data: bytes) -> RLBatch:
+  with np.load(io.BytesIO(data)) as z:
+    return RLBatch(**{k: z[k] for k in z.files})
+
+
+def _slice(batch: RLBatch, lo: int, hi: int) -> RLBatch:
+  return jax.tree.map(lambda x: np.asarray(x)[lo:hi], batch)
+
+
+def feed_rows(batch: Optional[RLBatch], step: int, mesh, num_rows: int, timeout_s: float) -> RLBatch:
+  """The step's batch as global arrays sharded like the step expects (rows over data x fsdp), each process
+  feeding only its own rows. The leader passes the whole host batch and sends each follower its rows; a
+  follower passes None and waits (at most timeout_s) for them. Single process: the batch unchanged."""
+  if not processes.multi_process():
+    return batch
+  spans, me = process_rows(mesh, num_rows), jax.process_index()
+  if processes.is_leader():
+    for p, (lo, hi) in spans.items():
+      if p != me:
+        processes.kv_set(f"rows/{step}/{p}", _pack(_slice(batch, lo, hi)))
+    local = _slice(batch, *spans[me])
+  else:
+    local = _unpack(processes.kv_get(f"rows/{step}/{me}", timeout_s, f"the leader's batch for step {step}"))
+  processes.barrier(f"step/{step}", timeout_s)  # everyone is here before the step's collectives start
+  if processes.is_leader():  # every follower has read its rows (it is past the barrier)
+    for p in spans:
+      if p != me:
+        processes.kv_delete(f"rows/{step}/{p}")
+
+  def to_global(x):
+    return jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, x.ndim), x,
+                                                  (num_rows,) + x.shape[1:])
+  return jax.tree.map(to_global, local)
