@@ -11,8 +11,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "experiments", "configs", "pilot.py")
 
 
-def _unit(root, name, lag, lr=1e-4, steps=40):
-  overrides = {"rl.max_lag": lag, "rl.steps": steps, "eval_every": 10, "optim.learning_rate": lr}
+def _unit(root, name, lag, lr=1e-4, steps=40, seed=0):
+  overrides = {"rl.max_lag": lag, "rl.steps": steps, "eval_every": 10, "optim.learning_rate": lr, "seed": seed}
   [unit] = workunit.prepare(arm(name, overrides), CONFIG, str(root), validate=False)
   workunit.write_record(unit, "local", ["synthetic"])
   json.dump(unit.config, open(os.path.join(unit.workdir, workunit.JOB_CONFIG), "w"))
@@ -24,7 +24,7 @@ def _unit(root, name, lag, lr=1e-4, steps=40):
              "mismatch/lagged/seq_logw_mean": -0.05 * lag_now, "reward/mean": 0.5,
              "response_length/mean": 10.0, "throughput/step_seconds": 2.0}
       if step % 10 == 0:
-        row[report.ACC] = 0.2 + 0.01 * step + (0.0 if lag == 0 else -0.1)
+        row[report.ACC] = 0.2 + 0.01 * step + (0.0 if lag == 0 else -0.1) + 0.01 * seed
       f.write(json.dumps(row) + "\n")
   json.dump({"base": {report.ACC: 0.2}, "final": {report.ACC: 0.4}, "steps": steps},
             open(os.path.join(unit.workdir, workunit.RESULT), "w"))
@@ -45,3 +45,15 @@ def test_pilot_rows_and_table(tmp_path):
   assert tis["endpoint"] == pytest.approx(0.2 + 0.3 - 0.1)  # evaluations at 20, 30, 40: mean 0.5 - 0.1
   assert tis["ess_dip_share"] == pytest.approx(1 / 32)  # step 9 only (0.19)
   assert "| 0.0001 | seq_tis | 8 | 40/40 (32) | 20.0 | 40.0 | -10.0 | no |" in text
+
+
+@pytest.mark.integration
+def test_report_prints_the_preregistered_verdicts(tmp_path):
+  root = tmp_path / "study"
+  for seed in range(3):
+    _unit(root, "sync", 0, seed=seed)
+    _unit(root, "no_correction", 8, seed=seed)
+  text = report.write_report(str(root), str(tmp_path / "out"), plots=False)
+  assert "## Pre-registered verdicts" in text
+  assert "| C1 |" in text and "no_correction@k=8 - sync@k=0: -10.0" in text and "**reproduced**" in text
+  assert "**not testable here (no runs)**" in text  # C2: no VCPO runs
