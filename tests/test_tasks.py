@@ -368,3 +368,48 @@ def test_registry_errors_name_the_field():
     task.sft_completion(task.sample(0, 1)[0], 0, error_rate=1.5)
   with pytest.raises(ValueError, match="no solution"):
     task.reference_solution({"task": "countdown", "numbers": [1, 1, 1], "target": 100})
+
+
+# --- warm-start reasoning traces (Countdown trace_checks) -------------------------------------------------
+
+def test_countdown_without_trace_checks_keeps_the_bare_answer():
+  task = countdown.Countdown(num_numbers=2, max_number=25)
+  for ex in task.sample(3, 20):
+    rng = np.random.default_rng(5)
+    text = task.reference_solution(ex, rng)
+    assert text == f"<answer>{countdown.render(countdown.solve(ex['numbers'], ex['target'], ex['ops'], np.random.default_rng(5)))}</answer>"
+    assert task.wrong_completion(ex, rng).count("\n") == 0
+
+
+@pytest.mark.parametrize("knobs", [dict(num_numbers=2, max_number=40, trace_checks=5),
+                                   dict(num_numbers=3, max_number=10, trace_checks=4)])
+def test_countdown_trace_lines_are_exact_checks_then_the_answer(knobs):
+  """Every check line's value is the expression's exact value (independent evaluator), no check hits the
+  target, checks are distinct; the last line states the answer = target (a miscalculation in wrong traces)."""
+  task = countdown.Countdown(**knobs)
+  rng = np.random.default_rng(0)
+  for ex in task.sample(1, 60):
+    for text, want in ((task.reference_solution(ex, rng), 1.0), (task.wrong_completion(ex, rng), 0.0)):
+      assert task.reward(ex, text) == want
+      *checks, last, answer = text.split("\n")
+      assert 1 <= len(checks) + 1 <= knobs["trace_checks"] + 1 and len(set(checks)) == len(checks)
+      for line in checks:
+        expr, v = line.split(" = ")
+        assert safe_eval.evaluate(expr) == Fraction(v) != ex["target"]
+        assert sorted(map(int, safe_eval.literals(expr))) == sorted(ex["numbers"])
+      expr, claim = last.split(" = ")
+      assert int(claim) == ex["target"] and answer == f"<answer>{expr}</answer>"
+      if want:
+        assert safe_eval.evaluate(expr) == ex["target"]
+
+
+def test_countdown_trace_checks_make_long_responses():
+  task = countdown.Countdown(num_numbers=2, max_number=40, trace_checks=5)
+  lengths = [len(TOK.encode(task.reference_solution(ex, i))) for i, ex in enumerate(task.sample(2, 100))]
+  assert np.mean(lengths) >= 60, np.mean(lengths)
+
+
+@pytest.mark.parametrize("bad", [-1, 17, 2.0, True])
+def test_countdown_trace_checks_out_of_range_is_refused(bad):
+  with pytest.raises(ValueError, match="trace_checks"):
+    countdown.Countdown(trace_checks=bad)

@@ -10,6 +10,7 @@ from vcpo_jax.tasks import base, safe_eval
 
 ALL_OPS = "+-*/"
 MAX_ANSWER_CHARS = 256
+MAX_TRACE_CHECKS = 16
 TOLERANCE = Fraction(1, 10 ** 5)
 
 # An expression tree: a leaf int, or (op, left, right).
@@ -79,14 +80,20 @@ def solve(numbers: list[int], target: int, ops: str = ALL_OPS,
 
 @base.register_task
 class Countdown(base.Task):
-  """Knobs: how many numbers (num_numbers, or a min/max_numbers range), their range, max target, ops."""
+  """Knobs: how many numbers (num_numbers, or a min/max_numbers range), their range, max target, ops, and
+  trace_checks: warm-start solutions first check that many other candidates, one `expr = value` line each,
+  then state the answer's own line (longer responses: a sequence's log-weight sums many token log-ratios)."""
 
   name = "countdown"
 
   def __init__(self, min_numbers: int = 3, max_numbers: int = 4, min_number: int = 1,
                max_number: int = 99, max_target: int = 999, ops: str = ALL_OPS,
-               num_numbers: int | None = None, eval_fraction: float = 0.1):
+               num_numbers: int | None = None, eval_fraction: float = 0.1, trace_checks: int = 0):
     super().__init__(eval_fraction)
+    if isinstance(trace_checks, bool) or not isinstance(trace_checks, int) or not (
+        0 <= trace_checks <= MAX_TRACE_CHECKS):
+      raise ValueError(f"trace_checks must be an int in [0, {MAX_TRACE_CHECKS}], got {trace_checks!r}")
+    self.trace_checks = trace_checks
     if num_numbers is not None:
       min_numbers = max_numbers = num_numbers
     if not 2 <= min_numbers <= max_numbers <= 5:  # the exhaustive solver is slow beyond 5 numbers
@@ -158,17 +165,40 @@ class Countdown(base.Task):
 
   def reference_solution(self, example: base.Example, rng: base.RngLike | None = None) -> str:
     rng = None if rng is None else base.as_rng(rng)
-    return f"<answer>{render(self._solution(example, rng))}</answer>"
+    expr = self._solution(example, rng)
+    return self._trace(example, rng, expr, example["target"]) + f"<answer>{render(expr)}</answer>"
 
   def wrong_completion(self, example: base.Example, rng: np.random.Generator) -> str:
     expr = self._solution(example, rng)
+    wrong = _bump_leaf(expr, 0, 1)[0]  # off by one on a literal: the multiset is broken by construction
     for _ in range(100):
-      text = render(_mutate(expr, rng, example.get("ops", self.ops)))
-      completion = f"<answer>{text}</answer>"
-      if self.reward(example, completion) == 0.0:
-        return completion
-    # Off-by-one on a literal always breaks the multiset, so this is wrong by construction.
-    return f"<answer>{render(_bump_leaf(expr, 0, 1)[0])}</answer>"
+      candidate = _mutate(expr, rng, example.get("ops", self.ops))
+      if self.reward(example, f"<answer>{render(candidate)}</answer>") == 0.0:
+        wrong = candidate
+        break
+    # A wrong trace ends in a miscalculation: the wrong answer's line claims the target.
+    return self._trace(example, rng, wrong, example["target"]) + f"<answer>{render(wrong)}</answer>"
+
+  def _trace(self, example: base.Example, rng: np.random.Generator | None, last: Expr, claim: int) -> str:
+    """Up to `trace_checks` lines `expr = value` for distinct random other candidates over the same numbers
+    (exact values, none equal to the target), then `last = claim`; '' when trace_checks is 0."""
+    if not self.trace_checks:
+      return ""
+    rng = rng if rng is not None else np.random.default_rng(list(example["key"].encode()))
+    seen, lines = {render(last)}, []
+    for _ in range(20 * self.trace_checks):  # few distinct candidates exist for two numbers: stop trying
+      e = self._random_expression(list(example["numbers"]), rng)
+      v = None if e is None else value(e)
+      if v is not None and v != example["target"] and render(e) not in seen:
+        seen.add(render(e))
+        lines.append(f"{render(e)} = {_fraction_text(v)}")
+        if len(lines) == self.trace_checks:
+          break
+    return "".join(line + "\n" for line in lines + [f"{render(last)} = {claim}"])
+
+
+def _fraction_text(v: Fraction) -> str:
+  return str(v.numerator) if v.denominator == 1 else f"{v.numerator}/{v.denominator}"
 
 
 def _mutate(e: Expr, rng: np.random.Generator, ops: str) -> Expr:
