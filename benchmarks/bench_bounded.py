@@ -2,12 +2,13 @@
 
 Figures (issue 23), nothing allocated (jax.ShapeDtypeStruct inputs, `lower().compile().memory_analysis()`):
 - Qwen2.5-0.5B shape, B=8 x T=1024, remat=full: XLA temporaries per extra token (fit over B=8 and B=4) of the
-  bounded VCPO step over GRPO's; book-keeping's beside it.
+  bounded VCPO step over GRPO's; book-keeping's beside it. Beside it, per extra token of the live peak (XLA's
+  live-range dump) of the whole step (B=4, 8, 16) and of its loss-and-gradient part alone (no optimizer update).
 - Qwen2.5-7B shape, rows of T=8192, fsdp over 8 fake CPU devices, one group of 8 rows (one row per device, as
   the job's micro-batch of one group): per-device arguments + outputs + temporaries of each step.
 
   python -m benchmarks.bench_bounded --json /tmp/bounded.json            # as `make bench` runs it
-  python -m benchmarks.bench_bounded --part 7b                            # one part, table on stdout
+  python -m benchmarks.bench_bounded --part 7b                            # one part (05b, grad, 7b, compile)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from benchmarks import bench_compile, common  # noqa: E402
 TEMP_GOAL = "<= 1.3"      # bounded VCPO / GRPO temporaries per extra token, same remat (0.5B shape)
 DEVICE_GOAL = "<= 80"     # GB per device, bounded VCPO step, 7B shape, T=8192
 SHAPE_05B = (8, 1024)
+FLAT_MB = 1e-3            # MB per token below which a live peak counts as not growing with the tokens
 SHAPE_7B = dict(rows=8, t=8192, devices=8)
 
 
@@ -50,12 +52,29 @@ def steps(name: str) -> dict:
 atexit.register(shutil.rmtree, DUMP_DIR, ignore_errors=True)
 
 
-def _compile_with_live_peak(cfg, lc, opt, b: int, t: int) -> dict:
-  """bench_compile.compile_one's step, plus the peak of live bytes (arguments included) from XLA's live-range
-  dump. Why both: temp_size_in_bytes is the size of the packed temporaries allocation, which also moves with how
-  XLA's heap simulator happens to pack buffers of different phases; the live peak does not."""
+def grad_fn(cfg, lc):
+  """The step's loss and gradient along its path (learner.step._loss_and_grads), without the optimizer update:
+  its live peak is the gradient computation's own, never the update's parameter-sized phase."""
   import jax
-  fn = bench_compile.step_fn(cfg, lc, opt)
+  import jax.numpy as jnp
+  from vcpo_jax.learner import step as Lr
+
+  def fn(params, batch):
+    with jax.default_matmul_precision(cfg.matmul_precision):
+      valid_B = Lr._valid(batch)
+      mask_BxT = batch.mask_BxT.astype(jnp.float32) * valid_B[:, None].astype(jnp.float32)
+      loss, grads, _, _, sq_B, _ = Lr._loss_and_grads(params, batch, mask_BxT, valid_B, cfg, lc, None,
+                                                      lc.generation_budget)
+      return loss, grads, sq_B
+  return fn
+
+
+def _compile_with_live_peak(cfg, lc, opt, b: int, t: int, grad_only: bool = False) -> dict:
+  """bench_compile.compile_one's step (or grad_fn), plus the peak of live bytes (arguments included) from XLA's
+  live-range dump. Why both: temp_size_in_bytes is the size of the packed temporaries allocation, which also
+  moves with how XLA's heap simulator happens to pack buffers of different phases; the live peak does not."""
+  import jax
+  fn = grad_fn(cfg, lc) if grad_only else bench_compile.step_fn(cfg, lc, opt)
 
   def live_peak_step(state, batch):  # the module name the dump flag selects
     return fn(state, batch)
@@ -64,7 +83,8 @@ def _compile_with_live_peak(cfg, lc, opt, b: int, t: int) -> dict:
   os.makedirs(DUMP_DIR, exist_ok=True)
   state, batch = bench_compile.abstract_state(cfg, opt), bench_compile.abstract_batch(b, t, group=b)
   c0 = time.process_time()
-  compiled = jax.jit(live_peak_step, donate_argnums=0).lower(state, batch).compile()
+  jitted = jax.jit(live_peak_step) if grad_only else jax.jit(live_peak_step, donate_argnums=0)
+  compiled = jitted.lower(state.params if grad_only else state, batch).compile()
   out = {"cpu_s": round(time.process_time() - c0, 2), "memory": bench_compile.memory_bytes(compiled)}
   for path in glob.glob(os.path.join(DUMP_DIR, "*live_peak_step*live-range.txt")):
     with open(path) as f:
@@ -74,9 +94,20 @@ def _compile_with_live_peak(cfg, lc, opt, b: int, t: int) -> dict:
   return out
 
 
-def part_05b(remat: str = "full") -> list[dict]:
-  """Per-extra-token temporaries of each step at the 0.5B shape (bench_compile's fit over B and B/2), and the
-  same fits of the true live peak."""
+def _slopes(b: int, t: int, runs: dict) -> dict:
+  """MB per extra token of the temporaries and of the live peak, between B/2 and B and between B and 2B."""
+  temp = {n: r["memory"]["temp_size_in_bytes"] for n, r in runs.items()}
+  live = {n: r.get("live_peak_bytes") for n, r in runs.items()}
+  slope = lambda v, n2: (v[b] - v[n2]) / ((b - n2) * t) / 1e6 if v[b] and v[n2] else None
+  return {"temp_gb": {n: v / 1e9 for n, v in temp.items()},
+          "live_peak_gb": {n: v / 1e9 if v else None for n, v in live.items()},
+          "per_extra_token_mb": slope(temp, b // 2), "per_extra_token_mb_2b": slope(temp, 2 * b),
+          "live_per_extra_token_mb": slope(live, b // 2), "live_per_extra_token_mb_2b": slope(live, 2 * b)}
+
+
+def part_05b(remat: str = "full", grad_only: bool = False) -> list[dict]:
+  """Per-extra-token temporaries and live peak of each step at the 0.5B shape, from compiles at B/2, B and 2B
+  (grad_only: of the loss-and-gradient part alone, GRPO and bounded VCPO)."""
   from vcpo_jax.job import configuration
   name = "qwen2.5-0.5b"
   b, t = SHAPE_05B
@@ -84,22 +115,16 @@ def part_05b(remat: str = "full") -> list[dict]:
   opt = configuration.build_optimizer(common.job_config(name))
   rows = []
   for step, lc in steps(name).items():
+    if grad_only and step == "vcpo_book_keeping":
+      continue
     load = os.getloadavg()[0]
-    temp = {n: _compile_with_live_peak(cfg, lc, opt, n, t) for n in (b, b // 2, 2 * b)}
-    live = {n: r.get("live_peak_bytes") for n, r in temp.items()}
-    fit = lambda n2: bench_compile.temp_fit(b, t, temp[b]["memory"]["temp_size_in_bytes"], n2,
-                                            temp[n2]["memory"]["temp_size_in_bytes"])
-    live_slope = lambda n2: (live[b] - live[n2]) / ((b - n2) * t) / 1e6 if live[b] and live[n2] else None
-    row = {"step": step, "remat": remat, "B": b, "T": t, "cpu_s": temp[b]["cpu_s"],
-           "live_peak_gb": {n: v / 1e9 if v else None for n, v in live.items()},
-           "live_per_extra_token_mb": live_slope(b // 2), "live_per_extra_token_mb_2b": live_slope(2 * b),
-           "temp_gb": {n: r["memory"]["temp_size_in_bytes"] / 1e9 for n, r in temp.items()},
-           "per_extra_token_mb": fit(b // 2)["per_token_mb"], "fixed_gb": fit(b // 2)["fixed_gb"],
-           # Between B and 2B as well: at B/2..B GRPO's peak is its optimizer update (parameter-sized), so its
-           # slope there misses the backward's per-token buffers; from B to 2B the backward is the peak.
-           "per_extra_token_mb_2b": fit(2 * b)["per_token_mb"],
+    runs = {n: _compile_with_live_peak(cfg, lc, opt, n, t, grad_only) for n in (b, b // 2, 2 * b)}
+    # B/2..B is the goal's fit; B..2B as well because at B/2..B the whole step's peak is its optimizer update
+    # (parameter-sized, the same for every step), so that slope misses the backward's per-token buffers.
+    row = {"step": step, "remat": remat, "B": b, "T": t, "part": "grad" if grad_only else "step",
+           "cpu_s": runs[b]["cpu_s"], **_slopes(b, t, runs),
            "load_avg_1min": [round(load, 1), round(os.getloadavg()[0], 1)]}
-    print(f"[bounded 0.5b] {json.dumps(row)}", flush=True)
+    print(f"[bounded 0.5b{' grad' if grad_only else ''}] {json.dumps(row)}", flush=True)
     rows.append(row)
   return rows
 
@@ -175,6 +200,42 @@ def part_7b(rows: int = SHAPE_7B["rows"], micro: int = 0) -> list[dict]:
   return out
 
 
+# (row field, key suffix, what it is) of the per-extra-token ratios reported for each step over GRPO's.
+_SLOPES = (("per_extra_token_mb", "temp_per_token", "XLA temporaries per extra token, fit over B=8,4"),
+           ("per_extra_token_mb_2b", "temp_per_token_2b", "XLA temporaries per extra token, fit over B=16,8"),
+           ("live_per_extra_token_mb", "live_per_token", "live peak per extra token, B=4..8"),
+           ("live_per_extra_token_mb_2b", "live_per_token_2b", "live peak per extra token, B=8..16"))
+
+
+def _per_token_figures(rows: list[dict], prefix: str) -> list[dict]:
+  """Each step's per-extra-token slopes over GRPO's (prefix 'grad_': of the loss-and-gradient part alone)."""
+  by = {r["step"]: r for r in rows}
+  if not {"grpo", "vcpo_bounded"} <= set(by):
+    return []
+  g, out, b = by["grpo"], [], SHAPE_05B[0]
+  part = "loss and gradient only" if prefix else "whole step"
+  for step in ("vcpo_bounded", "vcpo_book_keeping"):
+    r = by.get(step)
+    if r is None:
+      continue
+    for field, key, what in _SLOPES:
+      goal = TEMP_GOAL if (step, field, prefix) == ("vcpo_bounded", "per_extra_token_mb", "") else None
+      # A flat GRPO peak (its optimizer update, the same at B=4 and 8) has no per-token slope to divide by.
+      ok = r[field] is not None and g[field] is not None and abs(g[field]) >= FLAT_MB
+      note = f"{r[field]:.4f} vs GRPO {g[field]:.4f} MB per extra token" if r[field] is not None else ""
+      out.append(common.figure(
+          f"{prefix}{key}_{step}_over_grpo", f"{step} / GRPO {what} (0.5B, T=1024, remat=full, {part})",
+          unit="x", value=r[field] / g[field] if ok else None, goal=goal, details={"rows": rows} if not out else {},
+          note=note + ("" if ok else " (GRPO's peak does not grow with the tokens here: no ratio)")))
+    gl, rl = g["live_peak_gb"][b], r["live_peak_gb"][b]
+    out.append(common.figure(
+        f"{prefix}live_peak_{step}_over_grpo", f"{step} / GRPO live peak (XLA live-range dump), B=8 x T=1024, {part}",
+        unit="x", value=rl / gl if gl and rl else None, details={},
+        note="arguments included; B=4 / 8 / 16: " + " / ".join(
+            f"{r['live_peak_gb'][n]:.3f} vs {g['live_peak_gb'][n]:.3f}" for n in (b // 2, b, 2 * b)) + " GB"))
+  return out
+
+
 def figures(rows_05b: list[dict], rows_7b: list[dict], rows_compile: list[dict] = ()) -> list[dict]:
   out = []
   for r in rows_compile:
@@ -182,29 +243,8 @@ def figures(rows_05b: list[dict], rows_7b: list[dict], rows_compile: list[dict] 
         f"compile_{r['step']}_cpu_seconds", f"{r['step']} step trace+compile CPU seconds (0.5B, 24 layers)",
         unit="s", value=r["cpu_s"], goal="<= 12" if r["step"].startswith("vcpo") else None, details=r,
         note=f"B=8 x T=1024, scan, remat={r['remat']}; wall: trace+lower {r['lower_s']} s + XLA {r['compile_s']} s"))
-  by = {r["step"]: r for r in rows_05b}
-  if {"grpo", "vcpo_bounded"} <= set(by):
-    g = by["grpo"]["per_extra_token_mb"]
-    for step, goal in (("vcpo_bounded", TEMP_GOAL), ("vcpo_book_keeping", None)):
-      r = by[step]
-      out.append(common.figure(
-          f"temp_per_token_{step}_over_grpo", f"{step} / GRPO XLA temporaries per extra token (0.5B, remat=full)",
-          unit="x", value=r["per_extra_token_mb"] / g if g else None, goal=goal, details={"rows": rows_05b},
-          note=f"B=8,4 x T=1024: {r['per_extra_token_mb']:.3f} vs GRPO {g:.3f} MB per extra token; "
-               f"compile {r['cpu_s']} CPU s"))
-      gl, rl = by["grpo"]["live_peak_gb"][SHAPE_05B[0]], r["live_peak_gb"][SHAPE_05B[0]]
-      if gl and rl:
-        out.append(common.figure(
-            f"live_peak_{step}_over_grpo", f"{step} / GRPO live peak (XLA live-range dump), 0.5B B=8 x T=1024",
-            unit="x", value=rl / gl, details={},
-            note=f"remat=full, arguments included: {rl:.3f} vs GRPO {gl:.3f} GB; per extra token (B=8,4) "
-                 f"{r['live_per_extra_token_mb']:.4f} vs {by['grpo']['live_per_extra_token_mb']:.4f} MB, "
-                 f"(B=16,8) {r['live_per_extra_token_mb_2b']:.3f} vs {by['grpo']['live_per_extra_token_mb_2b']:.3f} MB"))
-      g2 = by["grpo"]["per_extra_token_mb_2b"]
-      out.append(common.figure(
-          f"temp_per_token_2b_{step}_over_grpo", f"{step} / GRPO temporaries per extra token, fit over B=16,8",
-          unit="x", value=r["per_extra_token_mb_2b"] / g2 if g2 else None, details={},
-          note=f"T=1024, remat=full: {r['per_extra_token_mb_2b']:.3f} vs GRPO {g2:.3f} MB per extra token"))
+  out += _per_token_figures([r for r in rows_05b if r.get("part", "step") == "step"], "")
+  out += _per_token_figures([r for r in rows_05b if r.get("part") == "grad"], "grad_")
   for r in rows_7b:
     out.append(common.figure(
         f"device_memory_7b_{r['step']}",
@@ -220,13 +260,14 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="accepted for the suite; the figures are compile-only")
   parser.add_argument("--json", default=None)
-  parser.add_argument("--part", default="all", choices=("all", "05b", "7b", "compile"))
+  parser.add_argument("--part", default="all", choices=("all", "05b", "grad", "7b", "compile"))
   parser.add_argument("--rows-7b", type=int, default=SHAPE_7B["rows"], help="rows of the 7B step (8: one group)")
   parser.add_argument("--micro-7b", type=int, default=0, help="micro-batch rows of the 7B step (0: all at once)")
   args = parser.parse_args(argv)
   import jax
   jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would time nothing
   rows_05b = part_05b() if args.part in ("all", "05b") else []
+  rows_05b += part_05b(grad_only=True) if args.part in ("all", "05b", "grad") else []
   rows_7b = part_7b(args.rows_7b, args.micro_7b) if args.part in ("all", "7b") else []
   rows_compile = part_compile() if args.part in ("all", "compile") else []
   return common.emit_figures(figures(rows_05b, rows_7b, rows_compile), args.json)

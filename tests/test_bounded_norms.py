@@ -152,3 +152,25 @@ def test_bounded_keeps_no_per_layer_stack():
   stack = 4 * b * t * (cfg.hidden_size * 4 + cfg.intermediate_size * 3) * 4  # a/g of the MLP alone, bytes
   assert book - plain > stack
   assert bounded - plain < stack / 4, (plain, bounded, book)
+
+
+def test_all_zero_cotangent_gives_zero_gradient_without_a_backward():
+  """grad_of runs the ordinary backward inside a cond on a nonzero cotangent (bounded_norms: so that its
+  gradient buffers are not allocated during the norms backward); the skipped branch is exact: zeros, in the
+  parameters' structure and dtypes. A nonzero cotangent gives the plain backward's gradient."""
+  cfg, params, tokens, mask, key_mask = _setup(False)
+  d_BxT = jnp.linspace(-1.0, 1.0, B * T).reshape(B, T) * mask
+
+  def both(p):
+    _, _, grad_of = BN.sq_norms_and_vjp(p, cfg, tokens, mask, key_mask_BxT=key_mask)
+    want = jax.grad(lambda q: jnp.sum(d_BxT * M.token_logprobs(q, cfg, tokens, mask, key_mask_BxT=key_mask)))(p)
+    return grad_of(jnp.zeros((B, T), jnp.float32)), grad_of(d_BxT), want
+
+  with jax.default_matmul_precision(HIGHEST):
+    zero, got, want = jax.jit(both)(params)
+  assert jax.tree.structure(zero) == jax.tree.structure(params)
+  for z, p in zip(jax.tree.leaves(zero), jax.tree.leaves(params)):
+    assert z.dtype == p.dtype and z.shape == p.shape and not np.any(np.asarray(z))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(np.max(np.abs(w))) or 1.0
+    np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=1e-5)
