@@ -95,14 +95,18 @@ def _compile_with_live_peak(cfg, lc, opt, b: int, t: int, grad_only: bool = Fals
 
 
 def _slopes(b: int, t: int, runs: dict) -> dict:
-  """MB per extra token of the temporaries and of the live peak, between B/2 and B and between B and 2B."""
+  """MB per extra token of the temporaries and of the live peak between B/2 and B, B and 2B, 2B and 4B."""
   temp = {n: r["memory"]["temp_size_in_bytes"] for n, r in runs.items()}
   live = {n: r.get("live_peak_bytes") for n, r in runs.items()}
-  slope = lambda v, n2: (v[b] - v[n2]) / ((b - n2) * t) / 1e6 if v[b] and v[n2] else None
-  return {"temp_gb": {n: v / 1e9 for n, v in temp.items()},
-          "live_peak_gb": {n: v / 1e9 if v else None for n, v in live.items()},
-          "per_extra_token_mb": slope(temp, b // 2), "per_extra_token_mb_2b": slope(temp, 2 * b),
-          "live_per_extra_token_mb": slope(live, b // 2), "live_per_extra_token_mb_2b": slope(live, 2 * b)}
+
+  def slope(v, lo, hi):
+    return (v[hi] - v[lo]) / ((hi - lo) * t) / 1e6 if v.get(lo) and v.get(hi) else None
+  out = {"temp_gb": {n: v / 1e9 for n, v in temp.items()},
+         "live_peak_gb": {n: v / 1e9 if v else None for n, v in live.items()}}
+  for suffix, lo, hi in (("", b // 2, b), ("_2b", b, 2 * b), ("_4b", 2 * b, 4 * b)):
+    out[f"per_extra_token_mb{suffix}"] = slope(temp, lo, hi)
+    out[f"live_per_extra_token_mb{suffix}"] = slope(live, lo, hi)
+  return out
 
 
 def part_05b(remat: str = "full", grad_only: bool = False) -> list[dict]:
@@ -118,9 +122,11 @@ def part_05b(remat: str = "full", grad_only: bool = False) -> list[dict]:
     if grad_only and step == "vcpo_book_keeping":
       continue
     load = os.getloadavg()[0]
-    runs = {n: _compile_with_live_peak(cfg, lc, opt, n, t, grad_only) for n in (b, b // 2, 2 * b)}
-    # B/2..B is the goal's fit; B..2B as well because at B/2..B the whole step's peak is its optimizer update
-    # (parameter-sized, the same for every step), so that slope misses the backward's per-token buffers.
+    # B/2..B is the goal's fit. Up to B the whole step's peak is its optimizer update (parameter-sized, the
+    # same for every step), so that slope misses the backward's per-token buffers; from 2B to 4B both steps'
+    # peaks are in their backward, where per-token buffers dominate (book-keeping's is clear without 4B).
+    sizes = (b // 2, b, 2 * b) + ((4 * b,) if step != "vcpo_book_keeping" and not grad_only else ())
+    runs = {n: _compile_with_live_peak(cfg, lc, opt, n, t, grad_only) for n in sizes}
     row = {"step": step, "remat": remat, "B": b, "T": t, "part": "grad" if grad_only else "step",
            "cpu_s": runs[b]["cpu_s"], **_slopes(b, t, runs),
            "load_avg_1min": [round(load, 1), round(os.getloadavg()[0], 1)]}
@@ -204,7 +210,9 @@ def part_7b(rows: int = SHAPE_7B["rows"], micro: int = 0) -> list[dict]:
 _SLOPES = (("per_extra_token_mb", "temp_per_token", "XLA temporaries per extra token, fit over B=8,4"),
            ("per_extra_token_mb_2b", "temp_per_token_2b", "XLA temporaries per extra token, fit over B=16,8"),
            ("live_per_extra_token_mb", "live_per_token", "live peak per extra token, B=4..8"),
-           ("live_per_extra_token_mb_2b", "live_per_token_2b", "live peak per extra token, B=8..16"))
+           ("live_per_extra_token_mb_2b", "live_per_token_2b", "live peak per extra token, B=8..16"),
+           ("per_extra_token_mb_4b", "temp_per_token_4b", "XLA temporaries per extra token, fit over B=32,16"),
+           ("live_per_extra_token_mb_4b", "live_per_token_4b", "live peak per extra token, B=16..32"))
 
 
 def _per_token_figures(rows: list[dict], prefix: str) -> list[dict]:
@@ -219,20 +227,24 @@ def _per_token_figures(rows: list[dict], prefix: str) -> list[dict]:
     if r is None:
       continue
     for field, key, what in _SLOPES:
+      if r.get(field) is None:  # book-keeping is not compiled at 4B
+        continue
       goal = TEMP_GOAL if (step, field, prefix) == ("vcpo_bounded", "per_extra_token_mb", "") else None
       # A flat GRPO peak (its optimizer update, the same at B=4 and 8) has no per-token slope to divide by.
-      ok = r[field] is not None and g[field] is not None and abs(g[field]) >= FLAT_MB
-      note = f"{r[field]:.4f} vs GRPO {g[field]:.4f} MB per extra token" if r[field] is not None else ""
+      both = r.get(field) is not None and g.get(field) is not None
+      ok = both and abs(g[field]) >= FLAT_MB
+      note = f"{r[field]:.4f} vs GRPO {g[field]:.4f} MB per extra token" if both else ""
       out.append(common.figure(
           f"{prefix}{key}_{step}_over_grpo", f"{step} / GRPO {what} (0.5B, T=1024, remat=full, {part})",
           unit="x", value=r[field] / g[field] if ok else None, goal=goal, details={"rows": rows} if not out else {},
-          note=note + ("" if ok else " (GRPO's peak does not grow with the tokens here: no ratio)")))
+          note=note + ("" if ok or not both else " (GRPO's peak does not grow with the tokens here: no ratio)")))
     gl, rl = g["live_peak_gb"][b], r["live_peak_gb"][b]
+    fmt = lambda v: f"{v:.3f}" if v else "-"
+    peaks = " / ".join(f"{fmt(v)} vs {fmt(g['live_peak_gb'].get(n))}" for n, v in r["live_peak_gb"].items())
     out.append(common.figure(
         f"{prefix}live_peak_{step}_over_grpo", f"{step} / GRPO live peak (XLA live-range dump), B=8 x T=1024, {part}",
         unit="x", value=rl / gl if gl and rl else None, details={},
-        note="arguments included; B=4 / 8 / 16: " + " / ".join(
-            f"{r['live_peak_gb'][n]:.3f} vs {g['live_peak_gb'][n]:.3f}" for n in (b // 2, b, 2 * b)) + " GB"))
+        note=f"arguments included; B={' / '.join(str(n) for n in r['live_peak_gb'])}: {peaks} GB"))
   return out
 
 
