@@ -139,7 +139,8 @@ def write(root: str, out: str, estimate_sweep: Optional[str] = None, config: Opt
   with open(os.path.join(out, "pilot.json"), "w") as f:
     json.dump({"root": os.path.abspath(root), "source_commits": shas, "units": rows}, f, indent=1)
   md = ["# Calibration pilot (generated)", "",
-        f"`python -m experiments.pilot {root} --out <this directory>` from {len(rows)} units "
+        f"`python -m experiments.pilot {root} --out <this directory>"
+        f"{' --estimate=' + estimate_sweep if estimate_sweep else ''}` from {len(rows)} units "
         f"({sum(r['done'] for r in rows)} finished); source commit(s) in pilot.json. Definitions: "
         "experiments/pilot.py. Steady steps: every sample at lag k (all steps for sync). Endpoint: mean of the "
         "last 3 held-out greedy evaluations. Seq KL: -mean log w over the batch, KL(sampler || learner) per "

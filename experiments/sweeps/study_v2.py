@@ -1,7 +1,7 @@
 """The powered claims study (issue #24 item 3; docs/results/study/README.md pre-registers its rules).
 
-`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/study_v2.py:lr=0.0002,steps=150,long_steps=384`
-(defaults shown; the learning rate is the pilot's). Units in priority order (C2 > C3 > C4), seed-major inside
+`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/study_v2.py:lr=0.0004,steps=150,long_steps=384`
+(defaults shown; lr 4e-4 is the pilot's choice). Units in priority order (C2 > C3 > C4), seed-major inside
 each tier, so that a study cut short still has whole seeds of the most important arms:
   1. C2 and the preconditions, k = 8: sync (k = 0), no correction, seq-TIS, VCPO, seeds 0-3;
   2. the same minus no correction, seeds 4-5 (6 seeds for sync, seq-TIS and VCPO);
@@ -26,7 +26,7 @@ def _seed_major(units, seeds):
 
 
 def get_sweep(arg: str = "") -> list[dict]:
-  a = parse_arg(arg, lr=2e-4, steps=150, long_steps=384)
+  a = parse_arg(arg, lr=4e-4, steps=150, long_steps=384)
   if a["steps"] < 3 * C4_LAGS[0] or a["long_steps"] < 3 * C4_LAGS[1]:
     raise ValueError(f"C4 needs runs of >= 3k steps: steps >= {3 * C4_LAGS[0]}, long_steps >= {3 * C4_LAGS[1]}")
   table = lambda names, k: product(arms.arms(names, a["lr"], opob_is_weight="reference"),  # noqa: E731
