@@ -100,7 +100,7 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   def grad_of(dlogp_BxT):
     # Why a cond: the ordinary backward's stacked gradient buffers (zeros written layer by layer, ~ the size
     # of the layer parameters) depend on nothing, so XLA's scheduler may allocate them before the norms
-    # backward and keep them through it (measured: +2.0 GB of live peak at the 0.5B shape, B=16 x 1024).
+    # backward and keep them through it (measured: 2.0 GB of the live peak at the 0.5B shape, B=16 x 1024).
     # Inside a branch they exist only while it runs. The predicate is exact, not a guard: an all-zero
     # cotangent has an all-zero gradient, so that branch returns zeros without a backward.
     nonzero = jnp.any(dlogp_BxT != 0)
