@@ -43,7 +43,8 @@ JOBS = (
     # The 0.5B shape compiled on abstract inputs (nothing allocated); 24 unrolled layers compile in minutes.
     Job("compile", "benchmarks.bench_compile", "compiled step: compile seconds, temporaries per token", 540, 150),
     # Compile-only memory of bounded / book-keeping VCPO vs GRPO: 0.5B per-token slope, 7B per device (fsdp=8).
-    Job("bounded", "benchmarks.bench_bounded", "bounded VCPO memory vs GRPO and book-keeping", 600, 600),
+    # 483 s measured at load 7.5 (B=4..32 live-range compiles): the limit leaves room for a loaded machine.
+    Job("bounded", "benchmarks.bench_bounded", "bounded VCPO memory vs GRPO and book-keeping", 1200, 1200),
     Job("arith", "benchmarks.bench_arith", "ESS + OPOB arithmetic share of the VCPO step", 120, 120),
     Job("decode", "benchmarks.bench_decode", "decode tokens/s: ours / HF generate; vs the memory floor", 300, 180),
     Job("async", "benchmarks.bench_async", "async / sync RL steps per hour", 460, 300),
