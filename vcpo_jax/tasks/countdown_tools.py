@@ -58,13 +58,16 @@ class CountdownTools(countdown.Countdown):
     return call + self.calculator.respond(call).text
 
   def _miss(self, example: base.Example, expr: countdown.Expr, rng: np.random.Generator) -> countdown.Expr:
-    """A near miss whose value differs from the target (so checking it visibly fails)."""
+    """A wrong candidate with the problem's own numbers, each once, whose value misses the target: only the
+    calculator's reply shows it is wrong (a near miss by a swapped operator, else another random expression)."""
     ops = example.get("ops", self.ops)
     for _ in range(100):
-      wrong = countdown._mutate(expr, rng, ops)
-      if countdown.value(wrong) != example["target"]:
+      wrong = countdown._swap_op(expr, int(rng.integers(countdown._count_leaves(expr) - 1)), rng, ops)[0]
+      if rng.random() < 0.5:
+        wrong = self._random_expression(list(example["numbers"]), rng)
+      if wrong is not None and countdown.value(wrong) not in (None, example["target"]):
         return wrong
-    return countdown._bump_leaf(expr, 0, 1)[0]
+    return countdown._bump_leaf(expr, 0, 1)[0]  # every expression of these numbers hits the target
 
   def reference_solution(self, example: base.Example, rng: base.RngLike | None = None) -> str:
     rng = None if rng is None else base.as_rng(rng)
@@ -75,13 +78,7 @@ class CountdownTools(countdown.Countdown):
     return f"{first}{self._check(compact(expr))}<answer>{compact(expr)}</answer>"
 
   def wrong_completion(self, example: base.Example, rng: np.random.Generator) -> str:
-    # Half check the wrong candidate (and answer it anyway), half answer unchecked.
-    expr = self._solution(example, rng)
-    for _ in range(100):
-      wrong = compact(countdown._mutate(expr, rng, example.get("ops", self.ops)))
-      if self.reward(example, f"<answer>{wrong}</answer>") == 0.0:
-        break
-    else:
-      wrong = compact(countdown._bump_leaf(expr, 0, 1)[0])
-    check = self._check(wrong) if rng.random() < 0.5 else ""
-    return f"{check}<answer>{wrong}</answer>"
+    # A wrong candidate, checked, and answered although the calculator's reply misses the target: the warm
+    # start always calls the tool, and what it does with the reply (retry or answer) is left for RL to learn.
+    wrong = compact(self._miss(example, self._solution(example, rng), rng))
+    return f"{self._check(wrong)}<answer>{wrong}</answer>"

@@ -1,0 +1,178 @@
+"""Does RL improve tool use? Seeds of the countdown_tools job, then held-out accuracy and tool metrics over seeds.
+
+    python -m experiments.tools_learning --root=runs/tools --seeds=0,1,2 --out=docs/results/tools [-- --config.x=y]
+
+Runs `vcpo_jax.main --config=configs/countdown_tools.py` once per seed, one at a time (a finished seed, one
+whose workdir holds result.json, is not rerun), timing each whole job (warm start included). Then writes to
+--out: results.json (per seed: base and final held-out greedy/sampled accuracy, the gain, minutes, tool
+metrics at the start and end of the run; over seeds: mean and 95% Student-t interval of each), README.md
+(those numbers as tables, with the command) and curve.png (held-out accuracy, calls/episode, error rate and
+turns/episode per RL step, mean over seeds with the 95% band).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+
+import numpy as np
+
+from experiments import analysis, plots
+
+CONFIG = "configs/countdown_tools.py"
+ACCURACY = ("eval/greedy_accuracy", "eval/sampled_accuracy")
+# Rollout metrics reported at the run's start and end: short name -> the job's metric.
+TOOLS = {"calls_per_episode": "tools/calls_per_episode", "error_rate": "tools/error_rate",
+         "turns_per_episode": "tools/turns_per_episode", "rollout_reward": "reward/mean"}
+# The run's start and end for the per-step tool metrics: the mean over this many steps (one step is noisy).
+WINDOW = 10
+CURVES = (("eval/greedy_accuracy", "held-out greedy accuracy", False, (0.0, 1.0)),
+          ("eval/sampled_accuracy", "held-out sampled accuracy (T = 1)", False, (0.0, 1.0)),
+          ("tools/calls_per_episode", "calls / episode (rollouts)", False, (0.0, 8.0)),
+          ("tools/error_rate", "failed / answered calls", False, (0.0, 1.0)),
+          ("tools/turns_per_episode", "model turns / episode", False, (0.0, 8.0)))
+
+
+def command(workdir: str, seed: int, overrides: list[str]) -> list[str]:
+  return [sys.executable, "-m", "vcpo_jax.main", f"--config={CONFIG}", f"--workdir={workdir}",
+          f"--config.seed={seed}", *overrides]
+
+
+def run_seed(root: str, seed: int, overrides: list[str]) -> str:
+  """Runs (or resumes) one seed's job; its wall time goes to timing.json (minutes over every launch)."""
+  workdir = os.path.join(root, f"seed{seed}")
+  if os.path.exists(os.path.join(workdir, "result.json")):
+    return workdir
+  os.makedirs(workdir, exist_ok=True)
+  timing_path = os.path.join(workdir, "timing.json")
+  timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {"minutes": 0.0, "launches": 0}
+  t0 = time.time()
+  with open(os.path.join(workdir, "log.txt"), "a") as log:
+    subprocess.run(command(workdir, seed, overrides), stdout=log, stderr=subprocess.STDOUT, check=True,
+                   env=dict(os.environ, VCPO_PROGRESS="0"))
+  timing = {"minutes": timing["minutes"] + (time.time() - t0) / 60, "launches": timing["launches"] + 1}
+  with open(timing_path, "w") as f:
+    json.dump(timing, f)
+  return workdir
+
+
+def load_run(workdir: str) -> types.SimpleNamespace:
+  """series: metric -> {step: value}, the base model's accuracy at step 0; plus the result and minutes."""
+  with open(os.path.join(workdir, "result.json")) as f:
+    result = json.load(f)
+  series: dict = {k: {0: float(result["base"][k])} for k in ACCURACY}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      row = json.loads(line)
+      for k, v in row.items():
+        if k.startswith(("eval/", "tools/", "reward/")) and isinstance(v, (int, float)):
+          series.setdefault(k, {})[int(row["step"])] = float(v)
+  timing_path = os.path.join(workdir, "timing.json")
+  minutes = json.load(open(timing_path))["minutes"] if os.path.exists(timing_path) else math.nan
+  return types.SimpleNamespace(series=series, result=result, minutes=minutes)
+
+
+def window_mean(values: dict, first: bool) -> float:
+  steps = sorted(values)
+  steps = steps[:WINDOW] if first else steps[-WINDOW:]
+  return float(np.mean([values[s] for s in steps])) if steps else math.nan
+
+
+def summarize(runs: dict[int, types.SimpleNamespace]) -> dict:
+  per_seed = {}
+  for seed, run in runs.items():
+    row = {"minutes": run.minutes, "rl_steps": int(run.result["steps"])}
+    for k in ACCURACY:
+      name = k.split("/")[1]
+      base, final = float(run.result["base"][k]), float(run.result["final"][k])
+      row.update({f"base_{name}": base, f"final_{name}": final, f"gain_{name}": final - base})
+    for name, k in TOOLS.items():
+      row[f"start_{name}"] = window_mean(run.series.get(k, {}), first=True)
+      row[f"end_{name}"] = window_mean(run.series.get(k, {}), first=False)
+    per_seed[str(seed)] = row
+  keys = next(iter(per_seed.values())).keys()
+  over = {}
+  for k in keys:
+    mean, low, high = analysis.interval([r[k] for r in per_seed.values()])
+    over[k] = {"mean": mean, "ci95": [low, high]}
+  return {"seeds": per_seed, "over_seeds": over}
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}"
+
+
+def readme(summary: dict, cmd: str, eval_size: int) -> str:
+  seeds, over = summary["seeds"], summary["over_seeds"]
+  lines = ["# Tool use: does RL improve it?", "",
+           f"Generated by `experiments/tools_learning.py` from the runs of:", "", "```", cmd, "```", "",
+           f"Held-out accuracy on {eval_size} problems (percent), base = the warm start, final = after RL:", "",
+           "| seed | base greedy | final greedy | gain | base sampled | final sampled | gain | minutes |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for seed, r in seeds.items():
+    lines.append(f"| {seed} | {_pct(r['base_greedy_accuracy'])} | {_pct(r['final_greedy_accuracy'])} | "
+                 f"{100 * r['gain_greedy_accuracy']:+.1f} | {_pct(r['base_sampled_accuracy'])} | "
+                 f"{_pct(r['final_sampled_accuracy'])} | {100 * r['gain_sampled_accuracy']:+.1f} | "
+                 f"{r['minutes']:.1f} |")
+
+  def ci(k, scale=100.0, fmt="{:.1f}"):
+    m, (lo, hi) = over[k]["mean"], over[k]["ci95"]
+    return f"{fmt.format(scale * m)} [{fmt.format(scale * lo)}, {fmt.format(scale * hi)}]"
+
+  lines += ["", "Mean over seeds [95% Student-t interval]:", "",
+            "| | greedy | sampled |", "| --- | --- | --- |",
+            f"| base | {ci('base_greedy_accuracy')} | {ci('base_sampled_accuracy')} |",
+            f"| final | {ci('final_greedy_accuracy')} | {ci('final_sampled_accuracy')} |",
+            f"| gain (points) | {ci('gain_greedy_accuracy')} | {ci('gain_sampled_accuracy')} |", "",
+            f"Rollout episodes (the job's `tools/*` and `reward/mean` metrics), mean of the first and the last "
+            f"{WINDOW} RL steps:", "",
+            "| | first steps | last steps |", "| --- | --- | --- |"]
+  for name, k in TOOLS.items():
+    lines.append(f"| `{k}` | {ci('start_' + name, 1.0, '{:.3f}')} | {ci('end_' + name, 1.0, '{:.3f}')} |")
+  lines += ["", f"Minutes per run (whole job, warm start included): {ci('minutes', 1.0)}.", "",
+            "![learning curve](curve.png)", ""]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+  argv = argv[:argv.index("--")] if "--" in argv else argv
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--root", default="runs/tools")
+  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--out", default="docs/results/tools")
+  parser.add_argument("--report_only", action="store_true", help="skip running; summarize what exists")
+  args = parser.parse_args(argv)
+  seeds = [int(s) for s in args.seeds.split(",")]
+  runs = {}
+  for seed in seeds:
+    workdir = os.path.join(args.root, f"seed{seed}")
+    if not args.report_only:
+      print(f"seed {seed}: {' '.join(command(workdir, seed, overrides))}", flush=True)
+      run_seed(args.root, seed, overrides)
+    runs[seed] = load_run(workdir)
+  summary = summarize(runs)
+  with open(os.path.join(args.root, f"seed{seeds[0]}", "config.json")) as f:
+    eval_size = int(json.load(f)["task"]["eval_size"])
+  summary["eval_size"] = eval_size
+  cmd = " ".join(["python -m experiments.tools_learning", f"--root={args.root}", f"--seeds={args.seeds}",
+                  f"--out={args.out}"] + (["--", *overrides] if overrides else []))
+  summary["command"] = cmd
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  with open(os.path.join(args.out, "README.md"), "w") as f:
+    f.write(readme(summary, cmd, eval_size))
+  plots.curves_figure({"async VCPO, k = 2": list(runs.values())}, CURVES,
+                      f"countdown_tools: {len(runs)} seeds, 95% bands", os.path.join(args.out, "curve.png"))
+  print(json.dumps(summary["over_seeds"], indent=1))
+
+
+if __name__ == "__main__":
+  main()
