@@ -45,3 +45,10 @@ def test_pilot_units_per_learning_rate():
   got = [(u.labels["arm"], u.config["rl"]["max_lag"], u.config["optim"]["learning_rate"]) for u in units]
   assert got == [("sync", 0, 1e-4), ("no_correction", 8, 1e-4), ("seq_tis", 8, 1e-4),
                  ("sync", 0, 2e-4), ("no_correction", 8, 2e-4), ("seq_tis", 8, 2e-4)]
+
+
+def test_study_v2_without_the_k128_tier():
+  units = _units("study_v2.py:c4_lags=32,lr=0.0001")
+  assert {u.labels["arm"] for u in units if u.config["rl"]["max_lag"] in (32, 128)} == {"vcpo", "seq_tis"}
+  assert not any(u.labels["arm"] == "sync_long" or u.config["rl"]["max_lag"] == 128 for u in units)
+  assert len(units) == 40 and all(u.config["optim"]["learning_rate"] == 1e-4 for u in units)

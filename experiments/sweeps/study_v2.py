@@ -1,7 +1,7 @@
 """The powered claims study (issue #24 item 3; docs/results/study/README.md pre-registers its rules).
 
-`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/study_v2.py:lr=0.0004,steps=150,long_steps=384`
-(defaults shown; lr 4e-4 is the pilot's choice). Units in priority order (C2 > C3 > C4), seed-major inside
+`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/study_v2.py:lr=0.0004,steps=150,long_steps=384,c4_lags=32+128`
+(defaults shown; lr 4e-4 is the pilot's choice; c4_lags=32 drops the k = 128 tier, the last and costliest). Units in priority order (C2 > C3 > C4), seed-major inside
 each tier, so that a study cut short still has whole seeds of the most important arms:
   1. C2 and the preconditions, k = 8: sync (k = 0), no correction, seq-TIS, VCPO, seeds 0-3;
   2. the same minus no correction, seeds 4-5 (6 seeds for sync, seq-TIS and VCPO);
@@ -26,9 +26,11 @@ def _seed_major(units, seeds):
 
 
 def get_sweep(arg: str = "") -> list[dict]:
-  a = parse_arg(arg, lr=4e-4, steps=150, long_steps=384)
-  if a["steps"] < 3 * C4_LAGS[0] or a["long_steps"] < 3 * C4_LAGS[1]:
-    raise ValueError(f"C4 needs runs of >= 3k steps: steps >= {3 * C4_LAGS[0]}, long_steps >= {3 * C4_LAGS[1]}")
+  a = parse_arg(arg, lr=4e-4, steps=150, long_steps=384, c4_lags=list(C4_LAGS))
+  short_lags = [k for k in a["c4_lags"] if 3 * k <= a["steps"]]   # C4 runs as long as the k = 8 ones
+  long_lags = [k for k in a["c4_lags"] if 3 * k > a["steps"]]     # C4 runs of long_steps, with sync_long
+  if any(3 * k > a["long_steps"] for k in long_lags):
+    raise ValueError(f"C4 needs runs of >= 3k steps: long_steps={a['long_steps']} < 3 x {max(long_lags)}")
   table = lambda names, k: product(arms.arms(names, a["lr"], opob_is_weight="reference"),  # noqa: E731
                                    fixed({"rl.max_lag": k}))
   sync = product(arms.arms(["sync"], a["lr"]), fixed({"rl.max_lag": 0}))
@@ -38,9 +40,11 @@ def get_sweep(arg: str = "") -> list[dict]:
       _seed_major(chain(sync, table(["seq_tis", "vcpo"], K)), range(4, 6)),
       _seed_major(table(["ess_only", "opob_only"], K), range(4)),
       _seed_major(table(["vcpo_truncated"], K), range(4)),
-      _seed_major(table(["vcpo", "seq_tis"], C4_LAGS[0]), range(3)),
+      *(_seed_major(table(["vcpo", "seq_tis"], k), range(3)) for k in short_lags),
   ]
-  sync_long = product(arm("sync_long", arms.overrides(a["lr"])["sync"]), fixed({"rl.max_lag": 0}))
-  long_tier = _seed_major(chain(sync_long, table(["vcpo", "seq_tis"], C4_LAGS[1])), range(3))
-  return chain(product(chain(*tiers), steps, fixed(EVAL)),
-               product(long_tier, fixed({"rl.steps": a["long_steps"]}), fixed(EVAL)))
+  units = product(chain(*tiers), steps, fixed(EVAL))
+  if long_lags:
+    sync_long = product(arm("sync_long", arms.overrides(a["lr"])["sync"]), fixed({"rl.max_lag": 0}))
+    long_tier = _seed_major(chain(sync_long, *(table(["vcpo", "seq_tis"], k) for k in long_lags)), range(3))
+    units = chain(units, product(long_tier, fixed({"rl.steps": a["long_steps"]}), fixed(EVAL)))
+  return units
