@@ -131,7 +131,10 @@ def estimate(rows: list[dict], sweep_spec: str, config: str) -> dict:
           "warm_start_seconds": warm_start, "parallel": PARALLEL, "opob_cost": OPOB_COST, "machine_hours": hours}
 
 
-def write(root: str, out: str, estimate_sweep: Optional[str] = None, config: Optional[str] = None) -> str:
+DEFAULT_CONFIG = "experiments/configs/pilot.py"
+
+
+def write(root: str, out: str, estimate_sweep: Optional[list] = None, config: str = DEFAULT_CONFIG) -> str:
   runs = report.load_runs(root)
   rows = [unit_row(r, root) for r in runs]
   os.makedirs(out, exist_ok=True)
@@ -140,14 +143,17 @@ def write(root: str, out: str, estimate_sweep: Optional[str] = None, config: Opt
     json.dump({"root": os.path.abspath(root), "source_commits": shas, "units": rows}, f, indent=1)
   md = ["# Calibration pilot (generated)", "",
         f"`python -m experiments.pilot {root} --out <this directory>"
-        f"{' --estimate=' + estimate_sweep if estimate_sweep else ''}` from {len(rows)} units "
+        f"{''.join(' --estimate=' + e for e in estimate_sweep or [])}"
+        f"{' --config=' + config if estimate_sweep and config != DEFAULT_CONFIG else ''}` from {len(rows)} units "
         f"({sum(r['done'] for r in rows)} finished); source commit(s) in pilot.json. Definitions: "
         "experiments/pilot.py. Steady steps: every sample at lag k (all steps for sync). Endpoint: mean of the "
         "last 3 held-out greedy evaluations. Seq KL: -mean log w over the batch, KL(sampler || learner) per "
         "sequence, in nats.", "", *table(rows), ""]
   if estimate_sweep:
-    est = estimate(rows, estimate_sweep, config)
-    md += ["## The study's machine time, estimated from these units", "",
+    md += ["## The study's machine time, estimated from these units", ""]
+  for est_sweep in estimate_sweep or []:
+    est = estimate(rows, est_sweep, config)
+    md += [
            f"`{est.get('sweep')}`: {est.get('units')} units, ~{_f(est.get('machine_hours'), '{:.1f}')} h of this "
            f"machine alone ({PARALLEL} units at once; {_f(est.get('seconds_per_step'), '{:.2f}')} s per step as "
            f"measured here, x{OPOB_COST:g} for OPOB arms; {_f(est.get('seconds_per_eval'), '{:.0f}')} s per "
@@ -155,7 +161,7 @@ def write(root: str, out: str, estimate_sweep: Optional[str] = None, config: Opt
            "The pilot ran niced on a shared machine, so this is an upper estimate.", ""]
     with open(os.path.join(out, "pilot.json")) as f:
       data = json.load(f)
-    data["study_estimate"] = est
+    data.setdefault("study_estimates", []).append(est)
     with open(os.path.join(out, "pilot.json"), "w") as f:
       json.dump(data, f, indent=1)
   text = "\n".join(md)
@@ -168,8 +174,9 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("root")
   parser.add_argument("--out", help="output directory (default: ROOT)")
-  parser.add_argument("--estimate", help="a sweep file[:arg] whose machine time to estimate from the pilot")
-  parser.add_argument("--config", default="experiments/configs/pilot.py", help="the estimated sweep's config")
+  parser.add_argument("--estimate", action="append", help="a sweep file[:arg] whose machine time to estimate "
+                      "from the pilot (repeatable)")
+  parser.add_argument("--config", default=DEFAULT_CONFIG, help="the estimated sweeps' config")
   args = parser.parse_args(argv)
   print(write(args.root, args.out or args.root, args.estimate, args.config))
 
