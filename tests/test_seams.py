@@ -43,6 +43,22 @@ def test_a_task_and_its_options_are_chosen_on_the_command_line():
 
 
 @pytest.mark.integration
+def test_a_task_option_typed_int_or_none_is_set_on_the_command_line():
+  """`num_numbers: int | None` (a PEP 604 union): the flag parses as an int (it failed in config_flags)."""
+  out = _task_section(["--config=configs/countdown.py", "--config.task.options.countdown.num_numbers=3",
+                       "--config.task.options.countdown.trace_checks=2"])
+  assert out["options"]["countdown"]["num_numbers"] == 3 and out["options"]["countdown"]["trace_checks"] == 2
+
+
+def test_optional_option_fields_take_their_inner_type():
+  from typing import Optional
+  assert configuration._field_type(int | None) is int and configuration._field_type(Optional[float]) is float
+  assert configuration._field_type(str) is str and configuration._field_type(int | str) == int | str
+  ref = configuration.options_config(tasks.TASKS).countdown.get_ref("num_numbers")
+  assert ref.get() is None and ref._field_type is int
+
+
+@pytest.mark.integration
 def test_an_unknown_task_option_fails_naming_the_flag():
   with pytest.raises(ValueError, match="max_digitz"):
     _task_section(["--config=configs/countdown.py", "--config.task.options.arithmetic.max_digitz=2"])

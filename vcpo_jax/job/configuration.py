@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from typing import Any
 
@@ -28,9 +29,11 @@ def _fail(field: str, value: Any, why: str):
 
 # ------------------------------------------------------------------------------------- option sub-dicts
 def _field_type(hint):
-  """The flag type of an options field: Optional[X] -> X (so `None` defaults still parse from the CLI)."""
+  """The flag type of an options field: Optional[X] or X | None -> X (so `None` defaults still parse from the
+  CLI)."""
   args = [a for a in typing.get_args(hint) if a is not type(None)]
-  return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+  union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+  return args[0] if union and len(args) == 1 else hint
 
 
 def options_config(registry) -> ml_collections.ConfigDict:
