@@ -56,6 +56,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # --config.task.name=arithmetic --config.task.options.arithmetic.max_digits=2.
       options=configuration.options_config(tasks.TASKS),
       eval_size=128,           # held-out prompts per evaluation (229 distinct exist at these options)
+      eval_samples=1,          # temperature-1 draws per prompt behind eval/sampled_accuracy (greedy: one)
   ))
   # CPU-sized Countdown: two numbers in [1, 25]. The paper's 3-4 numbers in [1, 99] (min_numbers=3,
   # max_numbers=4, max_number=99) need a pretrained model: a 3-layer model warm-started here for minutes

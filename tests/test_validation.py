@@ -29,7 +29,7 @@ BAD = [
     ("eval_every", -1), ("eval_every", 2.5), ("eval_every", "5"), ("eval_every", True), ("eval_every", None),
     ("checkpoint_every", -1), ("checkpoint_every", "10"),
     ("log_every", -3), ("log_every", 1.0),
-    ("task.eval_size", 0), ("task.eval_size", -8),
+    ("task.eval_size", 0), ("task.eval_size", -8), ("task.eval_samples", 0), ("task.eval_samples", 2.0),
     ("sft.steps", -1), ("sft.steps", 2.0),
     ("sft.batch_size", 0),
     ("sft.learning_rate", -1e-3), ("sft.learning_rate", "1e-3"),
@@ -92,6 +92,7 @@ def test_due_zero_means_only_the_last_step():
 def _fake_run(tmp_path, *, leader, steps, eval_every, checkpoint_every, log_every, calls):
   """An RLRun stand-in with just what after_step reads; every action is recorded in `calls`."""
   config = ml_collections.ConfigDict(dict(rl=dict(steps=steps, max_new_tokens=4), seed=0, eval_every=eval_every,
+                                          task=dict(eval_samples=1),
                                           checkpoint_every=checkpoint_every, log_every=log_every))
   record = lambda kind: (lambda *a, **k: calls.append((kind, run.step)) or True)
   run = types.SimpleNamespace(

@@ -147,6 +147,7 @@ _SCALAR_FIELDS = {
     "checkpoint_every": (_int_at_least(0), "must be an int >= 0 (0: only after the last step)"),
     "log_every": (_int_at_least(0), "must be an int >= 0 (0: only after the last step)"),
     "task.eval_size": (_int_at_least(1), "must be an int >= 1"),
+    "task.eval_samples": (_int_at_least(1), "must be an int >= 1"),
     "sft.steps": (_int_at_least(0), "must be an int >= 0"),
     "sft.batch_size": (_int_at_least(1), "must be an int >= 1"),
     "sft.learning_rate": (_number(lambda v: v >= 0), "must be a number >= 0"),

@@ -10,7 +10,6 @@ from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import episodes
 
 
-
 def make_score_fn(task, tok) -> Callable[[dict, list[int]], tuple[float, str]]:
   """(example, output_ids) -> (reward, decoded response): what rollout backends apply to each sample."""
   def score(example: dict, output_ids) -> tuple[float, str]:
@@ -19,19 +18,24 @@ def make_score_fn(task, tok) -> Callable[[dict, list[int]], tuple[float, str]]:
   return score
 
 
-def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, seed: int) -> dict[str, float]:
-  """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process."""
-  prompts = [tok.encode(e["prompt"]) for e in examples]
+def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, seed: int,
+             samples: int = 1) -> dict[str, float]:
+  """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process; the sampled one
+  averages `samples` draws per problem (one standard error shrinks with the draws, not only the problems)."""
+  if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    raise ValueError(f"task.eval_samples must be an int >= 1, got {samples!r}")
   score = make_score_fn(task, tok)
   runner = episodes.runner_for(task, tok, max_new_tokens=max_new_tokens)  # tool tasks: multi-turn episodes
   out = {}
-  for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+  for name, temperature, draws in (("greedy", 0.0, 1), ("sampled", 1.0, samples)):
+    batch = [e for e in examples for _ in range(draws)]  # a problem's draws side by side
+    prompts = [tok.encode(e["prompt"]) for e in batch]
     if runner is None:
       results = sampling.generate(params, model_cfg, prompts, max_new_tokens=max_new_tokens,
                                   temperature=temperature, stop_token_ids=tok.stop_ids, rng=seed)
     else:
       seeds = np.random.default_rng([seed, 0xE7A1]).integers(2**31 - 1, size=len(prompts)).tolist()
       results = runner.run_local(params, model_cfg, prompts, seeds, temperature=temperature)
-    rewards = [score(e, r.output_ids)[0] for e, r in zip(examples, results)]
+    rewards = [score(e, r.output_ids)[0] for e, r in zip(batch, results)]
     out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
   return out

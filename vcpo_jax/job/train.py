@@ -66,7 +66,7 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
       logging.info("sft step %d/%d loss %.4f", step + 1, config.sft.steps, float(sft_metrics["loss"]))
   params = jax.device_get(state.params)
   info = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
-                  seed=config.seed)
+                  seed=config.seed, samples=config.task.get("eval_samples", 1))
   info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
                "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
   # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
@@ -190,7 +190,8 @@ class RLRun:
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
     if eval_now:
       self.last_eval = evaluate(self.host_params("eval"), self.model_cfg, self.tok, self.task,
-                                self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed)
+                                self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed,
+                                samples=self.config.task.get("eval_samples", 1))
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
     if due(self.step, self.config.log_every, rl.steps) or eval_now:
@@ -284,7 +285,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
     params = run.host_params("final")
     final = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
-                     seed=config.seed) if leader else {}
+                     seed=config.seed, samples=config.task.get("eval_samples", 1)) if leader else {}
   result = {"base": {k: base_info[k] for k in base_info if k.startswith("eval/")}, "final": final,
             "steps": run.step}
   if leader:
