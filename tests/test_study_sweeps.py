@@ -19,7 +19,7 @@ def test_study_v2_arms_seeds_lags_and_steps():
   for u in units:
     c = u.config
     seeds[(u.labels["arm"], c["rl"]["max_lag"], c["rl"]["steps"])].add(c["seed"])
-    assert c["task"]["eval_size"] >= 512 and c["eval_every"] == 25
+    assert c["task"]["eval_size"] >= 512 and c["task"]["eval_samples"] >= 4 and c["eval_every"] == 25
     assert c["rl"]["mode"] == "emulate" and c["rl"]["emulation"]["lag_model"] == "pipeline"
     assert c["rl"]["steps"] >= 3 * c["rl"]["max_lag"]
     if c["algo"]["advantage"] == "opob":

@@ -18,7 +18,7 @@ from experiments.sweeps import arms
 
 K = 8
 C4_LAGS = (32, 128)
-EVAL = {"task.eval_size": 512, "eval_every": 25, "checkpoint_every": 25}
+EVAL = {"task.eval_size": 512, "task.eval_samples": 4, "eval_every": 25, "checkpoint_every": 25}
 
 
 def _seed_major(units, seeds):
