@@ -21,8 +21,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.task.options.countdown_tools.update(
       num_numbers=2, max_number=25, max_target=999, ops="+-*/", eval_fraction=0.3,
       max_turns=3, max_result_chars=24, correction_rate=0.2)
-  # A prompt (with the tools' system turn) is <= 92 tokens; a warm-start trace (a failed check, its
-  # correction, the answer) <= 84 + the stop token (tests/test_tools.py checks both over many draws).
+  # A prompt (with the tools' system turn) is <= 93 tokens; a warm-start trace (a failed check, its
+  # correction, the answer) <= 81 + the stop token (tests/test_tools.py checks both over many draws).
   c.model.max_seq_len = 192
   # The episode's whole response, generated and tool tokens together (prompt + response <= max_seq_len - 2).
   c.rl.max_new_tokens = 92
