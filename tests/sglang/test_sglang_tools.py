@@ -45,15 +45,16 @@ def tools_server(tmp_path_factory):
 
 
 class MarkerEnv:
-  """Calls marked by a character the served model is known to write (so every episode calls, whatever the
-  model learnt); replies are the real calculator's, rendered as the template's tool turn."""
+  """Calls marked by pieces the served model writes in every turn (the warm start's turns start with a call or
+  an answer), so every episode calls whatever it writes after them; replies are the real calculator's, rendered
+  as the template's tool turn."""
 
-  def __init__(self, marker):
-    self.stop_strings, self.max_turns = (marker,), 3
+  def __init__(self, markers=("<tool_call>", "<answer>")):
+    self.stop_strings, self.max_turns = tuple(markers), 3
 
   def respond(self, turn_text):
     calc = calculator.Calculator()
-    return calc.respond(calc.call("6*7")) if self.stop_strings[0] in turn_text else None
+    return calc.respond(calc.call("6*7")) if any(m in turn_text for m in self.stop_strings) else None
 
 
 def test_episode_turns_on_a_real_server(tools_server):
@@ -71,10 +72,7 @@ def test_episode_turns_on_a_real_server(tools_server):
   async def run():
     async with client_lib.RolloutClient([server.url], vocab_size=cfg.vocab_size,
                                         context_length=cfg.max_seq_len) as client:
-      (plain,) = await client.generate(prompt, dict(sp, max_new_tokens=60), n=1)
-      text = completion_text(tok, plain.output_ids)
-      marker = next(ch for ch in text[10:] if ch.isalnum())
-      runner = episodes.EpisodeRunner(MarkerEnv(marker), encode=tok.encode,
+      runner = episodes.EpisodeRunner(MarkerEnv(), encode=tok.encode,
                                       decode=lambda ids: completion_text(tok, ids), stop_ids=(),
                                       max_new_tokens=100, context_length=cfg.max_seq_len)
       return await runner.generate(client.generate, prompt, sp, n=4)
