@@ -65,8 +65,7 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
     if step % 50 == 0 or step == config.sft.steps - 1:
       logging.info("sft step %d/%d loss %.4f", step + 1, config.sft.steps, float(sft_metrics["loss"]))
   params = jax.device_get(state.params)
-  info = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
-                  seed=config.seed, samples=config.task.get("eval_samples", 1))
+  info = _evaluate(config, params, model_cfg, tok, task, eval_examples)
   info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
                "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
   # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
@@ -189,9 +188,8 @@ class RLRun:
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
     if eval_now:
-      self.last_eval = evaluate(self.host_params("eval"), self.model_cfg, self.tok, self.task,
-                                self.eval_examples, max_new_tokens=rl.max_new_tokens, seed=self.config.seed,
-                                samples=self.config.task.get("eval_samples", 1))
+      self.last_eval = _evaluate(self.config, self.host_params("eval"), self.model_cfg, self.tok, self.task,
+                                 self.eval_examples)
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
     if due(self.step, self.config.log_every, rl.steps) or eval_now:
@@ -244,6 +242,12 @@ def run_rl_loop(run: RLRun) -> None:
     raise SystemExit(f"error: weight update refused after step {run.step}: {reason}") from None
 
 
+def _evaluate(config, params, model_cfg, tok, task, eval_examples) -> dict:
+  """Held-out accuracy as every evaluation of the job measures it (budget, seed, draws per problem)."""
+  return evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
+                  seed=config.seed, samples=config.task.get("eval_samples", 1))
+
+
 def _distributed_timeout(config) -> float:
   d = config.get("distributed")
   return float(d.timeout_s) if d is not None else 1800.0
@@ -284,8 +288,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   final = run.last_eval
   if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
     params = run.host_params("final")
-    final = evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
-                     seed=config.seed, samples=config.task.get("eval_samples", 1)) if leader else {}
+    final = _evaluate(config, params, model_cfg, tok, task, eval_examples) if leader else {}
   result = {"base": {k: base_info[k] for k in base_info if k.startswith("eval/")}, "final": final,
             "steps": run.step}
   if leader:

@@ -33,13 +33,13 @@ async def next_batch(backend: RolloutBackend, version: int, layout: BatchLayout)
   several, global arrays sharded like the step expects, each process fed its own rows (the leader's backend
   yields the groups, a follower's none: it waits for its rows from the leader)."""
   groups = await backend.next_groups(version)
-  if not processes.multi_process():
-    return groups, groups_to_batch(groups, seq_len=layout.seq_len, pad_id=layout.pad_id,
-                                   num_rows=layout.num_rows, vocab_size=layout.vocab_size)
   rows = None
-  if processes.is_leader():
+  if processes.is_leader():  # with one process, the leader
     rows = groups_to_batch(groups, seq_len=layout.seq_len, pad_id=layout.pad_id, num_rows=layout.num_rows,
                            vocab_size=layout.vocab_size)
+  if not processes.multi_process():
+    return groups, rows
+  if rows is not None:
     # The step's own check cannot read rows held by other processes: the leader checks the host rows.
     check_chunks(rows, layout.micro_batch_size, layout.mesh.shape["data"] * layout.mesh.shape["fsdp"])
   # In a worker thread: an asynchronous backend keeps generating while the processes exchange rows.
