@@ -145,6 +145,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # sharing a GPU never preallocates, so learner and servers fit side by side).
       learner_memory_fraction=0.0,
       server_memory_fraction=0.0,
+      # CPUs every embedded server is confined to, as taskset writes them ("1", "8-15"); "" = the job's own.
+      # With the job pinned elsewhere (experiments.run_unit --cpu) learner and servers stop sharing cores.
+      server_cpus="",
   ))
 
   c.eval_every = 20

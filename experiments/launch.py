@@ -158,6 +158,9 @@ def parse_args(argv, description: str):
   parser.add_argument("--no_share_warm_start", action="store_true",
                       help="every unit computes its own warm start (by default units with identical warm-start "
                            "inputs copy the first one's)")
+  parser.add_argument("--warm_starts_from", action="append", default=[], metavar="ROOT",
+                      help="another sweep's root whose cached warm starts units with the same warm-start inputs "
+                           "copy (repeatable)")
   args, extra = parser.parse_known_args(argv)
   extra = [e for e in extra if e != "--"]
   bad = [e for e in extra if not e.startswith("--config.")]
@@ -170,6 +173,9 @@ def parse_args(argv, description: str):
 
 def plan(args, extra, launcher: str):
   """Shared by both launchers: units, what to run, warm-start donors; prints the plan."""
+  for root in args.warm_starts_from:
+    if not os.path.isdir(root):
+      raise ValueError(f"--warm_starts_from={root!r} is not a directory")
   units, status = prepare_sweep(args.config, args.sweep, args.root, extra)
   todo = [u for u in units if status[u.name] != "done"]
   for u in units:
@@ -178,7 +184,10 @@ def plan(args, extra, launcher: str):
         f"({sum(status[u.name] == 'partial' for u in todo)} resume)", flush=True)
   if not args.dry_run:
     write_sweep_record(args.root, args.config, args.sweep, extra, units, launcher)
-  donors = {} if args.no_share_warm_start else warm_start_donors(units, todo)
+  if args.no_share_warm_start:
+    return units, todo, {}
+  others = [u for root in args.warm_starts_from for u in workunit.cached_warm_starts(root)]
+  donors = warm_start_donors(units + others, todo)
   return units, todo, donors
 
 

@@ -20,6 +20,8 @@ C4_LAGS = (32, 128)
 C4_MIN_STEPS_PER_LAG = 3     # C4 runs last >= 3k steps
 EQUIVALENCE_PTS = 5.0        # C2: VCPO - sync inside +-5 points
 C4_MARGIN_PTS = 10.0         # C4: VCPO - sync above -10 points
+C5_LAGS = (2, 4)
+C5_TARGET_BELOW_SYNC_PTS = 2.0   # C5: the target is the sync runs' mean endpoint minus 2 points
 KEY = "endpoint"
 
 Summary = dict  # report.run_summary's dict (+ "steps": the run's RL steps)
@@ -31,6 +33,7 @@ class Diff:
   """a - b in points over the seeds both finished."""
   label: str
   per_seed: list[float]
+  unit: str = "pts"
 
   @property
   def n(self) -> int:
@@ -44,8 +47,10 @@ class Diff:
     if not self.per_seed:
       return f"{self.label}: no paired seeds"
     m, lo, hi = self.bounds
-    ci = f"[{lo:+.1f}, {hi:+.1f}]" if math.isfinite(lo) else "[no interval: 1 seed]"
-    return f"{self.label}: {m:+.1f} {ci} pts, n={self.n}"
+    f = "{:+.1f}" if self.unit == "pts" else "{:+.2f}"
+    ci = f"[{f.format(lo)}, {f.format(hi)}]" if math.isfinite(lo) else "[no interval: 1 seed]"
+    unit = f" {self.unit}" if self.unit else ""
+    return f"{self.label}: {f.format(m)} {ci}{unit}, n={self.n}"
 
 
 def diff(find: Finder, a: tuple[str, int], b: tuple[str, int]) -> Diff:
@@ -103,6 +108,11 @@ RULES = {
           f"every such k 0 VCPO runs collapse and VCPO - sync (sync runs of the same length) has a 95% interval "
           f"above -{C4_MARGIN_PTS:g} points; "
           f"refuted if a VCPO run collapses or the interval lies below -{C4_MARGIN_PTS:g}.",
+    "C5": f"precondition: every sync run reaches the target (sync's mean endpoint - {C5_TARGET_BELOW_SYNC_PTS:g} "
+          f"points; time = wall-clock seconds from the start of RL to the first evaluation at or above it). Holds "
+          f"if for k = {' or k = '.join(map(str, C5_LAGS))} every async run reaches the target and the seed-paired "
+          "log(time async / time sync) has a 95% interval below 0; refuted if for every k an async run never "
+          "reaches it or the interval lies above 0.",
 }
 
 
@@ -186,6 +196,43 @@ def c4(find: Finder, lags=C4_LAGS, arm: str = "vcpo") -> Verdict:
     return Verdict("C4", RULES["C4"], numbers, "reproduced")
   return Verdict("C4", RULES["C4"], numbers, "not reproduced (refuted)" if refuted else
                  "not reproduced (undecided: interval wider than the margin)")
+
+
+def time_to(evals: list[tuple[float, float]], target: float) -> Optional[float]:
+  """Seconds of the first (seconds, accuracy) evaluation at or above target; None if none is."""
+  return next((t for t, acc in evals if acc >= target), None)
+
+
+def c5(runs: list[dict], lags=C5_LAGS) -> Verdict:
+  """runs: {'lag', 'seed', 'endpoint', 'evals': [(seconds since RL start, greedy accuracy)]}; lag 0 = sync."""
+  sync = {r["seed"]: r for r in runs if r["lag"] == 0}
+  ends = [r["endpoint"] for r in sync.values() if r["endpoint"] is not None]
+  if not ends:
+    return Verdict("C5", RULES["C5"], "no finished sync runs", "not testable here (no runs)")
+  target = sum(ends) / len(ends) - C5_TARGET_BELOW_SYNC_PTS / 100
+  t_sync = {s: time_to(r["evals"], target) for s, r in sync.items()}
+  fmt = lambda t: "never" if t is None else f"{t:.0f} s"  # noqa: E731
+  parts = [f"target {100 * target:.1f}% (sync endpoint {100 * (target + C5_TARGET_BELOW_SYNC_PTS / 100):.1f}% "
+           f"over {len(ends)} seeds); sync time to target: {', '.join(fmt(t_sync[s]) for s in sorted(t_sync))}"]
+  ok, refuted = [], []
+  for k in lags:
+    t = {r["seed"]: time_to(r["evals"], target) for r in runs if r["lag"] == k}
+    never = sorted(s for s, v in t.items() if v is None)
+    d = Diff(f"log(time k={k} / time sync)", [math.log(t[s] / t_sync[s]) for s in sorted(t)
+                                               if t[s] is not None and t_sync.get(s)], unit="")
+    parts.append(f"k={k}: time to target {', '.join(fmt(t[s]) for s in sorted(t)) or 'no runs'}; {d.text()}")
+    ok.append(bool(t) and not never and _below(d, 0.0))
+    refuted.append(bool(never) or _above(d, 0.0))
+  numbers = "; ".join(parts)
+  if any(v is None for v in t_sync.values()):
+    return Verdict("C5", RULES["C5"], numbers, "not testable here (a sync run never reached the target)")
+  if any(ok):
+    return Verdict("C5", RULES["C5"], numbers, "reproduced")
+  if all(refuted):
+    return Verdict("C5", RULES["C5"], numbers, "not reproduced (refuted)")
+  missing = [str(k) for k in lags if not any(r["lag"] == k for r in runs)]
+  why = f"no runs at k = {', '.join(missing)}" if missing else "an interval includes 0"
+  return Verdict("C5", RULES["C5"], numbers, f"not reproduced (undecided: {why})")
 
 
 def ess_leads_text(find: Finder, k: int = K_MAIN) -> str:

@@ -175,6 +175,22 @@ def write_record(unit: WorkUnit, launcher: str, command: list[str]) -> dict:
   return record
 
 
+def cached_warm_starts(root: str) -> list[WorkUnit]:
+  """The units under another sweep's root that hold a cached warm start (donors for this sweep's units with
+  the same warm-start key), from their unit.json records."""
+  found = []
+  for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    workdir = os.path.join(root, name)
+    if not os.path.exists(os.path.join(workdir, WARM_START_MARKER)):
+      continue
+    with open(os.path.join(workdir, RECORD)) as f:
+      r = json.load(f)
+    found.append(WorkUnit(name=r["name"], labels=r["labels"], overrides=r["overrides"], config_spec=r["config_spec"],
+                          flags=r["flags"], workdir=os.path.abspath(workdir), config=r["config"],
+                          config_hash=r["config_hash"]))
+  return found
+
+
 def share_warm_start(donor: WorkUnit, unit: WorkUnit) -> bool:
   """Copies donor's cached warm start into unit's workdir (atomically); False if the donor has none."""
   if unit.has_warm_start() or not donor.has_warm_start():

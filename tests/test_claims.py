@@ -1,4 +1,5 @@
 """experiments.claims: seed-paired differences (only seeds both arms finished) and the stability rows."""
+import math
 import types
 
 import pytest
@@ -117,3 +118,38 @@ def test_c4_compares_with_the_sync_runs_of_the_same_length_and_needs_3k_steps():
   assert _by_claim(_finder(table, steps))["C4"].verdict == "not reproduced (refuted)"
   short = _by_claim(_finder(table, 150))["C4"]  # k = 128 runs of 150 steps < 3k
   assert short.verdict.startswith("not testable here (no runs of >= 3k steps at k = 128")
+
+
+def _c5_run(lag, seed, times, accs, endpoint=None):
+  return {"lag": lag, "seed": seed, "evals": list(zip(times, accs)),
+          "endpoint": endpoint if endpoint is not None else sum(accs[-3:]) / 3}
+
+
+def _c5(sync_times, async_times_by_k, async_reach=True):
+  """Sync reaches 0.50 (target 0.48) at sync_times[s]; async runs reach it at their times (or never)."""
+  runs = [_c5_run(0, s, [t / 2, t, t * 1.5, t * 2], [0.3, 0.5, 0.5, 0.5]) for s, t in enumerate(sync_times)]
+  for k, times in async_times_by_k.items():
+    accs = [0.3, 0.5, 0.5, 0.5] if async_reach else [0.3, 0.4, 0.4, 0.4]
+    runs += [_c5_run(k, s, [t / 2, t, t * 1.5, t * 2], accs) for s, t in enumerate(times)]
+  return verdicts.c5(runs)
+
+
+def test_c5_target_time_and_paired_log_ratio():
+  v = _c5([100, 110, 90], {2: [80, 85, 72], 4: [120, 100, 95]})
+  assert v.verdict == "reproduced" and "target 48.0%" in v.numbers
+  logs = [math.log(a / b) for a, b in zip([80, 85, 72], [100, 110, 90])]
+  m, lo, hi = analysis.interval(logs)
+  assert f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}], n=3" in v.numbers and hi < 0
+
+
+def test_c5_refuted_undecided_and_not_testable():
+  assert _c5([100, 110, 90], {2: [120, 130, 110], 4: [130, 140, 120]}).verdict == "not reproduced (refuted)"
+  assert _c5([100, 110, 90], {2: [80, 130, 95], 4: [110, 90, 100]}).verdict.startswith("not reproduced (undecided")
+  assert _c5([100, 110, 90], {2: [80, 85, 72], 4: [80, 85, 72]}, async_reach=False).verdict == \
+      "not reproduced (refuted)"
+  assert _c5([100, 110, 90], {2: [80, 85, 72]}, async_reach=False).verdict == \
+      "not reproduced (undecided: no runs at k = 4)"
+  # a sync run that never reaches its own mean endpoint - 2 points: no target to time
+  runs = [_c5_run(0, 0, [10, 20, 30], [0.9, 0.9, 0.9]), _c5_run(0, 1, [10, 20, 30], [0.1, 0.1, 0.1])]
+  assert verdicts.c5(runs).verdict.startswith("not testable here")
+  assert verdicts.c5([]).verdict.startswith("not testable here")

@@ -141,6 +141,30 @@ def test_run_units_bounds_parallelism_and_waits_for_the_warm_start_donor(tmp_pat
   assert order[0] == (units[0].name, False) and all(has for _, has in order[1:])  # copied before start
 
 
+def test_warm_starts_from_another_root_are_donors_with_the_same_key(tmp_path):
+  """A unit of another sweep's root with a cached warm start (and its unit.json) donates to units of this
+  sweep whose warm-start inputs are equal (here: same seed, other lag), not to another seed's."""
+  other = _unit(tmp_path / "other", **{"rl.max_lag": 8, "seed": 0})
+  workunit.write_record(other, "local", ["cmd"])
+  os.makedirs(os.path.join(other.workdir, "base"))
+  open(os.path.join(other.workdir, workunit.WARM_START_MARKER), "w").write("{}")
+  _unit(tmp_path / "other", **{"rl.max_lag": 4, "seed": 1})  # no warm start: never a donor
+  [found] = workunit.cached_warm_starts(str(tmp_path / "other"))
+  assert found.workdir == other.workdir and found.warm_start_key == other.warm_start_key
+  mine = [_unit(tmp_path / "mine", **{"rl.max_lag": 2, "seed": 0}), _unit(tmp_path / "mine", **{"rl.max_lag": 2, "seed": 1})]
+  donors = launch.warm_start_donors(mine + [found], mine)
+  assert donors[mine[0].name].workdir == other.workdir and donors[mine[1].name] is None
+  assert workunit.share_warm_start(donors[mine[0].name], mine[0]) and mine[0].has_warm_start()
+
+
+def test_warm_starts_from_a_missing_root_is_refused_before_anything_is_written(tmp_path):
+  args, extra = launch.parse_args(["--config=configs/tiny.py:emulate", f"--sweep={SWEEPS}/quick.py",
+                                   f"--root={tmp_path / 'r'}", f"--warm_starts_from={tmp_path / 'nope'}"], "")
+  with pytest.raises(ValueError, match="--warm_starts_from=.*nope.*not a directory"):
+    launch.plan(args, extra, "local")
+  assert not os.path.exists(tmp_path / "r")
+
+
 # -------------------------------------------------------------------------------------------- analysis
 def test_collapse_definition():
   steps = [0, 20, 40, 60, 80]

@@ -165,3 +165,54 @@ def test_rollout_plan_matches_the_job_plan():
   env = {"CUDA_VISIBLE_DEVICES": "0,1,2"}
   assert launcher.rollout_plan(c.rollout, 2, env) == launcher.config_plan(c, env)
   assert [e["CUDA_VISIBLE_DEVICES"] for e in launcher.rollout_plan(c.rollout, 2, env).server_envs] == ["1", "2"]
+
+
+# ------------------------------------------------------------------ CPU pinning (rollout.server_cpus)
+@pytest.mark.parametrize("spec,expected", [("", None), (" ", None), ("1", {1}), ("8-10", {8, 9, 10}),
+                                           ("0,2-3", {0, 2, 3}), ("3,3", {3})])
+def test_parse_cpus(spec, expected):
+  assert launcher.parse_cpus(spec) == (None if expected is None else frozenset(expected))
+
+
+@pytest.mark.parametrize("spec", ["a", "1-", "3-1", "-1", "1,,2", "1.5"])
+def test_parse_cpus_names_the_field_and_value(spec):
+  with pytest.raises(ValueError, match=f"rollout.server_cpus={spec!r}"):
+    launcher.parse_cpus(spec)
+
+
+def test_bad_server_cpus_fail_the_config_check():
+  from configs import countdown
+  from vcpo_jax.job import configuration
+  c = countdown.get_config()
+  c.rollout.server_cpus = "one"
+  with pytest.raises(ValueError, match="rollout.server_cpus='one'"):
+    configuration.validate_config(c)
+
+
+_AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)), flush=True)"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_server_process_runs_on_its_cpus_and_the_caller_keeps_its_own(tmp_path):
+  """The child's CPU mask, read back from the process itself; the starting thread's mask is restored."""
+  mine = os.sched_getaffinity(0)
+  cpu = max(mine)
+  server = launcher.EmbeddedServer("unused", weights_root=str(tmp_path), log_dir=str(tmp_path),
+                                   cpus=frozenset({cpu}))
+  server.argv = [sys.executable, "-c", _AFFINITY]
+  server.start()
+  server.proc.wait(timeout=60)
+  server._log.close()
+  assert server.output().strip() == str([cpu])
+  assert os.sched_getaffinity(0) == mine
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_unavailable_server_cpus_are_a_config_error_and_start_nothing(tmp_path):
+  server = launcher.EmbeddedServer("unused", weights_root=str(tmp_path), log_dir=str(tmp_path),
+                                   cpus=frozenset({4096}))
+  server.argv = [sys.executable, "-c", _AFFINITY]
+  mine = os.sched_getaffinity(0)
+  with pytest.raises(ValueError, match="rollout.server_cpus='4096'"):
+    server.start()
+  assert server.proc is None and os.sched_getaffinity(0) == mine

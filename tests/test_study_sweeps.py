@@ -52,3 +52,16 @@ def test_study_v2_without_the_k128_tier():
   assert {u.labels["arm"] for u in units if u.config["rl"]["max_lag"] in (32, 128)} == {"vcpo", "seq_tis"}
   assert not any(u.labels["arm"] == "sync_long" or u.config["rl"]["max_lag"] == 128 for u in units)
   assert len(units) == 40 and all(u.config["optim"]["learning_rate"] == 1e-4 for u in units)
+
+
+def test_c5_units_run_real_rollouts_with_the_server_on_another_core():
+  units = _units("c5.py")
+  got = [(u.labels["arm"], u.config["rl"]["max_lag"], u.config["seed"]) for u in units]
+  assert got == [(arm, k, s) for s in range(3) for arm, k in (("sync", 0), ("vcpo", 2), ("vcpo", 4))]
+  for u in units:
+    c = u.config
+    assert c["rl"]["mode"] == "http" and c["rollout"]["server_cpus"] == "1" and c["rl"]["steps"] == 150
+    assert c["optim"]["learning_rate"] == 7e-5 and c["task"]["eval_size"] >= 512 and c["eval_every"] == 25
+  # one warm start per seed, the same as the study's units of that seed (so they can donate it)
+  study = {u.config["seed"]: u.warm_start_key for u in _units("study_v2.py:lr=7e-05,c4_lags=32")}
+  assert all(u.warm_start_key == study[u.config["seed"]] for u in units)

@@ -162,6 +162,21 @@ def test_async_run_against_server_urls(tmp_path):
     server.stop()
 
 
+@pytest.mark.integration
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_embedded_server_runs_on_rollout_server_cpus(tmp_path):
+  """rollout.server_cpus confines the job's embedded server (its own log line says where it runs) and leaves
+  the learner's CPUs as they were."""
+  import glob
+  cpu = max(os.sched_getaffinity(0))
+  mine = os.sched_getaffinity(0)
+  result = train.train_and_evaluate(tiny_config(**{"rl.steps": 1, "rollout.server_cpus": str(cpu)}),
+                                    str(tmp_path / "w"))
+  assert result["steps"] == 1 and os.sched_getaffinity(0) == mine
+  [log] = glob.glob(str(tmp_path / "w" / "logs" / "server-*.log"))
+  assert f"CPUs [{cpu}]" in open(log).read()
+
+
 class FixedBackend(backend.RolloutBackend):
   """A test double behind the seam: every step, the next prompts with the same made-up, pre-scored outputs."""
 

@@ -25,3 +25,42 @@ def test_parse_elapsed_from_rl_start_across_midnight():
 def test_log_without_rl_phase_is_refused():
   with pytest.raises(ValueError, match="base model"):
     wallclock.parse("I1123 10:00:00.000000 1 train.py:45] sft step 1/200 loss 4.8\n")
+
+
+def _unit(root, name, lag, seed, evals, launches=1):
+  """A finished unit as the launcher and the job leave it: unit.json, result.json, metrics.jsonl, log.txt."""
+  import json
+  import os
+  d = os.path.join(root, name)
+  os.makedirs(d)
+  config = {"rl": {"max_lag": lag, "steps": 75}, "seed": seed}
+  with open(os.path.join(d, "unit.json"), "w") as f:
+    json.dump({"name": name, "labels": {"arm": name.split("-")[0]}, "config": config,
+               "launches": [{}] * launches}, f)
+  with open(os.path.join(d, "result.json"), "w") as f:
+    json.dump({"base": {"eval/greedy_accuracy": 0.3}, "final": {}}, f)
+  lines = ["I1124 10:00:00.000000 1 train.py:1] base model: greedy accuracy 0.300, sampled accuracy 0.1"]
+  with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+    for step, seconds, acc in evals:
+      f.write(json.dumps({"step": step, "eval/greedy_accuracy": acc}) + "\n")
+      lines.append(f"I1124 10:{seconds // 60:02d}:{seconds % 60:02d}.000000 1 train.py:2] step {step} eval "
+                   f"{{'eval/greedy_accuracy': {acc}}}")
+  with open(os.path.join(d, "log.txt"), "w") as f:
+    f.write("\n".join(lines + ["I1124 11:00:00.000000 1 train.py:3] done: {}"]) + "\n")
+
+
+def test_c5_report_from_a_root_times_each_run_and_leaves_out_resumed_ones(tmp_path):
+  root, out = tmp_path / "c5", tmp_path / "out"
+  sync = [(25, 100, 0.4), (50, 200, 0.5), (75, 300, 0.5)]
+  for s in range(3):
+    _unit(root, f"sync-k0-s{s}", 0, s, sync)
+    _unit(root, f"vcpo-k2-s{s}", 2, s, [(25, 60 + s, 0.5), (50, 120, 0.5), (75, 180, 0.5)])
+  _unit(root, "vcpo-k4-s0", 4, 0, sync, launches=2)
+  md = wallclock.write_c5(str(root), str(out))
+  runs, left_out = wallclock.c5_runs(str(root))
+  assert {r["name"] for r in runs} == {f"{a}-s{s}" for a in ("sync-k0", "vcpo-k2") for s in range(3)}
+  assert left_out == ["vcpo-k4-s0 (resumed: 2 launches, so its wall clock is not one run's)"]
+  sync0 = next(r for r in runs if r["name"] == "sync-k0-s0")
+  assert sync0["evals"] == [(100.0, 0.4), (200.0, 0.5), (300.0, 0.5)] and sync0["endpoint"] == pytest.approx(0.4667, abs=1e-4)
+  # target: sync endpoint 46.7% - 2 = 44.7%; sync reaches it at 200 s, k = 2 at 60-62 s
+  assert "**Verdict: reproduced.**" in md and "target 44.7%" in md and (out / "c5.json").exists()

@@ -87,6 +87,7 @@ class HttpBackend(backend.RolloutBackend):
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
         base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
         weight_version=wire, envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
+        cpus=launcher.parse_cpus(self.cfg.get("server_cpus", "")),
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     # A cache named in the environment is shared (the test suite's jobs share one per run).
                     "--compilation-cache-dir",

@@ -152,6 +152,42 @@ def configure_learner(plan: DevicePlan) -> None:
     jax.config.update("jax_cuda_visible_devices", plan.learner_devices)
 
 
+def parse_cpus(spec: str, field: str = "rollout.server_cpus") -> frozenset[int] | None:
+  """A CPU list as taskset writes it ("1", "8-15", "0,2-3") -> the set of CPU ids; "" -> None (inherit)."""
+  spec = str(spec).strip()
+  if not spec:
+    return None
+  cpus = set()
+  for part in spec.split(","):
+    lo, dash, hi = part.strip().partition("-")
+    ok = lo.isdigit() and (hi.isdigit() if dash else not hi)
+    a, b = (int(lo), int(hi or lo)) if ok else (-1, -1)
+    if not 0 <= a <= b:
+      raise ValueError(f"invalid config: {field}={spec!r}: must be CPU ids and ranges like '1', '8-15' or '0,2-3'")
+    cpus.update(range(a, b + 1))
+  return frozenset(cpus)
+
+
+@contextlib.contextmanager
+def thread_affinity(cpus: frozenset[int] | None, field: str = "rollout.server_cpus"):
+  """Confines the calling thread to `cpus` for the block, so a process it starts inherits exactly them (a
+  child takes its parent thread's CPU mask at fork; setting it on the child afterwards races the threads the
+  child starts). None: nothing changes."""
+  if cpus is None:
+    yield
+    return
+  old = os.sched_getaffinity(0)
+  try:
+    os.sched_setaffinity(0, cpus)
+  except OSError as e:
+    raise ValueError(f"invalid config: {field}={','.join(map(str, sorted(cpus)))!r}: not CPUs this machine "
+                     f"lets the job use ({e.strerror}; it has {os.cpu_count()} CPUs)") from None
+  try:
+    yield
+  finally:
+    os.sched_setaffinity(0, old)
+
+
 class ServerStartError(RuntimeError):
   """The server process exited or never became healthy; the message carries its output."""
 
@@ -161,8 +197,9 @@ class EmbeddedServer:
 
   def __init__(self, model_path: str, *, weights_root: str, host: str = "127.0.0.1", port: int = 0,
                weight_version: str = "v0", extra_args: tuple[str, ...] = (), log_dir: str | None = None,
-               env: Mapping[str, str | None] | None = None):
+               env: Mapping[str, str | None] | None = None, cpus: frozenset[int] | None = None):
     self.env_updates = dict(env or {})
+    self.cpus = cpus
     self.host, self.port = host, port or free_port(host)
     self.url = f"http://{host}:{self.port}"
     self.argv = [sys.executable, "-m", "vcpo_jax.serving.server", "--model-path", model_path,
@@ -174,7 +211,6 @@ class EmbeddedServer:
     self.proc: subprocess.Popen | None = None
 
   def start(self):
-    self._log = open(self.log_path, "w")
     # JAX in the server must not grab the fake multi-device flag of the parent (tests) or all CPU threads.
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
@@ -182,8 +218,10 @@ class EmbeddedServer:
     # it (a learner, a test) may be using the same device. No effect on CPU.
     env[PREALLOCATE_VAR] = "false"
     apply_env(env, self.env_updates)
-    self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+    with thread_affinity(self.cpus):
+      self._log = open(self.log_path, "w")
+      self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
     return self
 
   def output(self) -> str:
@@ -226,14 +264,15 @@ class EmbeddedServer:
 
 def start_servers(n: int, model_path: str, *, weights_root: str, base_port: int = 0, log_dir=None,
                   weight_version: str = "v0", timeout: float = 180.0,
-                  extra_args: tuple[str, ...] = (), envs: Sequence[Mapping] | None = None) -> list[EmbeddedServer]:
+                  extra_args: tuple[str, ...] = (), envs: Sequence[Mapping] | None = None,
+                  cpus: frozenset[int] | None = None) -> list[EmbeddedServer]:
   """Starts n servers concurrently and waits for all; on any failure stops them all and re-raises.
-  envs[i] (e.g. DevicePlan.server_envs) updates server i's environment."""
+  envs[i] (e.g. DevicePlan.server_envs) updates server i's environment; `cpus` confines every server."""
   if envs is not None and len(envs) != n:
     raise ValueError(f"envs has {len(envs)} entries for {n} servers")
   servers = [EmbeddedServer(model_path, weights_root=weights_root, port=(base_port + i if base_port else 0),
                             log_dir=log_dir, weight_version=weight_version, extra_args=tuple(extra_args),
-                            env=None if envs is None else envs[i])
+                            env=None if envs is None else envs[i], cpus=cpus)
              for i in range(n)]
   try:
     for s in servers:

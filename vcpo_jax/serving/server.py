@@ -279,7 +279,9 @@ def main(argv=None):
   except (ValueError, OSError, KeyError) as e:
     print(f"error: cannot serve --model-path {args.model_path!r}: {e}", file=sys.stderr)
     sys.exit(2)
-  log.info("serving %s (vocab %d) on http://%s:%d", state.model_path, state.vocab_size, args.host, args.port)
+  cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "all"
+  log.info("serving %s (vocab %d) on http://%s:%d, CPUs %s", state.model_path, state.vocab_size, args.host,
+           args.port, cpus)
   web.run_app(build_app(state), host=args.host, port=args.port, print=None, access_log=None)
 
 
