@@ -10,8 +10,11 @@ from configs import countdown
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  """`arg` as in configs/countdown.py: '' (async, embedded server), 'sync' or 'emulate'."""
-  c = countdown.get_config(arg)
+  """`arg`: comma-separated; 'search' picks the search traces (below), the rest is as in configs/countdown.py:
+  '' (async, embedded server), 'sync' or 'emulate'."""
+  parts = [p for p in arg.split(",") if p]
+  search = "search" in parts
+  c = countdown.get_config(",".join(p for p in parts if p != "search"))
   c.task.name = "countdown_tools"
   # The main job's problems (two numbers in [1, 25], + - * /; the task's defaults are the paper's 3-4 numbers in
   # [1, 99], which need a pretrained model), with a calculator. A 3-layer model warm-started here on three
@@ -34,4 +37,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.task.eval_size = 256
   c.eval_every = 20
   c.checkpoint_every = 20
+  if search:
+    # Search traces: check + - * / in order (one call each) until the reply is the target, then answer it;
+    # 60% of warm-start traces stop at the first miss and answer it, so the warm start's likeliest move after
+    # a miss is to stop: going on is what RL has to learn from the replies. A trace is <= 147 tokens + stop.
+    c.task.options.countdown_tools.update(search=True, max_turns=5)
+    c.model.max_seq_len = 256
+    c.rl.max_new_tokens = 152
+    c.sft.error_rate = 0.6
   return c

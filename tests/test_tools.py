@@ -3,6 +3,7 @@ and the episode runner's turns, caps, masks, versions and error counts against a
 import asyncio
 import json
 import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -60,9 +61,40 @@ def test_tool_task_traces_are_valid_calls_with_real_replies_and_scored_as_countd
   assert 10 < corrected < 50
 
 
-def test_tool_config_rows_fit_the_longest_trace():
+def test_search_traces_check_candidates_in_order_until_the_reply_is_the_target():
+  """search=True: the reference checks + - * / candidates (larger number first for - and /) in order, every reply
+  the calculator's own, until one equals the target, and answers it; the wrong trace answers its first miss
+  (skipping a first-place hit), so a trace stops after a miss only when it is wrong."""
+  task = tasks.get_task("countdown_tools", num_numbers=2, max_number=25, max_turns=5, search=True,
+                        render_prompt=TOK.chat_prompt)
+  rng = np.random.default_rng(0)
+  for ex in task.sample(0, 200):
+    a, b = ex["numbers"]
+    order = [f"{a}+{b}", f"{max(a, b)}-{min(a, b)}", f"{a}*{b}", f"{max(a, b)}/{min(a, b)}"]
+    values = [Fraction(a + b), Fraction(abs(a - b)), Fraction(a * b), Fraction(max(a, b), min(a, b))]
+    hit = values.index(ex["target"])
+    good, bad = task.sft_completion(ex, rng, 0.0), task.sft_completion(ex, rng, 1.0)
+    assert [e for _, e in CALL_RE.findall(good)] == order[:hit + 1]
+    assert all(C(e) + task.environment().respond(C(e)).text in good for e in order[:hit + 1])
+    assert REPLY_RE.findall(good)[-1] == str(ex["target"]) not in REPLY_RE.findall(good)[:-1]
+    assert good.endswith(f"<answer>{order[hit]}</answer>") and task.reward(ex, good) == 1.0
+    first_miss = next(i for i, v in enumerate(values) if v != ex["target"])
+    assert [e for _, e in CALL_RE.findall(bad)] == [order[first_miss]]
+    assert bad.endswith(f"<answer>{order[first_miss]}</answer>") and task.reward(ex, bad) == 0.0
+
+
+@pytest.mark.parametrize("knobs,match", [(dict(num_numbers=3, max_turns=5), "num_numbers=2"),
+                                         (dict(num_numbers=2, max_turns=4), "max_turns >= 5"),
+                                         (dict(num_numbers=2, max_turns=5, search=1), "search must be a bool")])
+def test_search_knobs_are_checked(knobs, match):
+  with pytest.raises(ValueError, match=match):
+    tasks.get_task("countdown_tools", **{"search": True, **knobs})
+
+
+@pytest.mark.parametrize("variant", ["", "search"])
+def test_tool_config_rows_fit_the_longest_trace(variant):
   from configs import countdown_tools
-  c = countdown_tools.get_config()
+  c = countdown_tools.get_config(variant)
   task = configuration.build_task(c, render_prompt=TOK.chat_prompt)
   rng = np.random.default_rng(1)
   for ex in task.sample(1, 200):
