@@ -38,3 +38,33 @@ def test_report_from_finished_runs(tmp_path, monkeypatch):
   page = (out / "README.md").read_text()
   assert "-- --config.rl.steps=4" in page and "| 1 | 30.0 | 40.0 | +10.0 |" in page
   assert (out / "curve.png").stat().st_size > 0
+
+
+def test_tool_behaviour_counts_search_episodes():
+  """experiments.tool_behaviour.count on the task's own search traces and on a hand-written one."""
+  import numpy as np
+  from experiments import tool_behaviour
+  from vcpo_jax import tasks
+  from vcpo_jax.model.tokenizer import build_tokenizer
+  tok = build_tokenizer()
+  task = tasks.get_task("countdown_tools", num_numbers=2, max_number=25, max_turns=5, search=True,
+                        render_prompt=tok.chat_prompt)
+  rng = np.random.default_rng(0)
+  seen = {"hit": 0, "miss": 0}
+  for ex in task.sample(0, 50):
+    good, bad = task.sft_completion(ex, rng, 0.0), task.sft_completion(ex, rng, 1.0)
+    g, b = tool_behaviour.count(task, ex, good), tool_behaviour.count(task, ex, bad)
+    assert g["right"] == 1 and g["answer_is_last_checked"] == 1 and g["first_hit"] + g["first_miss"] == 1
+    if g["first_hit"]:
+      seen["hit"] += 1
+      assert g["first_hit_answered_at_once"] == 1
+    else:
+      seen["miss"] += 1
+      assert g["first_miss_went_on"] == g["first_miss_went_on_in_order"] == g["first_miss_went_on_right"] == 1
+    assert b["right"] == 0 and b["first_miss"] == 1 and b["first_miss_went_on"] == 0
+  assert seen["hit"] and seen["miss"]
+  ex = task.make_example([3, 4], 7)  # checks 3*4 (a miss, out of order), then 3+4 (the hit), answers 3*4
+  text = (task._check("3*4") + task._check("3+4") + "<answer>3*4</answer>")
+  c = tool_behaviour.count(task, ex, text)
+  assert (c["first_miss"], c["first_miss_went_on"], c["first_miss_went_on_in_order"], c["right"],
+          c["answer_is_last_checked"]) == (1, 1, 0, 0, 0)
