@@ -3,9 +3,9 @@
     python -m experiments.tools_learning --root=runs/tools --seeds=0,1,2 --out=docs/results/tools \
         [--config=configs/countdown_tools.py:search] [-- --config.x=y]
 
-Runs `vcpo_jax.main --config=<config>` (default configs/countdown_tools.py) once per seed, one at a time (a finished seed, one
-whose workdir holds result.json, is not rerun), timing each whole job (warm start included). Then writes to
---out: results.json (per seed: base and final held-out greedy/sampled accuracy, the gain, minutes, tool
+Runs `vcpo_jax.main --config=<config>` (default configs/countdown_tools.py) once per seed, one at a time (a
+finished seed, one whose workdir holds result.json, is not rerun), timing each whole job (warm start
+included). Then writes to --out: results.json (per seed: base and final held-out greedy/sampled accuracy, the gain, minutes, tool
 metrics at the start and end of the run; over seeds: mean and 95% Student-t interval of each), README.md
 (those numbers as tables, with the command) and curve.png (held-out accuracy, calls/episode, error rate and
 turns/episode per RL step, mean over seeds with the 95% band).

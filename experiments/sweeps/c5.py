@@ -16,7 +16,8 @@ from experiments.sweeps.study_v2 import EVAL
 def get_sweep(arg: str = "") -> list[dict]:
   a = parse_arg(arg, lr=7e-5, steps=150, lags=[2, 4], seeds=3, server_cpus="1")
   sync = product(arms.arms(["sync"], a["lr"]), fixed({"rl.max_lag": 0}))
-  asynchronous = product(arms.arms(["vcpo"], a["lr"], opob_is_weight="reference"), sweep("config.rl.max_lag", a["lags"]))
+  asynchronous = product(arms.arms(["vcpo"], a["lr"], opob_is_weight="reference"),
+                         sweep("config.rl.max_lag", a["lags"]))
   units = chain(*(product(chain(sync, asynchronous), sweep("config.seed", [s])) for s in range(a["seeds"])))
   return product(units, fixed({"rl.mode": "http", "rollout.server_cpus": a["server_cpus"], "rl.steps": a["steps"],
                                **EVAL}))
