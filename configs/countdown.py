@@ -63,7 +63,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # stays at 0% on them.
   c.task.options.countdown.update(num_numbers=2, max_number=25, eval_fraction=0.2)
 
-  # Supervised warm start on deliberately imperfect generated solutions (cached in workdir/base).
+  # Supervised warm start on deliberately imperfect generated solutions (cached in workdir/base; a rerun in
+  # that workdir with other seed, model, sft or task settings is refused, naming the field).
   c.sft = ml_collections.ConfigDict(dict(
       steps=200,
       batch_size=32,

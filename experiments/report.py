@@ -20,7 +20,8 @@ ACC = "eval/greedy_accuracy"
 SAMPLED = "eval/sampled_accuracy"
 # (metric, title, log scale, (lower, upper) bound of the metric: CI bands are clipped to it)
 CURVES = ((ACC, "held-out greedy accuracy", False, (0.0, 1.0)), ("ess_ratio", "ESS ratio (log)", True, (0.0, 1.0)),
-          ("grad_norm", "gradient norm before clipping (log)", True, (0.0, None)))
+          ("grad_norm", "gradient norm before clipping (log)", True, (0.0, None)),
+          ("lag/mean", "mean policy lag of the batch (steps)", False, (0.0, None)))
 
 
 @dataclasses.dataclass

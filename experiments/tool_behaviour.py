@@ -43,13 +43,13 @@ def play(workdir: str, model_dirs: dict[str, str]) -> dict[str, dict[str, int]]:
   """Greedy episodes of each model directory's weights on the run's held-out problems, counted per model
   (the run's config, task, tokenizer and problems are built once)."""
   import ml_collections  # noqa: PLC0415
-  from vcpo_jax.job import train  # noqa: PLC0415
+  from vcpo_jax.job import warm_start  # noqa: PLC0415
   from vcpo_jax.model import hf  # noqa: PLC0415
   from vcpo_jax.model.tokenizer import completion_text  # noqa: PLC0415
   from vcpo_jax.rollout import episodes  # noqa: PLC0415
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
-  model_cfg, tok, task, examples = train.starting_point(config)
+  model_cfg, tok, task, examples = warm_start.starting_point(config)
   if not getattr(task, "search", False):
     raise ValueError(f"{workdir}: task.options.countdown_tools.search is off; these counts describe search runs")
   runner = episodes.runner_for(task, tok, max_new_tokens=config.rl.max_new_tokens)

@@ -180,6 +180,18 @@ def test_parse_cpus_names_the_field_and_value(spec):
     launcher.parse_cpus(spec)
 
 
+@pytest.mark.parametrize("spec", ["1", "8-10", "0,2-4", "0,2,4", "3,5-6,9"])
+def test_format_cpus_is_parse_cpus_inverse(spec):
+  assert launcher.format_cpus(launcher.parse_cpus(spec)) == spec
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_cpus_the_machine_lacks_are_named_as_written():
+  with pytest.raises(ValueError, match=r"rollout.server_cpus='4000-4002': not CPUs this machine"):
+    with launcher.thread_affinity(launcher.parse_cpus("4000-4002")):
+      pass
+
+
 def test_bad_server_cpus_fail_the_config_check():
   from configs import countdown
   from vcpo_jax.job import configuration

@@ -11,7 +11,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vcpo_jax.job import train
+from vcpo_jax.job import warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -24,8 +24,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  model_cfg, tok, task, eval_examples = train.starting_point(config)
-  base_dir, _ = train.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples)
+  model_cfg, tok, task, eval_examples = warm_start.starting_point(config)
+  base_dir, _ = warm_start.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples)
   print(base_dir)
 
 

@@ -1,4 +1,4 @@
-"""The RL job: validate config, SFT warm start (cached), then one RL loop over a rollout backend."""
+"""The RL job: validate config, SFT warm start (job/warm_start.py), then one RL loop over a rollout backend."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -16,65 +15,17 @@ from vcpo_jax.job import checkpointing
 from vcpo_jax.job import data
 from vcpo_jax.job import metrics as metrics_lib
 from vcpo_jax.job import multihost
-from vcpo_jax.job.configuration import build_optimizer, build_task, learner_config, validate_config
-from vcpo_jax.job.evaluation import evaluate, make_score_fn
+from vcpo_jax.job.configuration import build_optimizer, learner_config
+from vcpo_jax.job.evaluation import make_score_fn
+from vcpo_jax.job.warm_start import evaluate_as_job, starting_point, warm_start
 from vcpo_jax.learner import step as learner
 from vcpo_jax.learner import train_state
 from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.model import hf
-from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
 from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model
 from vcpo_jax.rollout.publisher import PublishError
-
-
-# --------------------------------------------------------------------------------------- warm start
-def starting_point(config):
-  """(model_cfg, tokenizer, task, eval_examples) the job starts from: validated config; the pretrained
-  checkpoint's tokenizer with model.hf_path, else ours; prompts in that tokenizer's chat template. The job and
-  export_base both call this, so servers started on export_base's weights start on the job's own."""
-  model_cfg = validate_config(config)
-  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
-  task = build_task(config, render_prompt=tok.chat_prompt)
-  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
-  return model_cfg, tok, task, eval_examples
-
-
-def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tuple[str, dict]:
-  """SFT on deliberately imperfect solutions; the result is cached as a HF directory in workdir/base."""
-  base_dir = os.path.join(workdir, "base")
-  info_path = os.path.join(base_dir, "warm_start.json")
-  if os.path.exists(info_path):
-    with open(info_path) as f:
-      return base_dir, json.load(f)
-  optimizer = build_optimizer(config, sft=True)
-  state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
-  if config.model.get("hf_path", ""):  # start from the checkpoint, each parameter read into its sharding
-    state = train_state.with_params(state, hf.import_hf(config.model.hf_path, cfg=model_cfg, shardings=jax.tree.map(
-        lambda x: x.sharding, state.params))[0])
-  sft_step = train_state.make_sft_step(model_cfg, optimizer)
-  it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
-                              seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate,
-                              shard_index=0, shard_count=1)  # one process warm-starts (see _warm_start_once)
-  t0 = time.time()
-  sft_metrics = {}
-  for step in range(config.sft.steps):
-    batch = next(it)
-    state, sft_metrics = sft_step(state, jnp.asarray(batch["tokens"]), jnp.asarray(batch["mask"]))
-    if step % 50 == 0 or step == config.sft.steps - 1:
-      logging.info("sft step %d/%d loss %.4f", step + 1, config.sft.steps, float(sft_metrics["loss"]))
-  params = jax.device_get(state.params)
-  info = _evaluate(config, params, model_cfg, tok, task, eval_examples)
-  info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
-               "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
-  # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
-  hf.export_hf(params, model_cfg, base_dir, tok)
-  with open(info_path + ".tmp", "w") as f:
-    json.dump(info, f, indent=2)
-  os.replace(info_path + ".tmp", info_path)
-  logging.info("warm start done: %s", info)
-  return base_dir, info
 
 
 # ------------------------------------------------------------------------------------------ RL loop
@@ -188,7 +139,7 @@ class RLRun:
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
     if eval_now:
-      self.last_eval = _evaluate(self.config, self.host_params("eval"), self.model_cfg, self.tok, self.task,
+      self.last_eval = evaluate_as_job(self.config, self.host_params("eval"), self.model_cfg, self.tok, self.task,
                                  self.eval_examples)
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
@@ -242,12 +193,6 @@ def run_rl_loop(run: RLRun) -> None:
     raise SystemExit(f"error: weight update refused after step {run.step}: {reason}") from None
 
 
-def _evaluate(config, params, model_cfg, tok, task, eval_examples) -> dict:
-  """Held-out accuracy as every evaluation of the job measures it (budget, seed, draws per problem)."""
-  return evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
-                  seed=config.seed, samples=config.task.get("eval_samples", 1))
-
-
 def _distributed_timeout(config) -> float:
   d = config.get("distributed")
   return float(d.timeout_s) if d is not None else 1800.0
@@ -288,7 +233,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   final = run.last_eval
   if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
     params = run.host_params("final")
-    final = _evaluate(config, params, model_cfg, tok, task, eval_examples) if leader else {}
+    final = evaluate_as_job(config, params, model_cfg, tok, task, eval_examples) if leader else {}
   result = {"base": {k: base_info[k] for k in base_info if k.startswith("eval/")}, "final": final,
             "steps": run.step}
   if leader:

@@ -168,6 +168,18 @@ def parse_cpus(spec: str, field: str = "rollout.server_cpus") -> frozenset[int] 
   return frozenset(cpus)
 
 
+def format_cpus(cpus: frozenset[int]) -> str:
+  """The inverse of parse_cpus, in taskset's compact form: {0, 2, 3, 4} -> "0,2-4"."""
+  parts, ids = [], sorted(cpus)
+  while ids:
+    end = 0
+    while end + 1 < len(ids) and ids[end + 1] == ids[end] + 1:
+      end += 1
+    parts.append(str(ids[0]) if end == 0 else f"{ids[0]}-{ids[end]}")
+    ids = ids[end + 1:]
+  return ",".join(parts)
+
+
 @contextlib.contextmanager
 def thread_affinity(cpus: frozenset[int] | None, field: str = "rollout.server_cpus"):
   """Confines the calling thread to `cpus` for the block, so a process it starts inherits exactly them (a
@@ -180,7 +192,7 @@ def thread_affinity(cpus: frozenset[int] | None, field: str = "rollout.server_cp
   try:
     os.sched_setaffinity(0, cpus)
   except OSError as e:
-    raise ValueError(f"invalid config: {field}={','.join(map(str, sorted(cpus)))!r}: not CPUs this machine "
+    raise ValueError(f"invalid config: {field}={format_cpus(cpus)!r}: not CPUs this machine "
                      f"lets the job use ({e.strerror}; it has {os.cpu_count()} CPUs)") from None
   try:
     yield

@@ -1,0 +1,105 @@
+"""The SFT warm start the RL phase starts from (cached in workdir/base with the settings that made it)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from vcpo_jax.job import data
+from vcpo_jax.job.configuration import build_optimizer, build_task, validate_config
+from vcpo_jax.job.evaluation import evaluate
+from vcpo_jax.learner import train_state
+from vcpo_jax.model import hf
+from vcpo_jax.model import tokenizer as tokenizer_lib
+
+
+def starting_point(config):
+  """(model_cfg, tokenizer, task, eval_examples) the job starts from: validated config; the pretrained
+  checkpoint's tokenizer with model.hf_path, else ours; prompts in that tokenizer's chat template. The job and
+  export_base both call this, so servers started on export_base's weights start on the job's own."""
+  model_cfg = validate_config(config)
+  tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
+  task = build_task(config, render_prompt=tok.chat_prompt)
+  eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  return model_cfg, tok, task, eval_examples
+
+
+def warm_start_settings(config) -> dict:
+  """The fields the warm start and its evaluation read, flattened to dotted names (JSON values)."""
+  read = {"seed": config.seed, "rl.max_new_tokens": config.rl.max_new_tokens}
+  for section in ("model", "sft", "task"):
+    flat = _flatten(config[section].to_dict(), section)
+    read.update(flat)
+  return json.loads(json.dumps(read))  # tuples -> lists, as they read back from the file
+
+
+def _flatten(d: dict, prefix: str) -> dict:
+  out = {}
+  for key, value in d.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f"{prefix}.{key}"))
+    else:
+      out[f"{prefix}.{key}"] = value
+  return out
+
+
+def check_cached_settings(cached: dict, asked: dict, path: str) -> None:
+  """A cached warm start made under other settings is refused (naming the field and both values), not reused:
+  its base accuracy would be measured on another evaluation, or its weights come from another SFT."""
+  for field in sorted(set(cached) | set(asked)):
+    if cached.get(field) != asked.get(field):
+      raise ValueError(f"{path} was made with {field}={cached.get(field)!r} but this run asks "
+                       f"{field}={asked.get(field)!r}: use a new workdir, or the cached value")
+
+
+def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tuple[str, dict]:
+  """SFT on deliberately imperfect solutions; the result is cached as a HF directory in workdir/base, with the
+  settings that made it (a rerun under other settings is refused; caches without that record are trusted)."""
+  base_dir = os.path.join(workdir, "base")
+  info_path = os.path.join(base_dir, "warm_start.json")
+  settings_path = os.path.join(base_dir, "warm_start_settings.json")
+  if os.path.exists(info_path):
+    if os.path.exists(settings_path):
+      with open(settings_path) as f:
+        check_cached_settings(json.load(f), warm_start_settings(config), settings_path)
+    with open(info_path) as f:
+      return base_dir, json.load(f)
+  optimizer = build_optimizer(config, sft=True)
+  state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
+  if config.model.get("hf_path", ""):  # start from the checkpoint, each parameter read into its sharding
+    state = train_state.with_params(state, hf.import_hf(config.model.hf_path, cfg=model_cfg, shardings=jax.tree.map(
+        lambda x: x.sharding, state.params))[0])
+  sft_step = train_state.make_sft_step(model_cfg, optimizer)
+  it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
+                              seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate,
+                              shard_index=0, shard_count=1)  # one process warm-starts (see _warm_start_once)
+  t0 = time.time()
+  sft_metrics = {}
+  for step in range(config.sft.steps):
+    batch = next(it)
+    state, sft_metrics = sft_step(state, jnp.asarray(batch["tokens"]), jnp.asarray(batch["mask"]))
+    if step % 50 == 0 or step == config.sft.steps - 1:
+      logging.info("sft step %d/%d loss %.4f", step + 1, config.sft.steps, float(sft_metrics["loss"]))
+  params = jax.device_get(state.params)
+  info = evaluate_as_job(config, params, model_cfg, tok, task, eval_examples)
+  info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
+               "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
+  # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
+  hf.export_hf(params, model_cfg, base_dir, tok)
+  with open(settings_path, "w") as f:
+    json.dump(warm_start_settings(config), f, indent=2)
+  with open(info_path + ".tmp", "w") as f:
+    json.dump(info, f, indent=2)
+  os.replace(info_path + ".tmp", info_path)
+  logging.info("warm start done: %s", info)
+  return base_dir, info
+
+
+def evaluate_as_job(config, params, model_cfg, tok, task, eval_examples) -> dict:
+  """Held-out accuracy as every evaluation of the job measures it (budget, seed, draws per problem)."""
+  return evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
+                  seed=config.seed, samples=config.task.get("eval_samples", 1))
