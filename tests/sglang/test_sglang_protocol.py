@@ -2,7 +2,6 @@
 import asyncio
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
