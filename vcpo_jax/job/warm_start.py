@@ -76,7 +76,7 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
   sft_step = train_state.make_sft_step(model_cfg, optimizer)
   it = data.make_sft_iterator(task, tok, seed=config.seed, batch_size=config.sft.batch_size,
                               seq_len=model_cfg.max_seq_len, error_rate=config.sft.error_rate,
-                              shard_index=0, shard_count=1)  # one process warm-starts (see _warm_start_once)
+                              shard_index=0, shard_count=1)  # one process warm-starts (train._warm_start_once)
   t0 = time.time()
   sft_metrics = {}
   for step in range(config.sft.steps):
