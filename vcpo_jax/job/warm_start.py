@@ -31,9 +31,10 @@ def starting_point(config):
 def warm_start_settings(config) -> dict:
   """The fields the warm start and its evaluation read, flattened to dotted names (JSON values)."""
   read = {"seed": config.seed, "rl.max_new_tokens": config.rl.max_new_tokens}
+  # The warm start's AdamW (configuration.build_optimizer(sft=True)) reads these; its lr is sft.learning_rate.
+  read.update({f"optim.{k}": config.optim[k] for k in ("b1", "b2", "eps", "weight_decay", "max_grad_norm")})
   for section in ("model", "sft", "task"):
-    flat = _flatten(config[section].to_dict(), section)
-    read.update(flat)
+    read.update(_flatten(config[section].to_dict(), section))
   return json.loads(json.dumps(read))  # tuples -> lists, as they read back from the file
 
 
