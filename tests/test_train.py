@@ -97,6 +97,18 @@ def test_resume_after_sigkill_continues_steps_and_data_order(tmp_path):
   assert "resumed from checkpoint at step" in out
   assert _consumed_by_step(killed) == _consumed_by_step(straight)
   assert json.load(open(killed / "result.json"))["steps"] == 8
+  # The emulator's past versions were checkpointed too: the resumed run samples every step from the same
+  # stale policy as the straight one (same lags; same importance weights, hence the same ESS).
+  straight_m, killed_m = _metrics_by_step(straight), _metrics_by_step(killed)
+  assert sorted(killed_m) == list(range(1, 9))
+  for step in range(1, 9):
+    lags = {k: v for k, v in straight_m[step].items() if k.startswith("lag/frac_")}
+    assert lags and {k: killed_m[step][k] for k in lags} == lags, step
+    assert killed_m[step]["ess_ratio"] == pytest.approx(straight_m[step]["ess_ratio"], rel=1e-5), step
+
+
+def _metrics_by_step(workdir):
+  return {entry["step"]: entry for entry in _jsonl(os.path.join(workdir, "metrics.jsonl"))}
 
 
 def test_invalid_config_fails_before_anything_starts(tmp_path):

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 from typing import Any, Callable, Sequence
 
 import ml_collections
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.rollout import backend, episodes, lag_model as lag_model_lib, types
+from vcpo_jax.rollout import backend, episodes, lag_model as lag_model_lib, ring_store, types
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
 # multi-turn episodes.Episode rows (tool tasks)
@@ -39,6 +40,13 @@ class LagEmulator:
     self._ring[version] = params
     while len(self._ring) > self.max_lag + 1:
       self._ring.popitem(last=False)
+
+  @property
+  def versions(self) -> list[int]:
+    return list(self._ring)
+
+  def params(self, version: int):
+    return self._ring[version]
 
   def behaviour_version(self, step: int) -> int:
     if step not in self._ring:
@@ -93,11 +101,15 @@ class EmulatedBackend(backend.RolloutBackend):
   """The lag emulator behind the backend seam: step t draws rl.prompts_per_step prompts and trains on groups
   sampled (and scored, right where they are generated) with the params of step t - k. No servers.
 
-  The ring buffer is not checkpointed (k+1 copies of the params): after a resume the lag ramps up again.
+  Each checkpoint also saves the ring's versions (WORKDIR/emulation_ring, at most k + 1 + checkpoint_every
+  copies of the params on disk between two checkpoints): a resumed run samples from the same past policies as
+  an uninterrupted one, instead of ramping its lag up again from 0.
   """
 
   def __init__(self, emulator: LagEmulator, ctx: backend.RolloutContext, *, batch_groups: int):
     self.emulator, self.ctx, self.batch_groups = emulator, ctx, batch_groups
+    self.store = ring_store.RingStore(os.path.join(ctx.workdir, "emulation_ring"))
+    self._restore_versions: list[int] = []
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "EmulatedBackend":
@@ -120,7 +132,21 @@ class EmulatedBackend(backend.RolloutBackend):
                            lag_model=lag_model)
     return cls(emulator, ctx, batch_groups=rl.prompts_per_step)
 
+  def state_dict(self) -> dict:
+    """Saves the ring's versions (called at each checkpoint, with the prompt iterator's state)."""
+    versions = self.emulator.versions
+    for v in versions:
+      self.store.save(v, self.emulator.params(v))
+    self.store.prune(versions)
+    return {"ring_versions": versions}
+
+  def load_state_dict(self, state: dict) -> None:
+    self._restore_versions = [int(v) for v in state.get("ring_versions", [])]
+
   async def start(self, version: int, params: Any) -> None:
+    # The checkpoint's ring ends at `version` (the restored params): load the consecutive versions before it.
+    for v in self.store.available([v for v in self._restore_versions if v < version]):
+      self.emulator.push(v, self.store.load(v, like=params))
     self.emulator.push(version, params)
 
   async def next_groups(self, version: int) -> list[types.Group]:
