@@ -24,6 +24,8 @@ COMPARISONS = (
     ("C3", "VCPO vs OPOB only (ESS scaling's share)", ("vcpo", None), ("opob_only", None)),
     ("C3", "ESS scaling only vs seq-TIS (ESS scaling added to seq-TIS)", ("ess_only", None), ("seq_tis", None)),
     ("C3", "OPOB only vs seq-TIS (OPOB replacing GRPO advantages)", ("opob_only", None), ("seq_tis", None)),
+    ("C3", "ESS scaling only at k vs sync", ("ess_only", None), ("sync", 0)),
+    ("C3", "OPOB only at k vs sync", ("opob_only", None), ("sync", 0)),
     ("C3", "VCPO vs seq-TIS", ("vcpo", None), ("seq_tis", None)),
     ("C3", "VCPO vs no correction", ("vcpo", None), ("no_correction", None)),
 )
