@@ -19,17 +19,14 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import sweep as sweep_lib
+from vcpo_jax.job import warm_start_cache
 
 RECORD = "unit.json"           # written by the launcher before each launch
 JOB_CONFIG = "config.json"     # written by the job itself (train.train_and_evaluate)
 RESULT = "result.json"         # written by the job when it finishes
 LOG = "log.txt"                # the unit's stdout + stderr (experiments.run_unit)
 WARM_START_MARKER = os.path.join("base", "warm_start.json")  # the job's warm-start cache marker
-# Config sections read only after the warm start (anything else, e.g. seed, model, sft, task, counts as
-# warm-start input, so a new field is shared only if it is listed here: the safe direction).
-RL_ONLY_FIELDS = ("rl", "algo", "rollout", "mesh", "optim.learning_rate", "eval_every", "checkpoint_every",
-                  "log_every")
-RL_FIELDS_READ_BY_WARM_START = ("rl.max_new_tokens",)  # the base model's evaluation generates this many
+
 
 
 def flag_value(value: Any) -> str:
@@ -64,21 +61,10 @@ def hash_dict(data: Mapping) -> str:
   return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _without(data: dict, paths) -> dict:
-  data = json.loads(json.dumps(data))
-  for path in paths:
-    *parents, leaf = path.split(".")
-    node = data
-    for p in parents:
-      node = node.get(p, {})
-    node.pop(leaf, None)
-  return data
-
-
 def warm_start_key(data: dict) -> str:
-  """Units with equal keys compute the identical warm start (same seed, model, SFT, task, eval length)."""
-  keep = {p: data.get(p.split(".")[0], {}).get(p.split(".")[1]) for p in RL_FIELDS_READ_BY_WARM_START}
-  return hash_dict({"config": _without(data, RL_ONLY_FIELDS), "kept": keep})
+  """Units with equal keys compute the identical warm start: the hash of the settings it reads, the record its
+  cache keeps (vcpo_jax/job/warm_start_cache.py), so sharing and the job's own reuse check agree."""
+  return hash_dict(warm_start_cache.warm_start_settings(data))
 
 
 @dataclasses.dataclass

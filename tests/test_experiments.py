@@ -90,6 +90,20 @@ def test_warm_start_key_ignores_rl_only_fields_but_not_seed(tmp_path):
   assert _unit(tmp_path, seed=1).warm_start_key != base.warm_start_key
   assert _unit(tmp_path, **{"rl.max_new_tokens": 6}).warm_start_key != base.warm_start_key
   assert _unit(tmp_path, **{"optim.weight_decay": 0.0}).warm_start_key != base.warm_start_key
+  # Only the chosen task's options are read: another task's never change the key, the chosen one's do.
+  assert base.config["task"]["name"] == "countdown"
+  assert _unit(tmp_path, **{"task.options.arithmetic.max_digits": 5}).warm_start_key == base.warm_start_key
+  assert _unit(tmp_path, **{"task.options.countdown.max_number": 30}).warm_start_key != base.warm_start_key
+
+
+def test_a_donor_recorded_before_a_config_field_existed_still_matches(tmp_path):
+  """A root launched at an older commit records configs without fields added since (here: an option of
+  another task); its warm starts are still the same inputs, so they still donate."""
+  base = _unit(tmp_path)
+  older = json.loads(json.dumps(base.config))
+  older["task"]["options"]["arithmetic"].pop("max_digits")
+  older["optim"]["schedule"] = {"name": "cosine"}  # an RL-only field that differs is irrelevant too
+  assert workunit.warm_start_key(older) == base.warm_start_key
 
 
 @pytest.mark.integration

@@ -5,27 +5,32 @@ import os
 import pytest
 
 from configs import tiny
-from vcpo_jax.job import warm_start
+from vcpo_jax.job import warm_start, warm_start_cache
 
 
 def test_settings_are_flat_dotted_json_values():
   c = tiny.get_config()
-  s = warm_start.warm_start_settings(c)
+  s = warm_start_cache.warm_start_settings(c)
   assert s["seed"] == c.seed and s["rl.max_new_tokens"] == c.rl.max_new_tokens
   assert s["sft.steps"] == c.sft.steps and s["task.eval_size"] == c.task.eval_size
   assert s["model.num_layers"] == c.model.num_layers
   assert json.loads(json.dumps(s)) == s
   assert s["optim.weight_decay"] == c.optim.weight_decay  # the warm start's AdamW reads it
   assert not any(k.startswith(("rl.max_lag", "optim.learning_rate", "algo.")) for k in s)  # the RL phase's own
+  assert [k for k in s if k.startswith("task.options.")] == [
+      f"task.options.{c.task.name}.{f}" for f in c.task.options[c.task.name]]  # not the other tasks' options
+  assert warm_start_cache.warm_start_settings(c.to_dict()) == s  # the launcher's JSON data gives the same
 
 
 def test_a_changed_field_is_named_with_both_values():
   cached = {"seed": 0, "task.eval_samples": 1}
-  warm_start.check_cached_settings(cached, dict(cached), "W/base/warm_start_settings.json")
+  warm_start_cache.check_cached_settings(cached, dict(cached), "W/base/warm_start_settings.json")
   with pytest.raises(ValueError, match=r"task\.eval_samples=1 but this run asks task\.eval_samples=4"):
-    warm_start.check_cached_settings(cached, {"seed": 0, "task.eval_samples": 4}, "W")
+    warm_start_cache.check_cached_settings(cached, {"seed": 0, "task.eval_samples": 4}, "W")
   with pytest.raises(ValueError, match=r"made with sft\.steps=None .* asks sft\.steps=5"):
-    warm_start.check_cached_settings(cached, {**cached, "sft.steps": 5}, "W")
+    warm_start_cache.check_cached_settings(cached, {**cached, "sft.steps": 5}, "W")
+  # A field the cache recorded that this run no longer reads does not matter.
+  warm_start_cache.check_cached_settings({**cached, "task.options.arithmetic.ops": "+"}, dict(cached), "W")
 
 
 @pytest.mark.slow

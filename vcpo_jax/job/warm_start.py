@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from vcpo_jax.job import data
 from vcpo_jax.job.configuration import build_optimizer, build_task, validate_config
 from vcpo_jax.job.evaluation import evaluate
+from vcpo_jax.job.warm_start_cache import check_cached_settings, warm_start_settings
 from vcpo_jax.learner import train_state
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
@@ -26,35 +27,6 @@ def starting_point(config):
   task = build_task(config, render_prompt=tok.chat_prompt)
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
   return model_cfg, tok, task, eval_examples
-
-
-def warm_start_settings(config) -> dict:
-  """The fields the warm start and its evaluation read, flattened to dotted names (JSON values)."""
-  read = {"seed": config.seed, "rl.max_new_tokens": config.rl.max_new_tokens}
-  # The warm start's AdamW (configuration.build_optimizer(sft=True)) reads these; its lr is sft.learning_rate.
-  read.update({f"optim.{k}": config.optim[k] for k in ("b1", "b2", "eps", "weight_decay", "max_grad_norm")})
-  for section in ("model", "sft", "task"):
-    read.update(_flatten(config[section].to_dict(), section))
-  return json.loads(json.dumps(read))  # tuples -> lists, as they read back from the file
-
-
-def _flatten(d: dict, prefix: str) -> dict:
-  out = {}
-  for key, value in d.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}.{key}"))
-    else:
-      out[f"{prefix}.{key}"] = value
-  return out
-
-
-def check_cached_settings(cached: dict, asked: dict, path: str) -> None:
-  """A cached warm start made under other settings is refused (naming the field and both values), not reused:
-  its base accuracy would be measured on another evaluation, or its weights come from another SFT."""
-  for field in sorted(set(cached) | set(asked)):
-    if cached.get(field) != asked.get(field):
-      raise ValueError(f"{path} was made with {field}={cached.get(field)!r} but this run asks "
-                       f"{field}={asked.get(field)!r}: use a new workdir, or the cached value")
 
 
 def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tuple[str, dict]:
