@@ -28,7 +28,6 @@ LOG = "log.txt"                # the unit's stdout + stderr (experiments.run_uni
 WARM_START_MARKER = os.path.join("base", "warm_start.json")  # the job's warm-start cache marker
 
 
-
 def flag_value(value: Any) -> str:
   """A value as `--config.x=<value>` expects it: strings raw (config_flags keeps quotes literally)."""
   if isinstance(value, str):

@@ -101,9 +101,10 @@ class EmulatedBackend(backend.RolloutBackend):
   """The lag emulator behind the backend seam: step t draws rl.prompts_per_step prompts and trains on groups
   sampled (and scored, right where they are generated) with the params of step t - k. No servers.
 
-  Each checkpoint also saves the ring's versions (WORKDIR/emulation_ring, at most k + 1 + checkpoint_every
-  copies of the params on disk between two checkpoints): a resumed run samples from the same past policies as
-  an uninterrupted one, instead of ramping its lag up again from 0.
+  Each checkpoint also saves the ring's past versions (WORKDIR/emulation_ring: the k before the checkpoint's
+  own, whose params the train state holds, and the previous checkpoint's k until the next one commits; none at
+  k = 0): a resumed run samples from the same past policies as an uninterrupted one, instead of ramping its lag
+  up again from 0.
   """
 
   def __init__(self, emulator: LagEmulator, ctx: backend.RolloutContext, *, batch_groups: int):
@@ -133,12 +134,12 @@ class EmulatedBackend(backend.RolloutBackend):
     return cls(emulator, ctx, batch_groups=rl.prompts_per_step)
 
   def state_dict(self) -> dict:
-    """Saves the ring's versions (called at each checkpoint, with the prompt iterator's state)."""
-    versions = self.emulator.versions
-    for v in versions:
+    """Saves the ring's past versions (called at each checkpoint, with the prompt iterator's state)."""
+    past = self.emulator.versions[:-1]  # the newest is the checkpoint's own train state
+    for v in past:
       self.store.save(v, self.emulator.params(v))
-    self.store.prune(versions)
-    return {"ring_versions": versions}
+    self.store.prune(past)
+    return {"ring_versions": past}
 
   def load_state_dict(self, state: dict) -> None:
     self._restore_versions = [int(v) for v in state.get("ring_versions", [])]
