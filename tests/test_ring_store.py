@@ -35,13 +35,12 @@ def test_load_names_the_parameter_that_does_not_fit(tmp_path):
     store.load(1, like=other)
 
 
-def test_available_is_the_newest_consecutive_run_and_prune_keeps_two_checkpoints(tmp_path):
+def test_available_is_the_newest_consecutive_run_and_prune_keeps_only_what_it_is_told(tmp_path):
   store = ring_store.RingStore(str(tmp_path))
   for v in (3, 5, 6):
     store.save(v, _params(v))
   assert store.available([3, 4, 5, 6]) == [5, 6]  # 4 is missing: only what follows it is usable
   store.prune([5, 6])
-  store.prune([6])  # the previous checkpoint's 5 survives a second prune, 3 did not survive the first
   assert sorted(os.listdir(tmp_path)) == ["v5.npz", "v6.npz"]
   store.prune([6])
   assert sorted(os.listdir(tmp_path)) == ["v6.npz"]
@@ -81,6 +80,32 @@ def test_resumed_backend_samples_from_the_same_past_versions(tmp_path):
   before, state = asyncio.run(run(_backend(str(tmp_path / "b"), resumed_used), 0, 6))
   assert state == {"ring_versions": [3, 4, 5]}  # 6 is the train state's own
   assert sorted(os.listdir(tmp_path / "b" / "emulation_ring")) == ["v3.npz", "v4.npz", "v5.npz"]
-  after, _ = asyncio.run(run(_backend(str(tmp_path / "b"), resumed_used), 6, 10, state))
+  after, state = asyncio.run(run(_backend(str(tmp_path / "b"), resumed_used), 6, 10, state))
   assert before + after == straight
   assert resumed_used == straight_used == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+  # The resumed run's first checkpoint keeps the one it resumed from (a failed write would fall back to it);
+  # the next one drops it.
+  assert state == {"ring_versions": [7, 8, 9]}
+  assert sorted(os.listdir(tmp_path / "b" / "emulation_ring")) == [f"v{v}.npz" for v in (3, 4, 5, 7, 8, 9)]
+
+
+def test_the_previous_checkpoints_versions_survive_until_the_next_one(tmp_path):
+  rollouts = _backend(str(tmp_path), [])
+
+  async def to(version):
+    await rollouts.publish(version, _params(version))
+
+  async def run():
+    await rollouts.start(0, _params(0))
+    for v in range(1, 7):
+      await to(v)
+    first = rollouts.state_dict()  # past versions 3, 4, 5
+    await to(7)
+    second = rollouts.state_dict()  # 4, 5, 6; 3 is the previous checkpoint's: kept
+    await to(8)
+    third = rollouts.state_dict()  # 5, 6, 7; the previous is 4, 5, 6: 3 goes
+    return first, second, third
+
+  first, second, third = asyncio.run(run())
+  assert [s["ring_versions"] for s in (first, second, third)] == [[3, 4, 5], [4, 5, 6], [5, 6, 7]]
+  assert sorted(os.listdir(tmp_path / "emulation_ring")) == [f"v{v}.npz" for v in (4, 5, 6, 7)]

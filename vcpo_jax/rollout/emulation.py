@@ -110,7 +110,7 @@ class EmulatedBackend(backend.RolloutBackend):
   def __init__(self, emulator: LagEmulator, ctx: backend.RolloutContext, *, batch_groups: int):
     self.emulator, self.ctx, self.batch_groups = emulator, ctx, batch_groups
     self.store = ring_store.RingStore(os.path.join(ctx.workdir, "emulation_ring"))
-    self._restore_versions: list[int] = []
+    self._checkpoint_versions: list[int] = []  # the past versions the latest checkpoint (saved or restored) names
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "EmulatedBackend":
@@ -138,15 +138,17 @@ class EmulatedBackend(backend.RolloutBackend):
     past = self.emulator.versions[:-1]  # the newest is the checkpoint's own train state
     for v in past:
       self.store.save(v, self.emulator.params(v))
-    self.store.prune(past)
+    # The previous checkpoint's versions stay until this one commits: a failed write must not orphan them.
+    self.store.prune(set(past) | set(self._checkpoint_versions))
+    self._checkpoint_versions = past
     return {"ring_versions": past}
 
   def load_state_dict(self, state: dict) -> None:
-    self._restore_versions = [int(v) for v in state.get("ring_versions", [])]
+    self._checkpoint_versions = [int(v) for v in state.get("ring_versions", [])]
 
   async def start(self, version: int, params: Any) -> None:
     # The checkpoint's ring ends at `version` (the restored params): load the consecutive versions before it.
-    for v in self.store.available([v for v in self._restore_versions if v < version]):
+    for v in self.store.available([v for v in self._checkpoint_versions if v < version]):
       self.emulator.push(v, self.store.load(v, like=params))
     self.emulator.push(version, params)
 

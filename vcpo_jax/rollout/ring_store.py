@@ -14,12 +14,10 @@ import numpy as np
 class RingStore:
   """One `v{version}.npz` per saved version under `directory` (leaves by tree path; dtypes numpy lacks, such
   as bfloat16, stored as same-width unsigned ints with the dtype's name beside them). A file is written once,
-  atomically (temporary name, then rename); `prune` keeps what the last two checkpoints name, so a failed
-  checkpoint write leaves the previous checkpoint's versions in place."""
+  atomically (temporary name, then rename)."""
 
   def __init__(self, directory: str):
     self.directory = directory
-    self._previous: set[int] = set()
 
   def path(self, version: int) -> str:
     return os.path.join(self.directory, f"v{version}.npz")
@@ -70,10 +68,8 @@ class RingStore:
     return sorted(have)
 
   def prune(self, keep: Iterable[int]) -> None:
-    """Deletes saved versions that neither this checkpoint nor the previous one names."""
+    """Deletes every saved version not in `keep`."""
     keep = set(keep)
     for f in os.listdir(self.directory) if os.path.isdir(self.directory) else []:
-      if f.startswith("v") and f.endswith(".npz") and f[1:-4].isdigit():
-        if int(f[1:-4]) not in keep | self._previous:
-          os.remove(os.path.join(self.directory, f))
-    self._previous = keep
+      if f.startswith("v") and f.endswith(".npz") and f[1:-4].isdigit() and int(f[1:-4]) not in keep:
+        os.remove(os.path.join(self.directory, f))
