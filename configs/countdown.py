@@ -151,6 +151,16 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       server_cpus="",
   ))
 
+  # The task's reward as rollouts and evaluations compute it: off the rollout event loop, in a pool (thread:
+  # in-process, for trusted fast rewards; process: worker processes, killable, for slow or untrusted verifiers).
+  # A reward that raises, times out or is not a finite number scores 0 and is counted (reward/errors/<kind>).
+  c.reward = ml_collections.ConfigDict(dict(
+      pool="thread",           # inline | thread | process
+      workers=2,               # concurrent reward calls
+      timeout_s=30.0,          # per call
+      memory_mb=0,             # process pool: address-space limit per worker (0 = none)
+  ))
+
   c.eval_every = 20
   c.checkpoint_every = 10
   c.log_every = 1

@@ -1,9 +1,16 @@
 """Rollout groups -> the learner's RLBatch: alignment of tokens, masks, log-probs, versions; bad input rejected."""
+import asyncio
+
 import numpy as np
 import pytest
 
 from vcpo_jax.learner.batch import RLBatch, check_batch
-from vcpo_jax.rollout import batching, types
+from vcpo_jax.rollout import batching, rewards, types
+
+
+def score(group, reward_fn, decode=str):
+  """The group scored as a backend scores it (the job's Rewarder, here on the calling thread)."""
+  return asyncio.run(rewards.inline(reward_fn, decode).score_group(group))
 
 
 def _group(index, prompt, outputs, versions, lag):
@@ -20,7 +27,7 @@ def _group(index, prompt, outputs, versions, lag):
 def test_rows_are_aligned_and_padded():
   groups = [_group(7, [1, 2, 3], [[4, 5], [6]], [[0, 1], [1]], 1), _group(9, [8], [[9, 9, 9], [5]], [[2, 2, 2], [2]], 0)]
   for g in groups:
-    types.score_group(g, lambda ex, ids: (float(len("".join(map(str, ids))) == ex["want"]), str(ids)))
+    score(g, lambda ex, text: float(len(text) == ex["want"]), decode=lambda ids: "".join(map(str, ids)))
   arr = batching.groups_to_batch(groups, seq_len=6, pad_id=0, num_rows=6, vocab_size=10)
   np.testing.assert_array_equal(arr.tokens_BxT[0], [1, 2, 3, 4, 5, 0])
   np.testing.assert_array_equal(arr.mask_BxT[0], [0, 0, 0, 1, 1, 0])
@@ -37,7 +44,7 @@ def test_rows_are_aligned_and_padded():
 
 def test_bad_rows_are_rejected_with_the_reason():
   kw = dict(seq_len=6, pad_id=0, vocab_size=10)
-  scored = lambda g: types.score_group(g, lambda e, ids: (0.0, ""))  # noqa: E731
+  scored = lambda g: score(g, lambda e, text: 0.0)  # noqa: E731
   with pytest.raises(ValueError, match="token id 12"):
     batching.groups_to_batch([scored(_group(0, [1], [[12]], [[0]], 0))], **kw)
   bad = scored(_group(3, [1], [[2, 3]], [[0, 0]], 0))
@@ -55,7 +62,7 @@ def test_unscored_groups_are_rejected():
 
 
 def test_batch_is_the_learners_type():
-  g = types.score_group(_group(0, [1], [[2]], [[0]], 0), lambda e, ids: (1.0, ""))
+  g = score(_group(0, [1], [[2]], [[0]], 0), lambda e, text: 1.0)
   batch = batching.groups_to_batch([g], seq_len=4, pad_id=0, num_rows=2)
   assert isinstance(batch, RLBatch)
   check_batch(batch)
@@ -66,7 +73,7 @@ def _scored_groups():
   groups = [_group(7, [1, 2, 3], [[4, 5], [6]], [[0, 1], [1]], 1), _group(9, [8], [[9, 9, 9], [5]], [[2, 2, 2], [2]], 0)]
   groups[1].samples[0].output_mask = np.asarray([1, 0, 1], np.float32)  # a tool-output token inside
   for g in groups:
-    types.score_group(g, lambda ex, ids: (float(len(ids)) / 4, str(ids)))
+    score(g, lambda ex, ids: float(len(ids)) / 4, decode=list)
   return groups
 
 

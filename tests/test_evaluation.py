@@ -4,8 +4,8 @@ import pytest
 
 from vcpo_jax import tasks
 from vcpo_jax.job import evaluation
-from vcpo_jax.model.tokenizer import build_tokenizer
-from vcpo_jax.rollout import types
+from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
+from vcpo_jax.rollout import rewards, types
 
 
 def test_sampled_accuracy_averages_every_draw_of_every_problem(monkeypatch):
@@ -26,7 +26,8 @@ def test_sampled_accuracy_averages_every_draw_of_every_problem(monkeypatch):
     return out
 
   monkeypatch.setattr(evaluation.sampling, "generate", generate)
-  got = evaluation.evaluate(None, None, tok, task, examples, max_new_tokens=8, seed=0, samples=4)
+  rewarder = rewards.inline(task.reward_function(), lambda ids: completion_text(tok, ids))
+  got = evaluation.evaluate(None, None, tok, task, examples, rewarder=rewarder, max_new_tokens=8, seed=0, samples=4)
   assert got == {"eval/greedy_accuracy": 1.0, "eval/sampled_accuracy": 0.5}
   (t0, greedy), (t1, sampled) = calls
   assert (t0, t1) == (0.0, 1.0) and len(greedy) == 3 and len(sampled) == 12
@@ -37,5 +38,5 @@ def test_sampled_accuracy_averages_every_draw_of_every_problem(monkeypatch):
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_sample_count_names_the_field(bad):
   with pytest.raises(ValueError, match="task.eval_samples"):
-    evaluation.evaluate(None, None, build_tokenizer(), tasks.get_task("countdown"), [], max_new_tokens=8, seed=0,
-                        samples=bad)
+    evaluation.evaluate(None, None, build_tokenizer(), tasks.get_task("countdown"), [], rewarder=None,
+                        max_new_tokens=8, seed=0, samples=bad)

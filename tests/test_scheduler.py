@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vcpo_jax.rollout import scheduler as sched_lib
+from vcpo_jax.rollout import rewards, scheduler as sched_lib
 
 
 @dataclasses.dataclass
@@ -265,13 +265,14 @@ def test_emulated_backend_scores_groups_where_it_generates():
 
   def score(example, output_ids):
     scored.append(example["index"])
-    return float(output_ids[0] % 2), str(output_ids)
+    return float(output_ids[0] % 2)
 
   def generate(params, prompts, seeds):
     return [_Row([params % 50, seed % 7], [-0.5, -0.25]) for seed in seeds]
 
   ctx = backend.RolloutContext(model_cfg=None, tokenizer=None, prompts=iter(
-      {"prompt_ids": [1, 2], "index": i} for i in range(100)), score=score, workdir="", batch_rows=4)
+      {"prompt_ids": [1, 2], "index": i} for i in range(100)), rewarder=rewards.inline(score, decode=list),
+      workdir="", batch_rows=4)
   rollouts = emulation.EmulatedBackend(emulation.LagEmulator(generate, max_lag=1, group_size=2, seed=0), ctx,
                                        batch_groups=2)
 

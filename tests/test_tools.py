@@ -12,7 +12,7 @@ from vcpo_jax import tasks
 from vcpo_jax.job import configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import batching, episodes, types
+from vcpo_jax.rollout import batching, episodes, rewards, types
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
@@ -160,7 +160,7 @@ def test_hand_built_episode_masks_logprobs_versions_and_lag():
   group = types.Group(index=0, example={"prompt_ids": PROMPT}, start_version=5, deadline=7, samples=[sample])
   group.sample_lags = [types.sample_lag(sample, 8, group.start_version)]
   assert group.sample_lags == [3]  # learner version 8 - the oldest generated token's version 5
-  types.score_group(group, lambda ex, ids: (1.0, completion_text(TOK, ids)))
+  asyncio.run(rewards.inline(lambda ex, text: 1.0, lambda ids: completion_text(TOK, ids)).score_group(group))
   assert group.completions[0] == plain(turn1 + REPLY("6") + "<answer>2*3</answer>")
   batch = batching.groups_to_batch([group], seq_len=len(PROMPT) + 80, pad_id=TOK.pad_id, num_rows=2)
   P, L = len(PROMPT), len(sample.output_ids)

@@ -267,6 +267,7 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   from vcpo_jax.model import hf
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
+  from vcpo_jax.rollout.rewards import Rewarder
   # Both chosen by name from the config, as a user would: the registries are the only seams.
   config = tiny_config(**{"rl.steps": 2, "eval_every": 100, "rl.mode": "test_fixed"})
   config.task.name = CountingCountdown.name
@@ -279,13 +280,15 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   assert isinstance(task, CountingCountdown)
   CountingCountdown.reward_calls = 0
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
+  rewarder = Rewarder.for_task(task, tok, config.reward)
   run = train.RLRun(config, str(tmp_path), cfg, tok, task, base_dir, eval_examples,
-                    {"eval/greedy_accuracy": 0.0, "eval/sampled_accuracy": 0.0})
+                    {"eval/greedy_accuracy": 0.0, "eval/sampled_accuracy": 0.0}, rewarder)
   rewards = [0.25, 0.75]  # no countdown verifier gives these
   try:
     asyncio.run(train.rl_loop(run, run.make_backend()))
   finally:
     run.close()
+    rewarder.close()
   rollouts = BUILT[-1]
   assert rollouts.ctx.task is task  # the backend's context carries the task
   assert rollouts.calls == [("start", 0), ("next_groups", 0), ("publish", 1), ("next_groups", 1), ("publish", 2),

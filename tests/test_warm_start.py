@@ -6,6 +6,7 @@ import pytest
 
 from configs import tiny
 from vcpo_jax.job import warm_start, warm_start_cache
+from vcpo_jax.rollout.rewards import Rewarder
 
 
 def test_settings_are_flat_dotted_json_values():
@@ -37,12 +38,13 @@ def test_a_changed_field_is_named_with_both_values():
 def test_cache_is_reused_then_refused_under_other_settings_and_kept(tmp_path):
   c = tiny.get_config()
   model_cfg, tok, task, examples = warm_start.starting_point(c)
-  base_dir, info = warm_start.warm_start(c, str(tmp_path), model_cfg, tok, task, examples)
+  rewarder = Rewarder.for_task(task, tok, c.reward)
+  base_dir, info = warm_start.warm_start(c, str(tmp_path), model_cfg, tok, task, examples, rewarder)
   marker = os.path.join(base_dir, "warm_start.json")
   mtime = os.path.getmtime(marker)
-  again_dir, again = warm_start.warm_start(c, str(tmp_path), model_cfg, tok, task, examples)
+  again_dir, again = warm_start.warm_start(c, str(tmp_path), model_cfg, tok, task, examples, rewarder)
   assert (again_dir, again) == (base_dir, info) and os.path.getmtime(marker) == mtime  # no second SFT
   c.task.eval_samples = 3
   with pytest.raises(ValueError, match=r"task\.eval_samples=.* but this run asks task\.eval_samples=3"):
-    warm_start.warm_start(c, str(tmp_path), model_cfg, tok, task, examples)
+    warm_start.warm_start(c, str(tmp_path), model_cfg, tok, task, examples, rewarder)
   assert os.path.getmtime(marker) == mtime and os.path.exists(os.path.join(base_dir, "config.json"))

@@ -1,30 +1,18 @@
-"""Rewards for generated token ids (the rollout score function) and held-out greedy/sampled accuracy."""
+"""Held-out greedy/sampled accuracy, the completions scored by the job's Rewarder."""
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import episodes
 
 
-def make_score_fn(task, tok) -> Callable[[dict, list[int]], tuple[float, str]]:
-  """(example, output_ids) -> (reward, decoded response): what rollout backends apply to each sample."""
-  def score(example: dict, output_ids) -> tuple[float, str]:
-    text = completion_text(tok, output_ids)
-    return float(task.reward(example, text)), text
-  return score
-
-
-def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, seed: int,
+def evaluate(params, model_cfg, tok, task, examples, *, rewarder, max_new_tokens: int, seed: int,
              samples: int = 1) -> dict[str, float]:
   """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process; the sampled one
   averages `samples` draws per problem (one standard error shrinks with the draws, not only the problems)."""
   if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
     raise ValueError(f"task.eval_samples must be an int >= 1, got {samples!r}")
-  score = make_score_fn(task, tok)
   runner = episodes.runner_for(task, tok, max_new_tokens=max_new_tokens)  # tool tasks: multi-turn episodes
   out = {}
   for name, temperature, draws in (("greedy", 0.0, 1), ("sampled", 1.0, samples)):
@@ -36,6 +24,6 @@ def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, see
     else:
       seeds = np.random.default_rng([seed, 0xE7A1]).integers(2**31 - 1, size=len(prompts)).tolist()
       results = runner.run_local(params, model_cfg, prompts, seeds, temperature=temperature)
-    rewards = [score(e, r.output_ids)[0] for e, r in zip(batch, results)]
+    rewards = rewarder.score_blocking(batch, [r.output_ids for r in results])
     out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
   return out

@@ -12,6 +12,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from vcpo_jax.job import warm_start
+from vcpo_jax.rollout.rewards import Rewarder
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -25,7 +26,12 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
   model_cfg, tok, task, eval_examples = warm_start.starting_point(config)
-  base_dir, _ = warm_start.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples)
+  rewarder = Rewarder.for_task(task, tok, config.get("reward"))
+  try:
+    base_dir, _ = warm_start.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples,
+                                        rewarder)
+  finally:
+    rewarder.close()
   print(base_dir)
 
 

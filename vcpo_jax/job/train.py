@@ -16,7 +16,6 @@ from vcpo_jax.job import data
 from vcpo_jax.job import metrics as metrics_lib
 from vcpo_jax.job import multihost
 from vcpo_jax.job.configuration import build_optimizer, learner_config
-from vcpo_jax.job.evaluation import make_score_fn
 from vcpo_jax.job.warm_start import evaluate_as_job, starting_point, warm_start
 from vcpo_jax.learner import step as learner
 from vcpo_jax.learner import train_state
@@ -25,6 +24,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
 from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model
+from vcpo_jax.rollout.rewards import Rewarder
 from vcpo_jax.rollout.publisher import PublishError
 
 
@@ -38,8 +38,10 @@ def due(step: int, every: int, last_step: int) -> bool:
 class RLRun:
   """Learner-side state of the RL phase and everything done between two learner steps."""
 
-  def __init__(self, config, workdir: str, model_cfg, tok, task, base_dir: str, eval_examples, base_info):
+  def __init__(self, config, workdir: str, model_cfg, tok, task, base_dir: str, eval_examples, base_info,
+               rewarder: Rewarder):
     self.config, self.workdir, self.model_cfg = config, workdir, model_cfg
+    self.rewarder = rewarder  # the task's reward and its pool: rollouts and evaluations score with it
     self.tok, self.task, self.eval_examples, self.base_info = tok, task, eval_examples, base_info
     rl = config.rl
     # Many hosts: process 0 (the leader) alone drives rollouts, data, evaluation and files (multihost.py).
@@ -89,7 +91,7 @@ class RLRun:
   def rollout_context(self) -> backend_lib.RolloutContext:
     return backend_lib.RolloutContext(
         model_cfg=self.model_cfg, tokenizer=self.tok, prompts=self.prompts,
-        score=make_score_fn(self.task, self.tok), workdir=self.workdir, batch_rows=self.batch_rows,
+        rewarder=self.rewarder, workdir=self.workdir, batch_rows=self.batch_rows,
         task=self.task)
 
   def make_backend(self) -> backend_lib.RolloutBackend:
@@ -133,6 +135,7 @@ class RLRun:
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
     scalars = {**step_metrics, **batching.batch_metrics(groups, seconds), **episodes.metrics(groups), **extra,
+               **self.rewarder.stats(),
                **lag_model.lag_metrics(groups, rl.get("max_lag"))}  # the step's lag histogram, every mode
     for key, value in step_metrics.items():
       arr = np.asarray(value)
@@ -140,7 +143,7 @@ class RLRun:
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
     if eval_now:
       self.last_eval = evaluate_as_job(self.config, self.host_params("eval"), self.model_cfg, self.tok, self.task,
-                                 self.eval_examples)
+                                       self.eval_examples, self.rewarder)
       scalars.update(self.last_eval)
       logging.info("step %d eval %s", self.step, self.last_eval)
     if due(self.step, self.config.log_every, rl.steps) or eval_now:
@@ -203,13 +206,13 @@ def _host_params(config) -> bool:
   return backend_lib.needs(config, "host_params")
 
 
-def _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples):
+def _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples, rewarder):
   """The leader warm-starts (or finds the cached result); the other processes wait, then read its cache."""
   if processes.is_leader():
-    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples)
+    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples, rewarder)
   processes.barrier("warm_start", _distributed_timeout(config))
   if not processes.is_leader():
-    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples)  # cached by now
+    out = warm_start(config, workdir, model_cfg, tok, task, eval_examples, rewarder)  # cached by now
   return out
 
 
@@ -222,18 +225,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if leader:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  base_dir, base_info = _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples)
-  logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",
-               base_info["eval/greedy_accuracy"], base_info["eval/sampled_accuracy"])
-  run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info)
+  rewarder = Rewarder.for_task(task, tok, config.get("reward"))  # the one reward object of the job
   try:
-    run_rl_loop(run)
+    base_dir, base_info = _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples, rewarder)
+    logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",
+                 base_info["eval/greedy_accuracy"], base_info["eval/sampled_accuracy"])
+    run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info, rewarder)
+    try:
+      run_rl_loop(run)
+    finally:
+      run.close()
+    final = run.last_eval
+    if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
+      params = run.host_params("final")
+      final = evaluate_as_job(config, params, model_cfg, tok, task, eval_examples, rewarder) if leader else {}
   finally:
-    run.close()
-  final = run.last_eval
-  if run.eval_step != run.step:  # resumed after the last step: evaluate here (the others join the gathers)
-    params = run.host_params("final")
-    final = evaluate_as_job(config, params, model_cfg, tok, task, eval_examples) if leader else {}
+    rewarder.close()
   result = {"base": {k: base_info[k] for k in base_info if k.startswith("eval/")}, "final": final,
             "steps": run.step}
   if leader:

@@ -29,7 +29,7 @@ def starting_point(config):
   return model_cfg, tok, task, eval_examples
 
 
-def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tuple[str, dict]:
+def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples, rewarder) -> tuple[str, dict]:
   """SFT on deliberately imperfect solutions; the result is cached as a HF directory in workdir/base, with the
   settings that made it (a rerun under other settings is refused; caches without that record are trusted)."""
   base_dir = os.path.join(workdir, "base")
@@ -58,7 +58,7 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
     if step % 50 == 0 or step == config.sft.steps - 1:
       logging.info("sft step %d/%d loss %.4f", step + 1, config.sft.steps, float(sft_metrics["loss"]))
   params = jax.device_get(state.params)
-  info = evaluate_as_job(config, params, model_cfg, tok, task, eval_examples)
+  info = evaluate_as_job(config, params, model_cfg, tok, task, eval_examples, rewarder)
   info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
                "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
   # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
@@ -72,7 +72,8 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples) -> tup
   return base_dir, info
 
 
-def evaluate_as_job(config, params, model_cfg, tok, task, eval_examples) -> dict:
+def evaluate_as_job(config, params, model_cfg, tok, task, eval_examples, rewarder) -> dict:
   """Held-out accuracy as every evaluation of the job measures it (budget, seed, draws per problem)."""
-  return evaluate(params, model_cfg, tok, task, eval_examples, max_new_tokens=config.rl.max_new_tokens,
+  return evaluate(params, model_cfg, tok, task, eval_examples, rewarder=rewarder,
+                  max_new_tokens=config.rl.max_new_tokens,
                   seed=config.seed, samples=config.task.get("eval_samples", 1))

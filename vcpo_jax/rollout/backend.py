@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import ml_collections
 
 from vcpo_jax import registry
-from vcpo_jax.rollout.types import Group, ScoreFn
+from vcpo_jax.rollout.rewards import Rewarder
+from vcpo_jax.rollout.types import Group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,7 @@ class RolloutContext:
   model_cfg: Any  # model.ModelConfig: vocab size, exports
   tokenizer: Any  # stop/pad ids, exported with the weights
   prompts: Iterator[dict]  # the job's prompt iterator; checkpointed with the backend's state_dict
-  score: ScoreFn  # (example, output_ids) -> (reward, text); backends apply it as each group completes
+  rewarder: Rewarder  # the task's reward and its pool; backends score each group as it completes
   workdir: str  # weights, server logs, caches go under it
   batch_rows: int  # learner rows per step (servers batch at least this many)
   task: Any = None  # the job's tasks.Task (multi-turn backends take its tool environment from it)

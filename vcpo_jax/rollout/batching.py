@@ -88,7 +88,7 @@ def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_r
   poison the whole batch silently."""
   for g in groups:
     if g.rewards is None or len(g.rewards) != len(g.samples):
-      raise ValueError(f"group {g.index} is not scored: backends call types.score_group as a group completes")
+      raise ValueError(f"group {g.index} is not scored: backends score each group with the job's Rewarder as it completes")
     if len(g.sample_lags) != len(g.samples):
       raise ValueError(f"group {g.index} has {len(g.sample_lags)} sample_lags for {len(g.samples)} samples")
   rows = [(gi, g, j) for gi, g in enumerate(groups) for j in range(len(g.samples))]

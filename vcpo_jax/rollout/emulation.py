@@ -156,7 +156,7 @@ class EmulatedBackend(backend.RolloutBackend):
     examples = [next(self.ctx.prompts) for _ in range(self.batch_groups)]
     # In a worker thread, so the event loop (and Ctrl-C) stays responsive during generation.
     groups = await asyncio.to_thread(self.emulator.rollout, version, examples)
-    return [types.score_group(g, self.ctx.score) for g in groups]
+    return list(await asyncio.gather(*(self.ctx.rewarder.score_group(g) for g in groups)))
 
   async def publish(self, version: int, params: Any) -> None:
     self.emulator.push(version, params)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import time
 from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence
 
@@ -106,7 +107,9 @@ class RolloutScheduler:
         raise RuntimeError(f"generate returned {len(samples)} samples, group_size is {self.group_size}")
       group.samples = list(samples)
       if self._on_complete is not None:
-        self._on_complete(group)
+        done = self._on_complete(group)
+        if inspect.isawaitable(done):  # e.g. scoring in the reward pool: the loop runs on meanwhile
+          await done
       self._ready.add(group.index)
     except asyncio.CancelledError:
       raise

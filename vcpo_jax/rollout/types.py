@@ -1,8 +1,8 @@
-"""Rollout types every backend shares: one completed generation (Sample), one prompt's group, its scoring."""
+"""Rollout types every backend shares: one completed generation (Sample) and one prompt's group."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -51,25 +51,12 @@ class Group:
   samples: list = dataclasses.field(default_factory=list)  # Sample-like: .token_versions
   consumed_version: Optional[int] = None
   sample_lags: list[int] = dataclasses.field(default_factory=list)  # consumed_version - oldest token version
-  rewards: Optional[list[float]] = None  # one per sample, set by score_group when the group completes
+  rewards: Optional[list[float]] = None  # one per sample, set by rewards.Rewarder when the group completes
   completions: Optional[list[str]] = None  # decoded responses (host-side record, for logs and debugging)
 
   @property
   def prompt_ids(self) -> list[int]:
     return [int(t) for t in self.example["prompt_ids"]]
-
-
-# (example, output_ids) -> (reward, decoded response): the task's verifier behind the job's tokenizer.
-ScoreFn = Callable[[dict, list[int]], tuple[float, str]]
-
-
-def score_group(group: Group, score: ScoreFn) -> Group:
-  """Rewards every sample of a completed group; backends call it as each group completes, so scoring
-  overlaps generation and the learner step instead of sitting between them."""
-  scored = [score(group.example, list(s.output_ids)) for s in group.samples]
-  group.rewards = [float(reward) for reward, _ in scored]
-  group.completions = [text for _, text in scored]
-  return group
 
 
 def sample_lag(sample: Any, consumed_version: int, start_version: int) -> int:

@@ -108,6 +108,16 @@ class Task(abc.ABC):
   def wrong_completion(self, example: Example, rng: np.random.Generator) -> str:
     """A plausible completion with reward 0."""
 
+  def reward_function(self) -> Callable[[Example, str], float]:
+    """(example, completion) -> reward, as the job's reward pool calls it (config section `reward`). A task
+    whose reward may run in worker processes (reward.pool='process') returns a picklable function here."""
+    return self.reward
+
+  def reward_initializer(self) -> Callable[[], Any] | None:
+    """A picklable no-argument function each reward worker process runs once before its first call (e.g. to
+    import a verifier's heavy dependencies outside the per-call timeout), or None."""
+    return None
+
   def environment(self):
     """The tool environment of a multi-turn task (e.g. tasks.calculator.Calculator), or None: single turn."""
     return None

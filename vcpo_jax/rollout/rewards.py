@@ -1,0 +1,89 @@
+"""The task's reward as the rollout side applies it: one object, built once per job, scoring off the event loop.
+
+A task gives a reward function `(example, completion_text) -> float` (`Task.reward_function()`); the job wraps
+it here with the tokenizer's decoding and a `CallPool` (config section `reward`), and hands the one `Rewarder`
+to the rollout backend (which scores each group as it completes) and to the evaluation. A reward that raises,
+times out, kills its worker or is not a finite number scores 0 and is counted (`reward/errors/<kind>`).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+from typing import Any, Callable, Sequence
+
+from vcpo_jax.rollout.offload import CallPool, Outcome
+from vcpo_jax.rollout.types import Group
+
+RewardFn = Callable[[dict, str], float]
+DEFAULTS = {"pool": "thread", "workers": 2, "timeout_s": 30.0, "memory_mb": 0}
+
+
+def _as_reward(outcome: Outcome) -> tuple[float, str | None]:
+  """(reward, error kind or None): a non-number or a non-finite number is a 'bad_value' error."""
+  if outcome.error is not None:
+    return 0.0, outcome.error
+  value = outcome.value
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+    return 0.0, "bad_value"
+  return float(value), None
+
+
+class Rewarder:
+  """Decodes completions and scores them with `reward_fn` in `pool`; never raises for a failed reward."""
+
+  def __init__(self, reward_fn: RewardFn, decode: Callable[[Sequence[int]], str], pool: CallPool):
+    if pool.kind == "process":
+      try:
+        pickle.dumps(reward_fn)
+      except Exception as e:
+        raise ValueError(f"reward.pool='process' needs a picklable reward function (a module-level function or "
+                         f"a functools.partial of one); {reward_fn!r} is not: {e}") from None
+    self.reward_fn, self.decode, self.pool = reward_fn, decode, pool
+    self._errors: dict[str, int] = {}
+
+  @classmethod
+  def for_task(cls, task, tokenizer, settings=None) -> "Rewarder":
+    """The job's rewarder: the task's reward function, the tokenizer's decoding, the `reward` config section."""
+    from vcpo_jax.model.tokenizer import completion_text
+    s = {**DEFAULTS, **dict(settings or {})}
+    unknown = sorted(set(s) - set(DEFAULTS))
+    if unknown:
+      raise ValueError(f"invalid config: reward.{unknown[0]} is not a field; fields: {sorted(DEFAULTS)}")
+    pool = CallPool(s["pool"], workers=s["workers"], timeout_s=s["timeout_s"], memory_mb=s["memory_mb"],
+                    initializer=task.reward_initializer(), name="reward")
+    return cls(task.reward_function(), lambda ids: completion_text(tokenizer, ids), pool)
+
+  def _record(self, outcomes: Sequence[Outcome]) -> list[float]:
+    rewards = []
+    for outcome in outcomes:
+      reward, error = _as_reward(outcome)
+      if error == "bad_value":  # the pool counted the call as fine; the value is not a reward
+        self._errors["bad_value"] = self._errors.get("bad_value", 0) + 1
+      rewards.append(reward)
+    return rewards
+
+  async def score_group(self, group: Group) -> Group:
+    """Sets group.rewards and group.completions; the event loop keeps running while the rewards compute."""
+    texts = [self.decode(list(s.output_ids)) for s in group.samples]
+    outcomes = await asyncio.gather(*(self.pool.call(self.reward_fn, group.example, t) for t in texts))
+    group.rewards, group.completions = self._record(outcomes), texts
+    return group
+
+  def score_blocking(self, examples: Sequence[dict], output_ids: Sequence[Sequence[int]]) -> list[float]:
+    """Rewards for many (example, ids) pairs from synchronous code (the held-out evaluation)."""
+    texts = [self.decode(list(ids)) for ids in output_ids]
+    return self._record(self.pool.map_blocking(self.reward_fn, zip(examples, texts)))
+
+  def stats(self) -> dict[str, float]:
+    """reward/calls and reward/errors/<kind> (timeout, exception, crash, bad_value), cumulative."""
+    counts = {**self.pool.stats, "errors/bad_value": self._errors.get("bad_value", 0)}
+    return {f"reward/{k}": float(v) for k, v in counts.items()}
+
+  def close(self) -> None:
+    self.pool.close()
+
+
+def inline(reward_fn: RewardFn, decode: Callable[[Sequence[int]], str] = str, **pool_options: Any) -> Rewarder:
+  """A rewarder that scores on the calling thread (tests, in-process tools)."""
+  return Rewarder(reward_fn, decode, CallPool("inline", **pool_options))
