@@ -109,6 +109,14 @@ def test_rl_step_matches_float64_oracle():
   np.testing.assert_allclose(metrics["lr_scale"], np.sqrt(min(rho, 1.0)), rtol=1e-5)
   np.testing.assert_allclose(metrics["baseline"], stats["baseline_B"].mean(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(metrics["hist/seq_grad_norm_B"], np.sqrt(stats["sq_norms_B"]), rtol=1e-5)
+  # OPOB's second-moment diagnostics from the oracle's float64 W = w^2 ||s||^2 and baseline.
+  r, groups = np.asarray(batch.rewards_B, np.float64), np.arange(B) // N
+  W = np.exp(2 * stats["logw_B"]) * stats["sq_norms_B"]
+  ratios = [np.sum(W[g] * (r[g] - stats["baseline_B"][g]) ** 2) / np.sum(W[g] * (r[g] - r[g].mean()) ** 2)
+            for g in (groups == k for k in range(B // N)) if np.ptp(r[g]) > 0]
+  np.testing.assert_allclose(metrics["opob/moment_ratio"], np.mean(ratios), rtol=1e-4)
+  np.testing.assert_allclose(metrics["opob/max_weight_share"],
+                             np.mean([W[groups == k].max() / W[groups == k].sum() for k in range(B // N)]), rtol=1e-4)
   want = jax.tree.map(lambda p, g: np.asarray(p, np.float64) - LR * np.sqrt(min(rho, 1.0)) * g, params, g64)
   delta = jax.tree.map(lambda a, p: np.asarray(a, np.float64) - np.asarray(p, np.float64), state.params, params)
   want_delta = jax.tree.map(lambda w, p: w - np.asarray(p, np.float64), want, params)
@@ -251,7 +259,8 @@ def test_micro_batched_step_equals_whole_batch():
   params = _params()
   delta = lambda s: jax.tree.map(lambda a, p: np.asarray(a, np.float64) - np.asarray(p, np.float64), s, params)
   _assert_tree_close(delta(got.params), delta(want.params), 1e-5, "param delta")
-  for key in ("loss", "ess_ratio", "baseline", "grad_norm", "entropy", "seq_grad_norm/p50"):
+  for key in ("loss", "ess_ratio", "baseline", "grad_norm", "entropy", "seq_grad_norm/p50", "opob/moment_ratio",
+              "opob/max_weight_share"):
     np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-5, err_msg=key)
   np.testing.assert_allclose(got_m["hist/logw_B"], want_m["hist/logw_B"], rtol=1e-5, atol=1e-5)
 

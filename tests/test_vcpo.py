@@ -392,3 +392,45 @@ def test_opob_under_data_sharding_equals_unsharded():
   sharded = fn(*[jax.device_put(a, NamedSharding(mesh, P('data'))) for a in args])
   for r, s in zip(ref, sharded):
     np.testing.assert_allclose(np.asarray(s), np.asarray(r), rtol=1e-6, atol=1e-7)
+
+
+def _moment_diagnostics_numpy(rewards, groups, logW, baseline, valid):
+  """Float64 reference: per group, sum W (R - b)^2 / sum W (R - mean R)^2 and max W / sum W, then group means."""
+  ratios, shares = [], []
+  for g in np.unique(groups[valid]):
+    rows = valid & (groups == g)
+    r, b = rewards[rows].astype(np.float64), baseline[rows].astype(np.float64)
+    w = np.exp(logW[rows].astype(np.float64) - logW[rows].max())
+    den = np.sum(w * (r - r.mean()) ** 2)
+    if den > 1e-12:
+      ratios.append(np.sum(w * (r - b) ** 2) / den)
+    shares.append(w.max() / w.sum())
+  return (np.mean(ratios) if ratios else np.nan), np.mean(shares), len(ratios)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_opob_moment_diagnostics_match_float64_numpy(seed):
+  rng = np.random.default_rng(seed)
+  b, n = 24, 4
+  rewards = rng.integers(0, 2, b).astype(np.float32)
+  rewards[:n] = 1.0  # one group with equal rewards: no ratio
+  groups = np.repeat(np.arange(b // n), n).astype(np.int32)
+  sq = rng.lognormal(0.0, 1.0, b).astype(np.float32)
+  logw = rng.normal(0.0, 2.0, b).astype(np.float32)
+  valid = np.ones(b, bool)
+  valid[-3:] = False
+  adv, baseline = vcpo.opob_advantages(jnp.asarray(rewards), jnp.asarray(groups), jnp.asarray(sq),
+                                       jnp.asarray(logw), None, None, valid_B=jnp.asarray(valid))
+  logW = vcpo.opob_log_weights(jnp.asarray(sq), jnp.asarray(logw), None, None)
+  got = vcpo.opob_moment_diagnostics(jnp.asarray(rewards), jnp.asarray(groups), logW, baseline, jnp.asarray(valid))
+  ratio, share, count = _moment_diagnostics_numpy(rewards, groups, np.asarray(logW), np.asarray(baseline), valid)
+  np.testing.assert_allclose(float(got["opob/moment_ratio"]), ratio, rtol=1e-5)
+  np.testing.assert_allclose(float(got["opob/max_weight_share"]), share, rtol=1e-5)
+  assert float(got["opob/groups_with_ratio"]) == count
+  # OPOB's weighted-mean baseline minimises sum W (R - b)^2: it can only match or beat the group mean.
+  assert float(got["opob/moment_ratio"]) <= 1.0 + 1e-6
+  # The group mean as "baseline" gives exactly 1 wherever the ratio is defined.
+  mean_B = np.array([rewards[valid & (groups == g)].mean() if valid[i] else 0.0 for i, g in enumerate(groups)])
+  same = vcpo.opob_moment_diagnostics(jnp.asarray(rewards), jnp.asarray(groups), logW,
+                                      jnp.asarray(mean_B, jnp.float32), jnp.asarray(valid))
+  np.testing.assert_allclose(float(same["opob/moment_ratio"]), 1.0, rtol=1e-5)

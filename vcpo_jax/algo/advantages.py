@@ -86,4 +86,8 @@ def opob(inputs: AdvantageInputs, o: vcpo.OPOBOptions):
       inputs.rewards_B, inputs.group_B, inputs.sq_norms_B, inputs.logw_B, inputs.wt_B, inputs.lengths_B,
       scope=o.scope, is_weight=o.is_weight, normalize_by_length=o.normalize_by_length, aggregation=o.aggregation,
       norm_by_std=o.norm_by_std, winsor_quantiles=tuple(o.winsor_quantiles), valid_B=inputs.valid_B)
-  return adv_B, {"baseline_B": baseline_B}
+  extras = {"baseline_B": baseline_B}
+  if o.scope == "group":  # the baseline is on the rewards' scale: the step logs its second-moment diagnostics
+    extras["opob_logW_B"] = vcpo.opob_log_weights(inputs.sq_norms_B, inputs.logw_B, inputs.wt_B, inputs.lengths_B,
+                                                  is_weight=o.is_weight, normalize_by_length=o.normalize_by_length)
+  return adv_B, extras

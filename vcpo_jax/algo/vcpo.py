@@ -235,3 +235,31 @@ def _opob_advantages(rewards_B, group_B, sq_norms_B, logw_B, wt_B, lengths_B, va
     ok_B = std_B > STD_ZERO_TOL
     adv_B = jnp.where(ok_B, adv_B / jnp.where(ok_B, std_B, 1.0), 0.0)
   return jnp.where(valid_B, adv_B, 0.0), jnp.where(valid_B, baseline_B, 0.0)
+
+
+@jax.jit
+def opob_moment_diagnostics(rewards_B: jax.Array, group_B: jax.Array, logW_B: jax.Array, baseline_B: jax.Array,
+                            valid_B: Optional[jax.Array] = None) -> dict[str, jax.Array]:
+  """Does OPOB's baseline lower the objective it is derived to minimise, here? Per prompt group g,
+
+    moment_ratio_g     = sum_i W_i (R_i - b_g)^2 / sum_i W_i (R_i - mean_g R)^2   (1: no better than the mean)
+    max_weight_share_g = max_i W_i / sum_i W_i                                   (1: one sample holds all of W)
+
+  then their means over the groups where each is defined (a group whose rewards are all equal has no ratio;
+  NaN when no group has one). W as the estimator weighted the baseline (log W from opob_log_weights).
+  """
+  valid_B = seg.valid_or_ones(valid_B, rewards_B)
+  seg_B = seg.dense_group_ids(group_B)
+  w_B = normalized_weights(logW_B, seg_B, valid_B)  # per-group scale: both ratios are scale-free
+  r_B = jnp.where(valid_B, rewards_B.astype(jnp.float32), 0.0)
+  mean_B, _, _ = seg.group_mean_std(r_B, seg_B, valid_B)
+  num_G = seg.seg_sum(w_B * jnp.square(r_B - baseline_B.astype(jnp.float32)), seg_B)
+  den_G = seg.seg_sum(w_B * jnp.square(r_B - mean_B), seg_B)
+  total_G = seg.seg_sum(w_B, seg_B)
+  max_G = seg.seg_max(w_B, seg_B)
+  has_ratio_G = den_G > 1e-12
+  has_w_G = total_G > 0
+  ratio = jnp.sum(jnp.where(has_ratio_G, num_G / jnp.where(has_ratio_G, den_G, 1.0), 0.0)) / jnp.sum(has_ratio_G)
+  share = jnp.sum(jnp.where(has_w_G, max_G / jnp.where(has_w_G, total_G, 1.0), 0.0)) / jnp.sum(has_w_G)
+  return {"opob/moment_ratio": ratio, "opob/max_weight_share": share,
+          "opob/groups_with_ratio": jnp.sum(has_ratio_G).astype(jnp.float32)}

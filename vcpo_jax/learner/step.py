@@ -166,8 +166,11 @@ def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B
       "hist/logw_B": jnp.where(valid_B, logw_B, nan), "hist/lag_B": jnp.where(valid_B, lag_B, nan),
   }
   for key, x_B in stats.items():  # the estimator's per-row extras, e.g. OPOB's baseline_B -> "baseline"
-    if key.endswith("_B") and key not in ("logw_B", "wt_B", "adv_B"):
+    if key.endswith("_B") and key not in ("logw_B", "wt_B", "adv_B", "opob_logW_B"):
       metrics[key[:-2]] = valid_mean(x_B)
+  if "opob_logW_B" in stats:  # over the whole batch, after any micro-batch scan: groups never straddle chunks
+    metrics.update(vcpo.opob_moment_diagnostics(batch.rewards_B, batch.group_B, stats["opob_logW_B"],
+                                                stats["baseline_B"], valid_B))
   if sq_B is not None:
     norm_B = jnp.sqrt(sq_B)
     for q in (10, 50, 90):
