@@ -1,0 +1,35 @@
+"""C2 over the paper's horizon: the powered study's k = 8 setting run to 450 steps (docs/results/horizon/).
+
+`--config=experiments/configs/pilot.py:trace --sweep=experiments/sweeps/claims_horizon.py --parallel=2`
+(defaults: lr=7e-05,steps=450,c4_lag=32). Units in priority order (C2 > C4), seed-major inside each tier, so a
+study cut short keeps whole seeds of the arms that decide C2:
+  1. k = 8: sync (k = 0), VCPO, ESS-only, seq-TIS, seeds 0-3;
+  2. sync and VCPO, seeds 4-5;
+  3. C4 at k = c4_lag: VCPO and seq-TIS, seeds 0-2 (against the same sync runs; 450 >= 3k steps).
+VCPO weights OPOB as the authors' code does (is_weight=reference), as in the powered study; its runs log OPOB's
+second-moment ratio every step (opob/moment_ratio).
+"""
+from experiments.sweep import chain, fixed, parse_arg, product, sweep
+from experiments.sweeps import arms
+
+K = 8
+EVAL = {"task.eval_size": 512, "task.eval_samples": 4, "eval_every": 25, "checkpoint_every": 25}
+
+
+def _seed_major(units, seeds):
+  return chain(*(product(units, sweep("config.seed", [s])) for s in seeds))
+
+
+def get_sweep(arg: str = "") -> list[dict]:
+  a = parse_arg(arg, lr=7e-5, steps=450, c4_lag=32)
+  if 3 * a["c4_lag"] > a["steps"]:
+    raise ValueError(f"C4 needs runs of >= 3k steps: steps={a['steps']} < 3 x c4_lag={a['c4_lag']}")
+  sync = product(arms.arms(["sync"], a["lr"]), fixed({"rl.max_lag": 0}))
+  table = lambda names, k: product(arms.arms(names, a["lr"], opob_is_weight="reference"),  # noqa: E731
+                                   fixed({"rl.max_lag": k}))
+  tiers = [
+      _seed_major(chain(sync, table(["vcpo", "ess_only", "seq_tis"], K)), range(4)),
+      _seed_major(chain(sync, table(["vcpo"], K)), range(4, 6)),
+      _seed_major(table(["vcpo", "seq_tis"], a["c4_lag"]), range(3)),
+  ]
+  return product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL))
