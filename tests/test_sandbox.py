@@ -2,7 +2,10 @@
 import os
 import pathlib
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 import uuid
 
 import pytest
@@ -86,9 +89,9 @@ def test_fork_bomb_is_contained():
   assert result.kind in ("timeout", "cpu_limit", "killed")
   if "processes" not in result.isolation:
     pytest.skip(f"no process limit on this host (isolation: {result.isolation})")
-  counted = run_python("import os\nn = 0\ntry:\n  while True:\n    if os.fork() == 0:\n      os.pause()\n"
+  counted = run_python("import os, signal\nn = 0\ntry:\n  while True:\n    if os.fork() == 0:\n      signal.pause()\n"
                        "    n += 1\nexcept OSError:\n  print(n)", FAST)
-  assert counted.kind == "ok" and int(counted.stdout) < FAST.processes
+  assert (counted.kind, counted.stderr) == ("ok", "") and 0 < int(counted.stdout) < FAST.processes
 
 
 def test_100_mb_of_output_is_cut():
@@ -162,3 +165,26 @@ def test_a_process_that_leaves_the_group_does_not_hold_the_call():
 def test_bad_limits_are_refused():
   with pytest.raises(ValueError, match="wall_seconds"):
     SandboxLimits(wall_seconds=0)
+
+
+def _wait_until(predicate, timeout_s: float) -> bool:
+  end = time.monotonic() + timeout_s
+  while time.monotonic() < end:
+    if predicate():
+      return True
+    time.sleep(0.05)
+  return predicate()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="finds the sandbox's processes by the uid it runs them as (root only)")
+def test_the_sandbox_dies_with_its_caller():
+  script = ("from vcpo_jax.tasks.sandbox import SandboxLimits, run_python\n"
+            "run_python('import time\\ntime.sleep(60)', SandboxLimits(wall_seconds=60, uid_base=%d, uid_count=1))"
+            % UID_BASE)
+  caller = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)))
+  try:
+    assert _wait_until(_sandbox_processes, 30), "the sandboxed code never started"
+  finally:
+    caller.kill()
+    caller.wait()
+  assert _wait_until(lambda: not _sandbox_processes(), 10), _sandbox_processes()

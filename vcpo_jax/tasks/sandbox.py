@@ -28,7 +28,7 @@ SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_AL
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _CLONE = {"user": 0x10000000, "network": 0x40000000, "pid": 0x20000000, "mount": 0x00020000, "ipc": 0x08000000}
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 _DRAIN_S = 0.25  # how long to keep reading after the sandbox's process group is gone or killed
 _UIDS = itertools.count(random.randrange(1 << 30))  # distinct uids for concurrent calls (each its own NPROC count)
 _log = logging.getLogger(__name__)
@@ -96,8 +96,9 @@ def _run(code: str, limits: SandboxLimits, workdir: str, start: float) -> Sandbo
   if os.geteuid() == 0:
     uid = limits.uid_base + next(_UIDS) % limits.uid_count
     os.chown(workdir, uid, uid)
-  settings = dict(python=limits.python or _default_python(uid is not None), cpu=limits.cpu_seconds, memory=limits.memory_bytes, file=limits.file_bytes,
-                  disk=limits.disk_bytes, processes=limits.processes, open_files=limits.open_files, uid=uid,
+  settings = dict(python=limits.python or _default_python(uid is not None), cpu=limits.cpu_seconds,
+                  memory=limits.memory_bytes, file=limits.file_bytes, disk=limits.disk_bytes, uid=uid,
+                  processes=limits.processes, open_files=limits.open_files, caller=os.getpid(),
                   require_network=limits.require_network_isolation)
   status_r, status_w = os.pipe()
   try:
@@ -230,20 +231,35 @@ def _launch(settings: dict, status_fd: int, code: str):
       pass  # the caller stopped reading: it has given up on this run
 
   libc = ctypes.CDLL(None, use_errno=True)
-  isolation = _unshare(libc)
-  if settings["require_network"] and "network" not in isolation:
-    report(isolation=isolation, setup_error="no network namespace on this host (require_network_isolation)")
-  elif "pid" in isolation:
-    init = os.fork()  # pid 1 of the new pid namespace: when it exits, every process left in it is killed
-    if init == 0:
-      try:
-        _supervise(settings, code, report, libc, isolation)
-      finally:
-        os._exit(0)
-    os.waitpid(init, 0)
-  else:
-    _supervise(settings, code, report, libc, isolation)
-  os.killpg(0, signal.SIGKILL)
+  try:
+    _die_with_parent(libc)
+    if os.getppid() != settings["caller"]:
+      return  # the caller died before the line above
+    isolation = _unshare(libc)
+    if settings["require_network"] and "network" not in isolation:
+      report(isolation=isolation, setup_error="no network namespace on this host (require_network_isolation)")
+    elif "pid" in isolation:
+      init = os.fork()  # pid 1 of the new pid namespace: when it exits, every process left in it is killed
+      if init == 0:
+        try:
+          _die_with_parent(libc)
+          _supervise(settings, code, report, libc, isolation)
+        except BaseException as e:  # noqa: BLE001 -- reported, then this process ends
+          report(setup_error=f"{type(e).__name__}: {e}")
+        finally:
+          os._exit(0)
+      os.waitpid(init, 0)
+    else:
+      _supervise(settings, code, report, libc, isolation)
+  except BaseException as e:  # noqa: BLE001
+    report(setup_error=f"{type(e).__name__}: {e}")
+  finally:
+    os.killpg(0, signal.SIGKILL)
+
+
+def _die_with_parent(libc):
+  """If the caller dies (or is killed) mid-run, the sandbox goes with it instead of running on unwatched."""
+  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _unshare(libc) -> list[str]:
@@ -258,10 +274,7 @@ def _unshare(libc) -> list[str]:
         isolation.append("user")
       except OSError:
         pass
-  for name in ("network", "pid", "mount", "ipc"):
-    if libc.unshare(_CLONE[name]) == 0:
-      isolation.append(name)
-  return isolation
+  return isolation + [name for name in ("network", "pid", "mount", "ipc") if libc.unshare(_CLONE[name]) == 0]
 
 
 def _supervise(settings, code, report, libc, isolation):
@@ -305,19 +318,18 @@ def _mount_private_dirs(libc, disk_bytes: int) -> bool:
 
 def _exec_code(settings, code, report, libc, cwd, limit_processes):
   os.chdir(cwd)
-  limits = [(resource.RLIMIT_CPU, settings["cpu"], settings["cpu"] + 1), (resource.RLIMIT_CORE, 0, 0)]
-  limits += [(resource.RLIMIT_AS, settings["memory"], settings["memory"]),
-             (resource.RLIMIT_FSIZE, settings["file"], settings["file"]),
-             (resource.RLIMIT_NOFILE, settings["open_files"], settings["open_files"])]
+  limits = {resource.RLIMIT_CPU: (settings["cpu"], settings["cpu"] + 1), resource.RLIMIT_CORE: (0, 0),
+            resource.RLIMIT_AS: settings["memory"], resource.RLIMIT_FSIZE: settings["file"],
+            resource.RLIMIT_NOFILE: settings["open_files"]}
   if limit_processes:
-    limits.append((resource.RLIMIT_NPROC, settings["processes"], settings["processes"]))
-  for which, soft, hard in limits:
-    resource.setrlimit(which, (soft, hard))
-  uid = settings["uid"]
-  if uid is not None:
+    limits[resource.RLIMIT_NPROC] = settings["processes"]
+  for which, value in limits.items():
+    resource.setrlimit(which, value if isinstance(value, tuple) else (value, value))
+  if settings["uid"] is not None:
     os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
+    os.setgid(settings["uid"])
+    os.setuid(settings["uid"])
+  _die_with_parent(libc)  # again: a change of uid clears it
   libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary gives privileges back
   try:
     compile(code, "<string>", "exec")
@@ -326,8 +338,7 @@ def _exec_code(settings, code, report, libc, cwd, limit_processes):
     sys.stderr.flush()
     report(syntax_error=True)
     os._exit(1)
-  env = dict(SANDBOX_ENV, HOME=cwd, TMPDIR=cwd)
-  os.execve(settings["python"], [settings["python"], "-I", "-S", "-c", code], env)
+  os.execve(settings["python"], [settings["python"], "-I", "-S", "-c", code], dict(SANDBOX_ENV, HOME=cwd, TMPDIR=cwd))
 
 
 if __name__ == "__main__":
