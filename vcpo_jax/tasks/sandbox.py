@@ -81,14 +81,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     return SandboxResult("code_too_long", "", f"error: code longer than {limits.max_code_bytes} bytes\n")
   if "\0" in code:
     return SandboxResult("syntax_error", "", "SyntaxError: source code cannot contain null bytes\n")
+  workdir = None
   try:
     workdir = tempfile.mkdtemp(prefix="vcpo_sandbox_")
-  except OSError as e:
-    return SandboxResult("spawn_failed", "", f"error: cannot make a working directory: {e}\n")
-  try:
     return _run(code, limits, workdir, start)
+  except OSError as e:  # the host's resources (fds, disk, processes) ran out: no process of the code is left
+    return SandboxResult("spawn_failed", "", f"error: cannot run the sandbox: {e}\n")
   finally:
-    shutil.rmtree(workdir, ignore_errors=True)
+    if workdir is not None:
+      shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run(code: str, limits: SandboxLimits, workdir: str, start: float) -> SandboxResult:
