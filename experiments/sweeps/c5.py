@@ -10,7 +10,7 @@ applies it. Run it on an otherwise idle machine: the verdict is about wall-clock
 """
 from experiments.sweep import chain, fixed, parse_arg, product, sweep
 from experiments.sweeps import arms
-from experiments.sweeps.study_v2 import EVAL
+from experiments.sweeps.claims_k8 import EVAL
 
 
 def get_sweep(arg: str = "") -> list[dict]:
