@@ -1,6 +1,6 @@
 """Memory of the per-sequence gradient paths, compiled on abstract inputs: bounded VCPO vs book-keeping vs GRPO.
 
-Figures (issue 23), nothing allocated (jax.ShapeDtypeStruct inputs, `lower().compile().memory_analysis()`):
+Figures, nothing allocated (jax.ShapeDtypeStruct inputs, `lower().compile().memory_analysis()`):
 - Qwen2.5-0.5B shape, B=8 x T=1024, remat=full: XLA temporaries per extra token (fit over B=8 and B=4) of the
   bounded VCPO step over GRPO's; book-keeping's beside it. Beside it, per extra token of the live peak (XLA's
   live-range dump) of the whole step (B=4, 8, 16) and of its loss-and-gradient part alone (no optimizer update).

@@ -152,7 +152,7 @@ FLOOR_TITLE = "decode step: memory floor / measured step time"
 
 
 def floor_goal(batch: int) -> str | None:
-  """Issue #12's goal (>= 50% of the floor) is set for the 0.5B shape at B=256 on an accelerator."""
+  """The goal (>= 50% of the floor, benchmarks/goals.py) is set for the 0.5B shape at B=256 on an accelerator."""
   return ">= 0.5" if batch == 256 and not model_choice.small_model() else None
 
 

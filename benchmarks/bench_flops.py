@@ -14,9 +14,9 @@ from benchmarks import timing
 TITLE = "learner FLOP/s / XLA matmul peak"
 GOAL = ">= 0.5"
 GRPO_MFU_TITLE = "GRPO step MFU: model FLOP/s (6N*tokens + attention) / matmul peak"
-GRPO_MFU_GOAL = ">= 0.45"          # issue 12, on an H100
+GRPO_MFU_GOAL = ">= 0.45"          # on an H100 (benchmarks/goals.py)
 VCPO_OVER_GRPO_TITLE = "VCPO / GRPO learner step time (the job's micro-batching)"
-VCPO_OVER_GRPO_GOAL = "<= 1.05"    # issue 12, on an H100
+VCPO_OVER_GRPO_GOAL = "<= 1.05"    # on an H100 (benchmarks/goals.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = 
   if model_choice.small_model():
     # The main job's learner batch: prompts_per_step * group_size rows padded to model.max_seq_len.
     B, T = (16, 32) if quick else (config.rl.prompts_per_step * config.rl.group_size, model_cfg.max_seq_len)
-  else:  # the 0.5B shape: B=64 x T=512 in the job's micro-batches of 8 rows, as measured in issue 12
+  else:  # the 0.5B shape: B=64 x T=512 in the job's micro-batches of 8 rows (the goals' shape)
     B, T = (8, 64) if quick else (64, 512)
   G = min(config.rl.group_size, B)
   # Exactly the job's learner: its LearnerConfig (micro-batching included) and optimizer chain.

@@ -4,7 +4,7 @@ The pool's batch size follows its load: it grows to the next size min_rows * 4**
 rows join and compacts when at most a quarter of its slots are live, so a few rows do not pay for a large pool.
 Pool and join sizes step by 4, not 2: every pool size is one decode compile, every (join, prompt) size one
 prefill compile and every (pool, join, prompt) size one small placement compile, and on the 2-core CPU main
-job the compiles of a 2x ladder outweighed the padding they saved (measured: README "What `make train` gives").
+job the compiles of a 2x ladder outweighed the padding they saved (docs/embedded-server.md).
 Every row's tokens depend on its own prompt, parameters and random stream only, not on its slot or on the
 other rows (the same per-row keys as sampling.py: a row resumed with sample_offset draws what it would have).
 """
