@@ -7,7 +7,9 @@ import jax
 import numpy as np
 
 from benchmarks import bench_flops
-from benchmarks import common
+from benchmarks import records
+from benchmarks import summary
+from benchmarks import timing
 
 TITLE = "ESS + OPOB arithmetic / VCPO step time"
 GOAL = "< 0.01"
@@ -44,7 +46,7 @@ def arithmetic_inputs(batch: int, seq_len: int, group_size: int, seed: int = 0):
 
 
 def produce(quick: bool) -> list[dict]:
-  return common.run_figure("vcpo_arith_share", TITLE, lambda: _measure(quick), goal=GOAL)
+  return records.run_figure("vcpo_arith_share", TITLE, lambda: _measure(quick), goal=GOAL)
 
 
 def _measure(quick: bool) -> list[dict]:
@@ -62,24 +64,24 @@ def _measure(quick: bool) -> list[dict]:
     return out
 
   warmup, repeats = (1, 3) if quick else (2, 7)
-  times = common.time_calls({"arith_x%d" % inner: arith_loop, "step": bench.step}, warmup=warmup,
+  times = timing.time_calls({"arith_x%d" % inner: arith_loop, "step": bench.step}, warmup=warmup,
                             repeats=repeats)
   arith_times = [t / inner for t in times["arith_x%d" % inner]]
-  share = common.summarize(common.ratio_samples(arith_times, times["step"]))
+  share = summary.summarize(summary.ratio_samples(arith_times, times["step"]))
   arith_flops = bench_flops.compiled_flops(vcpo_arithmetic.lower(*inputs).compile())
   step_flops = bench.analytic_flops
   details = {
-      "arith_seconds_per_call": common.summarize(arith_times).to_dict(),
-      "step_seconds": common.summarize(times["step"]).to_dict(),
+      "arith_seconds_per_call": summary.summarize(arith_times).to_dict(),
+      "step_seconds": summary.summarize(times["step"]).to_dict(),
       "arith_flops": arith_flops, "step_model_flops_analytic": step_flops,
       "flops_share": (arith_flops / step_flops) if arith_flops and step_flops else None,
       "timed": "seq_log_weights + truncated_weights + ess_ratio + opob_advantages(group, raw, mean, std) "
                "as one separate jitted call (dispatch included: an upper bound on its cost inside the step)",
       **bench.describe,
   }
-  return [common.figure("vcpo_arith_share", TITLE, unit="%", goal=GOAL, stats=share, details=details,
-                        note=f"{bench.describe['shape']}; separate jitted call incl. dispatch")]
+  return [records.figure("vcpo_arith_share", TITLE, unit="%", goal=GOAL, stats=share, details=details,
+                         note=f"{bench.describe['shape']}; separate jitted call incl. dispatch")]
 
 
 if __name__ == "__main__":
-  common.module_main(produce, __doc__)
+  records.module_main(produce, __doc__)

@@ -20,7 +20,10 @@ import tempfile
 import time
 from typing import Sequence
 
-from benchmarks import common
+from benchmarks import model_choice
+from benchmarks import records
+from benchmarks import summary
+from vcpo_jax.rollout import launcher
 
 TITLE = "async / sync RL steps per hour (main job)"
 GOAL = ">= 1.5"
@@ -60,7 +63,7 @@ TINY = AsyncSetup(lags=(0, 2), measured_steps=4, skip=2, budget_s=200, config="c
 
 
 def setup_for(quick: bool) -> AsyncSetup:
-  name = common.resolve_model()
+  name = model_choice.resolve_model()
   if name == "main":
     return QUICK if quick else FULL
   if name == "tiny":
@@ -147,7 +150,7 @@ def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_li
         time.sleep(poll_s)
     finally:
       if proc.poll() is None:
-        common.end_process_tree(proc)
+        launcher.end_process_tree(proc)
   if ended.startswith("exited") and proc.returncode != 0:
     with open(log_path) as f:
       ended += ": " + f.read()[-800:].strip()
@@ -155,7 +158,7 @@ def watch_training(cmd: Sequence[str], workdir: str, *, want_steps: int, time_li
 
 
 def produce(quick: bool) -> list[dict]:
-  return common.run_figure("async_speedup", TITLE, lambda: _measure(setup_for(quick)), goal=GOAL)
+  return records.run_figure("async_speedup", TITLE, lambda: _measure(setup_for(quick)), goal=GOAL)
 
 
 def _one_run(tmp: str, k: int, base: str | None, setup: AsyncSetup, time_limit_s: float) -> tuple[float, dict]:
@@ -172,7 +175,7 @@ def _one_run(tmp: str, k: int, base: str | None, setup: AsyncSetup, time_limit_s
   except ValueError as e:
     raise RuntimeError(f"k={k}: {e}; run ended: {ended}") from None
   intervals = step_intervals(times, setup.skip)
-  info.update(steps_per_hour=rate, seconds_per_step=common.summarize(intervals).to_dict(), intervals_s=intervals)
+  info.update(steps_per_hour=rate, seconds_per_step=summary.summarize(intervals).to_dict(), intervals_s=intervals)
   return rate, info
 
 
@@ -209,17 +212,17 @@ def speedup_figures(setup: AsyncSetup, rates: dict, errors: dict, details: dict)
     key, title = f"async_speedup_k{k}", f"async k={k} / sync k=0 RL steps per hour (main job)"
     missing = {j: errors[j] for j in (0, k) if j in errors}
     if missing:
-      figures.append(common.failed_figure(key, title, "; ".join(f"k={j}: {e}" for j, e in missing.items()),
-                                          goal=GOAL, details=details))
+      figures.append(records.failed_figure(key, title, "; ".join(f"k={j}: {e}" for j, e in missing.items()),
+                                           goal=GOAL, details=details))
       continue
     n = min(len(details["k0"]["intervals_s"]), len(details[f"k{k}"]["intervals_s"]))
-    paired = common.ratio_samples(details["k0"]["intervals_s"][:n], details[f"k{k}"]["intervals_s"][:n])
-    figures.append(common.figure(
-        key, title, unit="x", goal=GOAL, stats=common.summarize(paired), details=details,
+    paired = summary.ratio_samples(details["k0"]["intervals_s"][:n], details[f"k{k}"]["intervals_s"][:n])
+    figures.append(records.figure(
+        key, title, unit="x", goal=GOAL, stats=summary.summarize(paired), details=details,
         note=f"median of paired per-step ratios; whole-window rates {rates[k]:.0f} vs {rates[0]:.0f} steps/h "
              f"(ratio {rates[k] / rates[0]:.2f}x); one run each, first {setup.skip} steps left out"))
   return figures
 
 
 if __name__ == "__main__":
-  common.module_main(produce, __doc__)
+  records.module_main(produce, __doc__)

@@ -1,6 +1,6 @@
 """Memory of the per-sequence gradient paths, compiled on abstract inputs: bounded VCPO vs book-keeping vs GRPO.
 
-Figures (issue 23), nothing allocated (jax.ShapeDtypeStruct inputs, `lower().compile().memory_analysis()`):
+Figures, nothing allocated (jax.ShapeDtypeStruct inputs, `lower().compile().memory_analysis()`):
 - Qwen2.5-0.5B shape, B=8 x T=1024, remat=full: XLA temporaries per extra token (fit over B=8 and B=4) of the
   bounded VCPO step over GRPO's; book-keeping's beside it. Beside it, per extra token of the live peak (XLA's
   live-range dump) of the whole step (B=4, 8, 16) and of its loss-and-gradient part alone (no optimizer update).
@@ -32,7 +32,9 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
-from benchmarks import bench_compile, common  # noqa: E402
+from benchmarks import bench_compile  # noqa: E402
+from benchmarks import model_choice  # noqa: E402
+from benchmarks import records  # noqa: E402
 
 TEMP_GOAL = "<= 1.3"      # bounded VCPO / GRPO temporaries per extra token, same remat (0.5B shape)
 DEVICE_GOAL = "<= 80"     # GB per device, bounded VCPO step, 7B shape, T=8192
@@ -115,8 +117,8 @@ def part_05b(remat: str = "full", grad_only: bool = False) -> list[dict]:
   from vcpo_jax.job import configuration
   name = "qwen2.5-0.5b"
   b, t = SHAPE_05B
-  cfg = dataclasses.replace(common.model_config(name), max_seq_len=t, scan_layers=True, remat=remat)
-  opt = configuration.build_optimizer(common.job_config(name))
+  cfg = dataclasses.replace(model_choice.model_config(name), max_seq_len=t, scan_layers=True, remat=remat)
+  opt = configuration.build_optimizer(model_choice.job_config(name))
   rows = []
   for step, lc in steps(name).items():
     if grad_only and step == "vcpo_book_keeping":
@@ -140,8 +142,8 @@ def part_compile() -> list[dict]:
   from vcpo_jax.job import configuration
   name = "qwen2.5-0.5b"
   b, t = SHAPE_05B
-  cfg = dataclasses.replace(common.model_config(name), max_seq_len=t)
-  opt = configuration.build_optimizer(common.job_config(name))
+  cfg = dataclasses.replace(model_choice.model_config(name), max_seq_len=t)
+  opt = configuration.build_optimizer(model_choice.job_config(name))
   rows = []
   for step, lc in steps(name).items():
     load = os.getloadavg()[0]
@@ -234,14 +236,14 @@ def _per_token_figures(rows: list[dict], prefix: str) -> list[dict]:
       both = r.get(field) is not None and g.get(field) is not None
       ok = both and abs(g[field]) >= FLAT_MB
       note = f"{r[field]:.4f} vs GRPO {g[field]:.4f} MB per extra token" if both else ""
-      out.append(common.figure(
+      out.append(records.figure(
           f"{prefix}{key}_{step}_over_grpo", f"{step} / GRPO {what} (0.5B, T=1024, remat=full, {part})",
           unit="x", value=r[field] / g[field] if ok else None, goal=goal, details={"rows": rows} if not out else {},
           note=note + ("" if ok or not both else " (GRPO's peak does not grow with the tokens here: no ratio)")))
     gl, rl = g["live_peak_gb"][b], r["live_peak_gb"][b]
     fmt = lambda v: f"{v:.3f}" if v else "-"
     peaks = " / ".join(f"{fmt(v)} vs {fmt(g['live_peak_gb'].get(n))}" for n, v in r["live_peak_gb"].items())
-    out.append(common.figure(
+    out.append(records.figure(
         f"{prefix}live_peak_{step}_over_grpo", f"{step} / GRPO live peak (XLA live-range dump), B=8 x T=1024, {part}",
         unit="x", value=rl / gl if gl and rl else None, details={},
         note=f"arguments included; B={' / '.join(str(n) for n in r['live_peak_gb'])}: {peaks} GB"))
@@ -251,14 +253,14 @@ def _per_token_figures(rows: list[dict], prefix: str) -> list[dict]:
 def figures(rows_05b: list[dict], rows_7b: list[dict], rows_compile: list[dict] = ()) -> list[dict]:
   out = []
   for r in rows_compile:
-    out.append(common.figure(
+    out.append(records.figure(
         f"compile_{r['step']}_cpu_seconds", f"{r['step']} step trace+compile CPU seconds (0.5B, 24 layers)",
         unit="s", value=r["cpu_s"], goal="<= 12" if r["step"].startswith("vcpo") else None, details=r,
         note=f"B=8 x T=1024, scan, remat={r['remat']}; wall: trace+lower {r['lower_s']} s + XLA {r['compile_s']} s"))
   out += _per_token_figures([r for r in rows_05b if r.get("part", "step") == "step"], "")
   out += _per_token_figures([r for r in rows_05b if r.get("part") == "grad"], "grad_")
   for r in rows_7b:
-    out.append(common.figure(
+    out.append(records.figure(
         f"device_memory_7b_{r['step']}",
         f"{r['step']} step per-device memory, 7B shape, {r['rows']} x 8192 over fsdp=8"
         + (f", micro-batches of {r['micro_batch_size']}" if r["micro_batch_size"] else ""),
@@ -282,7 +284,7 @@ def main(argv=None):
   rows_05b += part_05b(grad_only=True) if args.part in ("all", "05b", "grad") else []
   rows_7b = part_7b(args.rows_7b, args.micro_7b) if args.part in ("all", "7b") else []
   rows_compile = part_compile() if args.part in ("all", "compile") else []
-  return common.emit_figures(figures(rows_05b, rows_7b, rows_compile), args.json)
+  return records.emit_figures(figures(rows_05b, rows_7b, rows_compile), args.json)
 
 
 if __name__ == "__main__":

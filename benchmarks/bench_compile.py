@@ -17,10 +17,12 @@ import os
 import time
 from typing import Any, Mapping
 
-from benchmarks import common
+from benchmarks import environment
+from benchmarks import model_choice
+from benchmarks import records
 
-COMPILE_GOAL = "<= 10"             # seconds, VCPO step at 24 layers (issue 12)
-TEMP_GOAL = "<= 0.1"               # MB of XLA temporaries per token at the 0.5B shape (issue 12)
+COMPILE_GOAL = "<= 10"             # seconds, VCPO step at 24 layers (benchmarks/goals.py)
+TEMP_GOAL = "<= 0.1"               # MB of XLA temporaries per token at the 0.5B shape
 # (B, T) of the full figure and of --quick (which also shrinks the model: the smoke test stays fast).
 FULL_SHAPE, QUICK_SHAPE = (8, 1024), (4, 32)
 QUICK_MODEL = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
@@ -35,8 +37,8 @@ MODEL_KNOBS: Mapping[str, tuple[Any, ...]] = {
 
 
 def job_model_config(name: str, quick: bool):
-  """The figure's ModelConfig: the job's (common.model_config), shrunk under --quick."""
-  cfg = common.model_config(name)
+  """The figure's ModelConfig: the job's (model_choice.model_config), shrunk under --quick."""
+  cfg = model_choice.model_config(name)
   if quick:
     cfg = dataclasses.replace(cfg, **QUICK_MODEL)
   return cfg
@@ -46,7 +48,7 @@ def learner_configs(name: str) -> dict:
   """{'vcpo': the job's learner, 'grpo': plain GRPO + PPO}, both on the whole batch (no micro-batching)."""
   from vcpo_jax.job import configuration
   from vcpo_jax.learner import config as learner_config
-  vcpo = dataclasses.replace(configuration.learner_config(common.job_config(name)), micro_batch_size=0)
+  vcpo = dataclasses.replace(configuration.learner_config(model_choice.job_config(name)), micro_batch_size=0)
   grpo = learner_config.LearnerConfig(advantage="grpo", policy_loss="ppo", aggregation=vcpo.aggregation)
   return {"vcpo": vcpo, "grpo": grpo}
 
@@ -162,7 +164,7 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
   b, t = (b or (QUICK_SHAPE if quick else FULL_SHAPE)[0]), (t or (QUICK_SHAPE if quick else FULL_SHAPE)[1])
   base = job_model_config(name, quick)
   base = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, t), **(base_overrides or {}))
-  optimizer = configuration.build_optimizer(common.job_config(name))
+  optimizer = configuration.build_optimizer(model_choice.job_config(name))
   lcs = learner_configs(name)
   rows, start, longest = [], time.perf_counter(), 0.0
   fits = lambda: time_limit_s is None or time.perf_counter() - start + longest <= time_limit_s
@@ -189,8 +191,8 @@ def measure(name: str, *, quick: bool, b: int | None = None, t: int | None = Non
       print(f"[compile] {json.dumps(row)}", flush=True)
       rows.append(row)
   return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-          "commit": common.git_commit(), "backend": jax.default_backend(), "cpu_model": common.cpu_model(),
-          "cpu_cores": os.cpu_count(), "versions": common.package_versions(("jax", "jaxlib", "flax")),
+          "commit": environment.git_commit(), "backend": jax.default_backend(), "cpu_model": environment.cpu_model(),
+          "cpu_cores": os.cpu_count(), "versions": environment.package_versions(("jax", "jaxlib", "flax")),
           "model": name, "quick": quick, "model_config": base.to_dict(),
           "knobs_present": sorted(present_knobs(base)), "rows": rows}
 
@@ -209,23 +211,23 @@ def figures(result: dict) -> list[dict]:
     key = f"compile_{step}"
     if not row or row.get("error"):
       err = row.get("error", "not measured")
-      out += [common.failed_figure(f"{key}_seconds", f"{title} step trace+compile CPU seconds (abstract inputs)",
-                                   err, goal=COMPILE_GOAL if step == "vcpo" else None),
-              common.failed_figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
-                                   err, goal=TEMP_GOAL if step == "vcpo" else None)]
+      out += [records.failed_figure(f"{key}_seconds", f"{title} step trace+compile CPU seconds (abstract inputs)",
+                                    err, goal=COMPILE_GOAL if step == "vcpo" else None),
+              records.failed_figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
+                                    err, goal=TEMP_GOAL if step == "vcpo" else None)]
       continue
     note = (f"{shape}, {row['variant']}; process CPU seconds (wall {row['total_s']} s: trace+lower "
             f"{row['lower_s']} + XLA compile {row['compile_s']}, load avg {row.get('load_avg_1min', '-')})")
-    out += [common.figure(f"{key}_seconds", f"{title} step trace+compile CPU seconds (abstract inputs)",
-                          value=row.get("cpu_s", row["total_s"]), unit="s", goal=COMPILE_GOAL if step == "vcpo" else None,
-                          note=note, details=details if step == "vcpo" else {}),
-            common.figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
-                          value=row["temp_mb_per_token"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
-                          note=f"{shape}; {row['memory'].get('temp_size_in_bytes', 0) / 1e9:.2f} GB temporaries "
-                               f"/ tokens (XLA memory_analysis)")]
+    out += [records.figure(f"{key}_seconds", f"{title} step trace+compile CPU seconds (abstract inputs)",
+                           value=row.get("cpu_s", row["total_s"]), unit="s", goal=COMPILE_GOAL if step == "vcpo" else None,
+                           note=note, details=details if step == "vcpo" else {}),
+            records.figure(f"{key}_temp_mb_per_token", f"{title} step XLA temporaries, MB per token",
+                           value=row["temp_mb_per_token"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
+                           note=f"{shape}; {row['memory'].get('temp_size_in_bytes', 0) / 1e9:.2f} GB temporaries "
+                                f"/ tokens (XLA memory_analysis)")]
     if row.get("temp_fit"):
       f = row["temp_fit"]
-      out.append(common.figure(
+      out.append(records.figure(
           f"{key}_temp_mb_per_extra_token", f"{title} step XLA temporaries, MB per extra token (fit over B)",
           value=f["per_token_mb"], unit="MB", goal=TEMP_GOAL if step == "vcpo" else None,
           note=f"{shape}; B={f['B2']} and B={row['B']}: {f['fixed_gb']:.2f} GB fixed + {f['per_token_mb']:.3f} MB "
@@ -261,12 +263,12 @@ def render_markdown(result: dict) -> str:
 
 def produce(quick: bool) -> list[dict]:
   # Always the 0.5B shape (the goals' shape; compiling allocates nothing), or tiny when asked for.
-  name = "tiny" if common.resolve_model() == "tiny" else "qwen2.5-0.5b"
+  name = "tiny" if model_choice.resolve_model() == "tiny" else "qwen2.5-0.5b"
   limit = float(os.environ.get("BENCH_JOB_LIMIT_S", "0")) or None
   fn = lambda: figures(measure(name, quick=quick, only_defaults=quick, unrolled=False, fit=not quick,
                                time_limit_s=None if limit is None else 0.9 * limit - 20))
-  return common.run_figure("compile_vcpo_seconds", "VCPO step trace+compile CPU seconds (abstract inputs)", fn,
-                           goal=COMPILE_GOAL)
+  return records.run_figure("compile_vcpo_seconds", "VCPO step trace+compile CPU seconds (abstract inputs)", fn,
+                            goal=COMPILE_GOAL)
 
 
 def parse_sets(items) -> dict:
@@ -287,7 +289,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--json", default=None, help="figures in the suite's format (as every bench_*.py)")
-  parser.add_argument("--model", default=None, choices=common.MODELS)
+  parser.add_argument("--model", default=None, choices=model_choice.MODELS)
   parser.add_argument("--B", type=int, default=None)
   parser.add_argument("--T", type=int, default=None)
   parser.add_argument("--layers", default=None, help="comma list of depths, e.g. 2,24 (default the model's)")
@@ -300,11 +302,11 @@ def main(argv=None):
   parser.add_argument("--out", default=None, help="write the raw rows here (.json) and a table (.md beside)")
   args = parser.parse_args(argv)
   if args.model:
-    os.environ[common.MODEL_ENV] = args.model
+    os.environ[model_choice.MODEL_ENV] = args.model
   if args.out is None and args.B is None and args.T is None and args.layers is None:  # as a suite job
-    return common.emit_figures(produce(args.quick), args.json)
+    return records.emit_figures(produce(args.quick), args.json)
   layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
-  result = measure(common.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
+  result = measure(model_choice.resolve_model(), quick=args.quick, b=args.B, t=args.T, layers=layers,
                    only_defaults=args.only_defaults, unrolled=not args.no_unrolled,
                    steps=tuple(args.steps.split(",")), fit=not args.no_fit, base_overrides=parse_sets(args.set))
   if args.out:

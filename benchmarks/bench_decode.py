@@ -9,7 +9,10 @@ import tempfile
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks import model_choice
+from benchmarks import records
+from benchmarks import summary
+from benchmarks import timing
 
 TITLE = "decode tokens/s: ours / HF generate"
 GOAL = ">= 3"
@@ -42,12 +45,12 @@ QWEN_QUICK = DecodeSetup(batches=(8,), prompt_len=32, new_tokens=32, warmup=1, r
 def main_job_model_config():
   """The model of the measured job (configs/countdown.py, or the 0.5B shape with bf16 weights: --model)."""
   import dataclasses
-  cfg = common.model_config()
-  return cfg if common.resolve_model() == "main" else dataclasses.replace(cfg, param_dtype="bfloat16")
+  cfg = model_choice.model_config()
+  return cfg if model_choice.resolve_model() == "main" else dataclasses.replace(cfg, param_dtype="bfloat16")
 
 
 def setup_for(quick: bool) -> DecodeSetup:
-  if common.resolve_model() == "main":
+  if model_choice.resolve_model() == "main":
     return QUICK if quick else FULL
   return QWEN_QUICK if quick else QWEN
 
@@ -118,7 +121,7 @@ def ours_greedy(params, cfg, prompts, new_tokens: int, use_cache: bool = True) -
 
 
 def produce(quick: bool) -> list[dict]:
-  return common.run_figure("decode", TITLE, lambda: _measure(setup_for(quick)), goal=GOAL)
+  return records.run_figure("decode", TITLE, lambda: _measure(setup_for(quick)), goal=GOAL)
 
 
 def _measure(setup: DecodeSetup) -> list[dict]:
@@ -132,15 +135,15 @@ def _measure(setup: DecodeSetup) -> list[dict]:
     hf_model = load_hf_model(hf.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
   figures = []
   for i, batch in enumerate(setup.batches):
-    figures += common.run_figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}",
-                                 lambda: _measure_batch(setup, batch, i == 0, params, cfg, hf_model), goal=GOAL)
+    figures += records.run_figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}",
+                                  lambda: _measure_batch(setup, batch, i == 0, params, cfg, hf_model), goal=GOAL)
   bandwidth = measure_bandwidth()
   for batch in setup.batches:
-    figures += common.run_figure(f"decode_continuous_vs_windowed_b{batch}", f"{POOL_TITLE}, B={batch}",
-                                 lambda: continuous_vs_windowed(setup, batch, params, cfg))
-    figures += common.run_figure(f"decode_floor_fraction_b{batch}", f"{FLOOR_TITLE}, B={batch}",
-                                 lambda: floor_fraction(setup, batch, params, cfg, bandwidth),
-                                 goal=floor_goal(batch))
+    figures += records.run_figure(f"decode_continuous_vs_windowed_b{batch}", f"{POOL_TITLE}, B={batch}",
+                                  lambda: continuous_vs_windowed(setup, batch, params, cfg))
+    figures += records.run_figure(f"decode_floor_fraction_b{batch}", f"{FLOOR_TITLE}, B={batch}",
+                                  lambda: floor_fraction(setup, batch, params, cfg, bandwidth),
+                                  goal=floor_goal(batch))
   return figures
 
 
@@ -149,8 +152,8 @@ FLOOR_TITLE = "decode step: memory floor / measured step time"
 
 
 def floor_goal(batch: int) -> str | None:
-  """Issue #12's goal (>= 50% of the floor) is set for the 0.5B shape at B=256 on an accelerator."""
-  return ">= 0.5" if batch == 256 and not common.small_model() else None
+  """The goal (>= 50% of the floor, benchmarks/goals.py) is set for the 0.5B shape at B=256 on an accelerator."""
+  return ">= 0.5" if batch == 256 and not model_choice.small_model() else None
 
 
 def mixed_rows(batch: int, setup: DecodeSetup, vocab: int) -> list:
@@ -199,17 +202,17 @@ def continuous_vs_windowed(setup: DecodeSetup, batch: int, params, cfg) -> list[
                                                                                              batch, C)}
   if set(counts.values()) != {tokens}:
     raise RuntimeError(f"generated {counts}, expected {tokens} tokens")
-  times = common.time_calls({"continuous": lambda: continuous(params, cfg, specs, batch, C, S),
+  times = timing.time_calls({"continuous": lambda: continuous(params, cfg, specs, batch, C, S),
                              "windowed": lambda: windowed(params, cfg, specs, batch, C)},
                             warmup=setup.warmup, repeats=setup.repeats)
-  tok_s = {k: tokens / common.summarize(v).median for k, v in times.items()}
-  stats = common.summarize(common.ratio_samples(times["windowed"], times["continuous"]))
-  return [common.figure(
+  tok_s = {k: tokens / summary.summarize(v).median for k, v in times.items()}
+  stats = summary.summarize(summary.ratio_samples(times["windowed"], times["continuous"]))
+  return [records.figure(
       f"decode_continuous_vs_windowed_b{batch}", f"{POOL_TITLE}, B={batch}", unit="x", stats=stats,
       details={"rows": len(specs), "max_batch": batch, "chunk_steps": C, "cache_slots": S,
                "prompt_len": setup.prompt_len, "new_tokens_range": [min(r.max_new_tokens for r in specs),
                                                                     setup.new_tokens],
-               "tokens_per_call": tokens, "tokens_per_s": tok_s, "seconds": common.timing_details(times),
+               "tokens_per_call": tokens, "tokens_per_s": tok_s, "seconds": timing.timing_details(times),
                "timed": "prefill + decode + host read-back per chunk, greedy; windowed = the previous engine"},
       note=f"{len(specs)} rows, new tokens {min(r.max_new_tokens for r in specs)}-{setup.new_tokens}, "
            f"B={batch}; continuous {tok_s['continuous']:.0f} tok/s, windowed {tok_s['windowed']:.0f} tok/s")]
@@ -221,8 +224,8 @@ def measure_bandwidth(num_bytes: int = 2**28, repeats: int = 5) -> float:
   import jax.numpy as jnp
   x = jnp.ones((num_bytes // 4,), jnp.float32)
   double = jax.jit(lambda a: a * 2.0)
-  common.block(double(x))
-  best = min(common.time_once(lambda: double(x)) for _ in range(repeats))
+  timing.block(double(x))
+  best = min(timing.time_once(lambda: double(x)) for _ in range(repeats))
   return 2.0 * num_bytes / best
 
 
@@ -250,12 +253,12 @@ def floor_fraction(setup: DecodeSetup, batch: int, params, cfg, bandwidth: float
                             ignore_eos=True) for p in random_prompts(batch, setup.prompt_len, cfg.vocab_size)]
   pool.join(params, specs, list(range(batch)))
   pool.step(params)  # compile
-  seconds = [common.time_once(lambda: pool.step(params), sync=lambda x: x) for _ in range(chunks)]
-  step_s = common.summarize(seconds).median / C
+  seconds = [timing.time_once(lambda: pool.step(params), sync=lambda x: x) for _ in range(chunks)]
+  step_s = summary.summarize(seconds).median / C
   mean_context = setup.prompt_len + 1 + C * (1 + chunks / 2)
   need, allocated = floor_bytes(params, cfg, pool, int(batch * mean_context))
   fraction = need / bandwidth / step_s
-  return [common.figure(
+  return [records.figure(
       f"decode_floor_fraction_b{batch}", f"{FLOOR_TITLE}, B={batch}", unit="x", value=fraction,
       goal=floor_goal(batch), stats=None,
       details={"step_seconds": step_s, "tokens_per_s": batch / step_s, "bytes_per_step": need,
@@ -282,22 +285,22 @@ def _measure_batch(setup: DecodeSetup, batch: int, headline: bool, params, cfg, 
   thunks = {"ours_kv_cache": lambda: ours_greedy(params, cfg, prompts, n)}
   for t, name in zip(hf_thread_counts(), hf_names):
     thunks[name] = functools.partial(hf_greedy_threads, hf_model, prompts, n, t)
-  times = common.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
+  times = timing.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
   times["hf_generate"] = best_of_rounds(*(times[name] for name in hf_names))
   tokens = batch * n
   shape = f"B={batch}, prompt {setup.prompt_len}, new {n}"
-  tok_s = {k: tokens / common.summarize(v).median for k, v in times.items()}
+  tok_s = {k: tokens / summary.summarize(v).median for k, v in times.items()}
   # Why: with ~58-token prompts and a few dozen new tokens, prefill is most of the work and both sides may be
   # compute-bound; achieved matmul GFLOP/s shows how close each is to the machine's rate.
   flops = {"ours_kv_cache": forward_flops(cfg, params, batch, sampling_bucket(setup.prompt_len) + n),
            "hf_generate": forward_flops(cfg, params, batch, setup.prompt_len + n)}
-  gflop_s = {k: flops[k] / common.summarize(times[k]).median / 1e9 for k in flops}
+  gflop_s = {k: flops[k] / summary.summarize(times[k]).median / 1e9 for k in flops}
   details = {
       "batch": batch, "prompt_len": setup.prompt_len, "new_tokens": n, "tokens_per_call": tokens,
       "model": cfg.to_dict(), "num_params": model_lib.count_params(params),
       "hf_baseline": f"per round, the faster of torch thread counts {hf_thread_counts()}",
-      "hf_device": torch_device(), "model_name": common.resolve_model(),
-      "tokens_per_s": tok_s, "seconds": common.timing_details(times),
+      "hf_device": torch_device(), "model_name": model_choice.resolve_model(),
+      "tokens_per_s": tok_s, "seconds": timing.timing_details(times),
       "approx_matmul_gflop_per_s": gflop_s, "approx_flops_per_call": flops,
       # Random-init logits are nearly flat, so greedy paths may part on float near-ties.
       "greedy_token_agreement": float(np.mean(ours_ids == hf_ids)),
@@ -305,22 +308,22 @@ def _measure_batch(setup: DecodeSetup, batch: int, headline: bool, params, cfg, 
       "timed": "whole generate call: prefill + decode + host read-back, greedy, fixed length; "
                "ours pads prompts to a power-of-two bucket, HF runs them unpadded",
   }
-  vs_hf = common.summarize(common.ratio_samples(times["hf_generate"], times["ours_kv_cache"]))
-  figures = [common.figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}", unit="x", goal=GOAL, stats=vs_hf,
-                           details=details,
-                           note=f"{shape}; ours {tok_s['ours_kv_cache']:.0f} tok/s, HF {tok_s['hf_generate']:.0f} "
-                                f"tok/s (best of torch threads {hf_thread_counts()})")]
+  vs_hf = summary.summarize(summary.ratio_samples(times["hf_generate"], times["ours_kv_cache"]))
+  figures = [records.figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}", unit="x", goal=GOAL, stats=vs_hf,
+                            details=details,
+                            note=f"{shape}; ours {tok_s['ours_kv_cache']:.0f} tok/s, HF {tok_s['hf_generate']:.0f} "
+                                 f"tok/s (best of torch threads {hf_thread_counts()})")]
   if headline:
-    nc = common.time_calls({"ours_kv_cache": thunks["ours_kv_cache"],
+    nc = timing.time_calls({"ours_kv_cache": thunks["ours_kv_cache"],
                             "ours_no_cache": lambda: ours_greedy(params, cfg, prompts, n, use_cache=False)},
                            warmup=1, repeats=setup.no_cache_repeats)
-    vs_nc = common.summarize(common.ratio_samples(nc["ours_no_cache"], nc["ours_kv_cache"]))
-    figures.append(common.figure(
+    vs_nc = summary.summarize(summary.ratio_samples(nc["ours_no_cache"], nc["ours_kv_cache"]))
+    figures.append(records.figure(
         f"decode_vs_no_cache_b{batch}", f"decode tokens/s: ours KV cache / ours no cache, B={batch}", unit="x",
-        stats=vs_nc, details={"seconds": common.timing_details(nc)},
-        note=f"{shape}; no-cache {tokens / common.summarize(nc['ours_no_cache']).median:.0f} tok/s"))
+        stats=vs_nc, details={"seconds": timing.timing_details(nc)},
+        note=f"{shape}; no-cache {tokens / summary.summarize(nc['ours_no_cache']).median:.0f} tok/s"))
   return figures
 
 
 if __name__ == "__main__":
-  common.module_main(produce, __doc__)
+  records.module_main(produce, __doc__)

@@ -6,14 +6,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks import model_choice
+from benchmarks import records
+from benchmarks import summary
+from benchmarks import timing
 
 TITLE = "learner FLOP/s / XLA matmul peak"
 GOAL = ">= 0.5"
 GRPO_MFU_TITLE = "GRPO step MFU: model FLOP/s (6N*tokens + attention) / matmul peak"
-GRPO_MFU_GOAL = ">= 0.45"          # issue 12, on an H100
+GRPO_MFU_GOAL = ">= 0.45"          # on an H100 (benchmarks/goals.py)
 VCPO_OVER_GRPO_TITLE = "VCPO / GRPO learner step time (the job's micro-batching)"
-VCPO_OVER_GRPO_GOAL = "<= 1.05"    # issue 12, on an H100
+VCPO_OVER_GRPO_GOAL = "<= 1.05"    # on an H100 (benchmarks/goals.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +65,9 @@ def matmul_peak(setup: FlopsSetup, dtype: str = "float32", precision: str = "def
   (>= 10 ms) for dispatch not to matter, or the two largest if none is, plus the sweep."""
   per_size = {}
   for n in setup.sizes:
-    times = common.time_calls({"mm": matmul_thunk(n, dtype, precision)}, warmup=setup.warmup,
+    times = timing.time_calls({"mm": matmul_thunk(n, dtype, precision)}, warmup=setup.warmup,
                               repeats=setup.repeats)["mm"]
-    st = common.summarize(times)
+    st = summary.summarize(times)
     per_size[n] = {"seconds": st.to_dict(), "flop_per_s": matmul_flops(n) / st.median}
     if st.median >= setup.min_call_seconds:
       break
@@ -90,7 +93,7 @@ class LearnerBench:
 
 def main_job_config():
   """The job whose model and learner are measured: the main CPU job, or the Qwen2.5-0.5B shape (--model)."""
-  return common.job_config()
+  return model_choice.job_config()
 
 
 def synthetic_batch(batch: int, seq_len: int, group_size: int, vocab: int, seed: int = 0):
@@ -156,10 +159,10 @@ def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = 
   from vcpo_jax.model import transformer as model_lib
   config = main_job_config()
   model_cfg = hf.model_config(config.model)
-  if common.small_model():
+  if model_choice.small_model():
     # The main job's learner batch: prompts_per_step * group_size rows padded to model.max_seq_len.
     B, T = (16, 32) if quick else (config.rl.prompts_per_step * config.rl.group_size, model_cfg.max_seq_len)
-  else:  # the 0.5B shape: B=64 x T=512 in the job's micro-batches of 8 rows, as measured in issue 12
+  else:  # the 0.5B shape: B=64 x T=512 in the job's micro-batches of 8 rows (the goals' shape)
     B, T = (8, 64) if quick else (64, 512)
   G = min(config.rl.group_size, B)
   # Exactly the job's learner: its LearnerConfig (micro-batching included) and optimizer chain.
@@ -186,7 +189,7 @@ def build_learner_bench(*, quick: bool, analyze: bool = True, with_grpo: bool = 
 
 
 def produce(quick: bool) -> list[dict]:
-  return common.run_figure("learner_flops", TITLE, lambda: _measure(quick), goal=GOAL)
+  return records.run_figure("learner_flops", TITLE, lambda: _measure(quick), goal=GOAL)
 
 
 def _measure(quick: bool) -> list[dict]:
@@ -199,7 +202,7 @@ def _measure(quick: bool) -> list[dict]:
   thunks = {f"matmul_{n}": matmul_thunk(n, model["dtype"], model["matmul_precision"]) for n in sizes}
   thunks["step"] = bench.step
   thunks["grpo_step"] = bench.grpo_step
-  times = common.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
+  times = timing.time_calls(thunks, warmup=setup.warmup, repeats=setup.repeats)
   peak_B = [max(matmul_flops(n) / times[f"matmul_{n}"][i] for n in sizes) for i in range(setup.repeats)]
   xla_flops = compiled_flops(bench.compiled)
   analytic = bench.analytic_flops
@@ -208,33 +211,33 @@ def _measure(quick: bool) -> list[dict]:
   share = [flops / t / p for t, p in zip(times["step"], peak_B)]
   model_share = [analytic / t / p for t, p in zip(times["step"], peak_B)]
   grpo_mfu = [analytic / t / p for t, p in zip(times["grpo_step"], peak_B)]
-  vcpo_over_grpo = common.ratio_samples(times["step"], times["grpo_step"])
-  step, peak = common.summarize(times["step"]), common.summarize(peak_B)
+  vcpo_over_grpo = summary.ratio_samples(times["step"], times["grpo_step"])
+  step, peak = summary.summarize(times["step"]), summary.summarize(peak_B)
   details = {
       "peak_flop_per_s": peak.to_dict(), "peak": peak_details,
       "step_flops": flops, "flops_source": source, "xla_cost_analysis_flops": xla_flops,
       "analytic_flops": analytic, "achieved_flop_per_s": flops / step.median,
-      "seconds": common.timing_details(times), **bench.describe,
+      "seconds": timing.timing_details(times), **bench.describe,
   }
   note = (f"{bench.describe['shape']}; {flops / step.median / 1e9:.1f} GFLOP/s vs matmul peak "
           f"{peak.median / 1e9:.1f} GFLOP/s (sizes {sizes}), per-round ratios (FLOPs: {source})")
   return [
-      common.figure("learner_flops", TITLE, unit="%", goal=GOAL, stats=common.summarize(share),
-                    details=details, note=note),
-      common.figure("learner_model_flops", "learner model FLOP/s (6N*tokens + attention) / XLA matmul peak",
-                    unit="%", stats=common.summarize(model_share),
-                    note=f"{bench.describe['shape']}; useful FLOPs only (no per-sequence norm work)"),
-      common.figure("grpo_mfu", GRPO_MFU_TITLE, unit="%", goal=GRPO_MFU_GOAL, stats=common.summarize(grpo_mfu),
-                    details={"analytic_flops": analytic, "matmul_peak": f"{model['dtype']} at {model['matmul_precision']!r}",
-                             "grpo_learner_config": dataclasses.asdict(grpo_config(bench.learner_cfg))},
+      records.figure("learner_flops", TITLE, unit="%", goal=GOAL, stats=summary.summarize(share),
+                     details=details, note=note),
+      records.figure("learner_model_flops", "learner model FLOP/s (6N*tokens + attention) / XLA matmul peak",
+                     unit="%", stats=summary.summarize(model_share),
+                     note=f"{bench.describe['shape']}; useful FLOPs only (no per-sequence norm work)"),
+      records.figure("grpo_mfu", GRPO_MFU_TITLE, unit="%", goal=GRPO_MFU_GOAL, stats=summary.summarize(grpo_mfu),
+                     details={"analytic_flops": analytic, "matmul_peak": f"{model['dtype']} at {model['matmul_precision']!r}",
+                              "grpo_learner_config": dataclasses.asdict(grpo_config(bench.learner_cfg))},
                     note=f"{bench.describe['shape']}; model FLOPs 6*N*tokens + attention / GRPO step time / "
-                         f"matmul peak, per round (goal set for an H100)"),
-      common.figure("learner_vcpo_over_grpo", VCPO_OVER_GRPO_TITLE, unit="x", goal=VCPO_OVER_GRPO_GOAL,
-                    stats=common.summarize(vcpo_over_grpo),
-                    note=f"{bench.describe['shape']}; the job's learner vs plain GRPO, same micro-batching, "
-                         f"interleaved (goal set for an H100)"),
+                          f"matmul peak, per round (goal set for an H100)"),
+      records.figure("learner_vcpo_over_grpo", VCPO_OVER_GRPO_TITLE, unit="x", goal=VCPO_OVER_GRPO_GOAL,
+                     stats=summary.summarize(vcpo_over_grpo),
+                     note=f"{bench.describe['shape']}; the job's learner vs plain GRPO, same micro-batching, "
+                          f"interleaved (goal set for an H100)"),
   ]
 
 
 if __name__ == "__main__":
-  common.module_main(produce, __doc__)
+  records.module_main(produce, __doc__)

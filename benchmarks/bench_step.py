@@ -8,7 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks import common, oracle
+from benchmarks import model_choice
+from benchmarks import oracle
+from benchmarks import records
+from benchmarks import summary
+from benchmarks import timing
 from vcpo_jax.algo import vcpo
 from vcpo_jax.learner import batch as batch_lib
 from vcpo_jax.learner import config as learner_config
@@ -33,7 +37,7 @@ def bench_model(name: str) -> model_config.ModelConfig:
   if name == "main":
     return MODEL
   import dataclasses
-  cfg = common.model_config(name)
+  cfg = model_choice.model_config(name)
   return dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, 256))
 
 
@@ -103,7 +107,7 @@ class _Runner:
 
 
 def produce(quick: bool) -> list[dict]:
-  name = common.resolve_model()
+  name = model_choice.resolve_model()
   b, t, micro = SIZES[(name, quick)]
   repeats = 2 if quick else 4
   cfg = bench_model(name)
@@ -134,39 +138,39 @@ def produce(quick: bool) -> list[dict]:
   arith = jax.jit(_arith)
   runners["arith"] = lambda: arith(batch, logw_B, sq_B)
 
-  times = common.time_calls(runners, warmup=1, repeats=repeats)
-  ratio = lambda a, c: common.summarize(common.ratio_samples(times[a], times[c]))
+  times = timing.time_calls(runners, warmup=1, repeats=repeats)
+  ratio = lambda a, c: summary.summarize(summary.ratio_samples(times[a], times[c]))
   shape = {"B": b, "T": t, "params": M.count_params(params), "group": GROUP, "micro_batch_size": micro,
            "backend": jax.default_backend(), "model": name, "dtype": cfg.dtype}
   peak = lambda name: memory[name].get("peak_estimate_bytes")
   mem_ratio = peak("vcpo") / peak("grpo") if peak("vcpo") and peak("grpo") else None
   return [
-      common.figure("step_vcpo_over_grpo", "VCPO step (ESS + group OPOB, book-keeping) / plain GRPO step",
-                    unit="x", goal="<= 1.3", stats=ratio("vcpo", "grpo"),
-                    details={**shape, "seconds": common.timing_details(times)}),
-      common.figure("step_bounded_over_grpo", "bounded VCPO step (norms layer by layer + backward) / GRPO step",
-                    unit="x", goal="<= 1.6", stats=ratio("bounded", "grpo"), details=shape),
-      common.figure("step_two_pass_over_grpo", "two-pass VCPO step (norm pass + backward) / plain GRPO step",
-                    unit="x", goal="<= 1.8", stats=ratio("two_pass", "grpo"), details=shape),
-      common.figure("step_oracle_over_vcpo", "micro-batch-1 oracle step / VCPO step", unit="x", goal=">= 4",
-                    stats=ratio("oracle", "vcpo"), details=shape,
-                    note="on CPU a batch-1 backward is not starved (T=128 rows per matmul) and fits cache"),
-      common.figure("step_vcpo_mb_over_grpo_mb", "VCPO / GRPO step, both in micro-batches of whole groups",
-                    unit="x", goal="<= 1.3", stats=ratio("vcpo_mb", "grpo_mb"), details=shape),
-      common.figure("step_vcpo_mb_over_vcpo", "VCPO step in micro-batches / VCPO step on the whole batch",
-                    unit="x", stats=ratio("vcpo_mb", "vcpo"), details=shape),
-      common.figure("step_oracle_over_vcpo_mb", "micro-batch-1 oracle step / VCPO step in micro-batches",
-                    unit="x", goal=">= 4", stats=ratio("oracle", "vcpo_mb"), details=shape),
-      common.figure("step_arith_share", "ESS + OPOB arithmetic / VCPO step time", unit="%", goal="< 0.01",
-                    stats=ratio("arith", "vcpo"), details=shape),
-      common.figure("step_memory_vcpo_over_grpo", "VCPO step / GRPO step compiled memory (temp+args+out-alias)",
-                    unit="x", value=mem_ratio, details={**shape, **{f"memory_{k}": v for k, v in memory.items()}},
-                    note="XLA memory_analysis() of the compiled steps"),
+      records.figure("step_vcpo_over_grpo", "VCPO step (ESS + group OPOB, book-keeping) / plain GRPO step",
+                     unit="x", goal="<= 1.3", stats=ratio("vcpo", "grpo"),
+                     details={**shape, "seconds": timing.timing_details(times)}),
+      records.figure("step_bounded_over_grpo", "bounded VCPO step (norms layer by layer + backward) / GRPO step",
+                     unit="x", goal="<= 1.6", stats=ratio("bounded", "grpo"), details=shape),
+      records.figure("step_two_pass_over_grpo", "two-pass VCPO step (norm pass + backward) / plain GRPO step",
+                     unit="x", goal="<= 1.8", stats=ratio("two_pass", "grpo"), details=shape),
+      records.figure("step_oracle_over_vcpo", "micro-batch-1 oracle step / VCPO step", unit="x", goal=">= 4",
+                     stats=ratio("oracle", "vcpo"), details=shape,
+                     note="on CPU a batch-1 backward is not starved (T=128 rows per matmul) and fits cache"),
+      records.figure("step_vcpo_mb_over_grpo_mb", "VCPO / GRPO step, both in micro-batches of whole groups",
+                     unit="x", goal="<= 1.3", stats=ratio("vcpo_mb", "grpo_mb"), details=shape),
+      records.figure("step_vcpo_mb_over_vcpo", "VCPO step in micro-batches / VCPO step on the whole batch",
+                     unit="x", stats=ratio("vcpo_mb", "vcpo"), details=shape),
+      records.figure("step_oracle_over_vcpo_mb", "micro-batch-1 oracle step / VCPO step in micro-batches",
+                     unit="x", goal=">= 4", stats=ratio("oracle", "vcpo_mb"), details=shape),
+      records.figure("step_arith_share", "ESS + OPOB arithmetic / VCPO step time", unit="%", goal="< 0.01",
+                     stats=ratio("arith", "vcpo"), details=shape),
+      records.figure("step_memory_vcpo_over_grpo", "VCPO step / GRPO step compiled memory (temp+args+out-alias)",
+                     unit="x", value=mem_ratio, details={**shape, **{f"memory_{k}": v for k, v in memory.items()}},
+                     note="XLA memory_analysis() of the compiled steps"),
   ]
 
 
 def main(argv=None):
-  return common.module_main(produce, __doc__, argv)
+  return records.module_main(produce, __doc__, argv)
 
 
 if __name__ == "__main__":

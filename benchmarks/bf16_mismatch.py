@@ -1,4 +1,4 @@
-"""bf16 vs float32 log-prob mismatch on the main job's model after a short warm start (README numbers).
+"""bf16 vs float32 log-prob mismatch on the main job's model after a short warm start (docs/gpu.md, Precision).
 
 `python -m benchmarks.bf16_mismatch [--sft-steps N]`: warm-starts the main job's model (float32), samples
 responses to Countdown prompts with the float32 sampler, then scores the same tokens four ways and prints

@@ -14,9 +14,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from benchmarks import common
+from benchmarks import environment
+from benchmarks import markdown
+from benchmarks import model_choice
+from vcpo_jax.rollout import launcher
+from benchmarks import records
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "benchmarks")
@@ -63,8 +67,8 @@ def normalize_figures(job: Job, payload: Any) -> list[dict]:
     return payload
   if isinstance(payload, dict) and isinstance(payload.get("figures"), list):
     return normalize_figures(job, payload["figures"])
-  return [common.figure(job.name, job.title, details={"raw": payload},
-                        note="module output not in the figure format; raw output kept in details")]
+  return [records.figure(job.name, job.title, details={"raw": payload},
+                         note="module output not in the figure format; raw output kept in details")]
 
 
 def child_env() -> dict:
@@ -76,9 +80,23 @@ def child_env() -> dict:
   return env
 
 
+def run_subprocess(cmd: Sequence[str], *, timeout: float, cwd: str | None = None,
+                   env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+  """subprocess.run, but on timeout the child and every process it started are ended
+  (launcher.end_process_tree: by pid too, so servers in sessions of their own go as well)."""
+  proc = subprocess.Popen(list(cmd), cwd=cwd, env=None if env is None else dict(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    launcher.end_process_tree(proc)
+    raise
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_job(job: Job, *, quick: bool, python: str = sys.executable, limit_s: float | None = None,
             limit_scale: float = 1.0,
-            runner: Callable[..., subprocess.CompletedProcess] = common.run_subprocess) -> list[dict]:
+            runner: Callable[..., subprocess.CompletedProcess] = run_subprocess) -> list[dict]:
   """Runs one figure module in a subprocess; failures (exit code, timeout, bad JSON) become error figures."""
   with tempfile.TemporaryDirectory(prefix=f"bench_{job.name}_") as tmp:
     out = os.path.join(tmp, "out.json")
@@ -91,30 +109,30 @@ def run_job(job: Job, *, quick: bool, python: str = sys.executable, limit_s: flo
     try:
       proc = runner(cmd, cwd=REPO_ROOT, env=env, timeout=limit)
     except subprocess.TimeoutExpired:
-      return [common.failed_figure(job.name, job.title, f"timed out after {limit:.0f} s")]
+      return [records.failed_figure(job.name, job.title, f"timed out after {limit:.0f} s")]
     seconds = time.perf_counter() - start
     if proc.returncode != 0 or not os.path.exists(out):
-      return [common.failed_figure(job.name, job.title,
-                                   f"exit code {proc.returncode}: {tail(proc.stderr or proc.stdout)}")]
+      return [records.failed_figure(job.name, job.title,
+                                    f"exit code {proc.returncode}: {tail(proc.stderr or proc.stdout)}")]
     try:
       with open(out) as f:
         figures = normalize_figures(job, json.load(f))
     except (OSError, ValueError) as e:
-      return [common.failed_figure(job.name, job.title, f"unreadable output: {e}")]
+      return [records.failed_figure(job.name, job.title, f"unreadable output: {e}")]
   for fig in figures:
     fig.setdefault("details", {})["job_seconds"] = round(seconds, 1)
   return figures
 
 
 def probe_environment(python: str = sys.executable) -> dict:
-  """Environment read in a child process (see common.py's __main__); errors are recorded, not raised."""
+  """Environment read in a child process (environment.py's __main__); errors are recorded, not raised."""
   try:
-    proc = subprocess.run([python, "-m", "benchmarks.common"], cwd=REPO_ROOT, capture_output=True, text=True,
+    proc = subprocess.run([python, "-m", "benchmarks.environment"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=120)
     return json.loads(proc.stdout.strip().splitlines()[-1])
   except Exception as e:  # noqa: BLE001
-    return {"error": f"environment probe failed: {e}", "versions": common.package_versions(),
-            "cpu_model": common.cpu_model(), "cpu_cores": os.cpu_count()}
+    return {"error": f"environment probe failed: {e}", "versions": environment.package_versions(),
+            "cpu_model": environment.cpu_model(), "cpu_cores": os.cpu_count()}
 
 
 def select_jobs(only: str | None, jobs: Sequence[Job] | None = None) -> list[Job]:
@@ -136,7 +154,7 @@ def write_results(results: dict, out_dir: str) -> tuple[str, str]:
     json.dump(results, f, indent=2, default=float)
     f.write("\n")
   with open(md_path, "w") as f:
-    f.write(common.render_markdown(results))
+    f.write(markdown.render_markdown(results))
   return json_path, md_path
 
 
@@ -157,20 +175,20 @@ def main(argv=None) -> dict:
   parser.add_argument("--limit-scale", type=float, default=1.0,
                       help="multiplies every job's time limit and the suite budget (a loaded machine: its "
                            "load average over its cores, e.g. 3)")
-  parser.add_argument("--model", default=None, choices=common.MODELS,
+  parser.add_argument("--model", default=None, choices=model_choice.MODELS,
                       help="model of the figures: main = countdown (the main CPU job's), tiny (configs/tiny.py), "
                            "qwen2.5-0.5b (the Qwen2.5-0.5B shape), auto (default: main on CPU, qwen2.5-0.5b on "
                            "an accelerator); the compile figure is always the 0.5B shape (or tiny)")
   args = parser.parse_args(argv)
   if args.model:
-    os.environ[common.MODEL_ENV] = args.model  # the environment probe and every figure's child read it
+    os.environ[model_choice.MODEL_ENV] = args.model  # the environment probe and every figure's child read it
   jobs = select_jobs(args.only)
   out_dir = args.out_dir or (QUICK_OUT_DIR if args.quick else DEFAULT_OUT_DIR)
   start = time.perf_counter()
   env = probe_environment()
   # The children resolve "auto" the same way from the probed backend; fixing it here keeps them in step.
   if env.get("model"):
-    os.environ[common.MODEL_ENV] = env["model"]
+    os.environ[model_choice.MODEL_ENV] = env["model"]
   results = {"environment": env, "mode": "quick" if args.quick else "full", "command": command_line(argv),
              "figures": []}
   for job in jobs:
@@ -178,7 +196,7 @@ def main(argv=None) -> dict:
     print(f"[bench] {job.name}: python -m {job.module} ({left:.0f} s of the suite budget left)", flush=True)
     t0 = time.perf_counter()
     if left < MIN_JOB_S:
-      figures = [common.failed_figure(job.name, job.title, f"skipped: suite budget of {args.budget_s:.0f} s spent")]
+      figures = [records.failed_figure(job.name, job.title, f"skipped: suite budget of {args.budget_s:.0f} s spent")]
     else:
       figures = run_job(job, quick=args.quick, limit_s=left, limit_scale=args.limit_scale)
     results["figures"].extend(figures)
@@ -189,7 +207,7 @@ def main(argv=None) -> dict:
     results["wall_seconds"] = round(time.perf_counter() - start, 1)
     write_results(results, out_dir)  # after every job, so a killed run still leaves what it measured
   json_path, md_path = write_results(results, out_dir)
-  print(common.render_markdown(results))
+  print(markdown.render_markdown(results))
   print(f"[bench] wrote {json_path} and {md_path}")
   return results
 

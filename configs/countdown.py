@@ -39,7 +39,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   ))
   # Device mesh (data x fsdp x tensor); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-  # Many hosts (README "Many hosts"): one process per host, the mesh spans every process's devices.
+  # Many hosts (docs/multihost.md): one process per host, the mesh spans every process's devices.
   c.distributed = ml_collections.ConfigDict(dict(
       auto=False,              # True: jax.distributed detects the cluster (TPU pod, SLURM, Open MPI)
       coordinator_address="",  # host:port of process 0 (when num_processes > 1 and not auto)
@@ -50,9 +50,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   ))
 
   c.task = ml_collections.ConfigDict(dict(
-      name="countdown",
-      # A registered task: countdown | arithmetic | countdown_tools (vcpo_jax/tasks). One sub-dict per task
-      # with its constructor's options; only the chosen one's is read, e.g.
+      name="countdown",        # a registered task (vcpo_jax/tasks)
+      # One sub-dict per task with its constructor's options; only the chosen one's is read, e.g.
       # --config.task.name=arithmetic --config.task.options.arithmetic.max_digits=2.
       options=configuration.options_config(tasks.TASKS),
       eval_size=128,           # held-out prompts per evaluation (229 distinct exist at these options)
@@ -78,7 +77,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       group_size=8,            # n samples per prompt
       max_new_tokens=24,
       temperature=1.0,
-      mode="http",             # a registered backend: http (SGLang-protocol servers) | emulate (in-process lag emulation)
+      mode="http",             # a registered rollout backend: SGLang-protocol servers, or in-process lag emulation
       max_lag=2,               # k: no sample is consumed with lag > k; 0 is synchronous
       # rl.mode=emulate: the lag of each group (rollout/lag_model.py). fixed: exactly min(t, k); pipeline: what a
       # real async run at this k gives, from a seeded simulation of the scheduler's rule with servers
@@ -90,13 +89,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   ))
 
   c.algo = ml_collections.ConfigDict(dict(
-      advantage="opob",        # a registered estimator: grpo | rloo | dr_grpo | reinforce | opob (advantages.py)
+      advantage="opob",        # a registered advantage estimator (algo/advantages.py)
       # One sub-dict per registered estimator with its options (fields and defaults from its options
       # dataclass); only the chosen one's is read, e.g. --config.algo.advantage_options.opob.aggregation=median.
-      # opob (the authors' defaults): scope group|minibatch, is_weight none|truncated|raw|reference,
-      # normalize_by_length, aggregation mean|median|winsorized_mean, norm_by_std, winsor_quantiles.
       advantage_options=configuration.options_config(losses.ADVANTAGE_ESTIMATORS),
-      policy_loss="vcpo",      # a registered loss (policy_losses.py): vcpo | pg | ppo | dual_clip_ppo | ...
+      policy_loss="vcpo",      # a registered policy loss (algo/policy_losses.py)
       # Likewise per loss, e.g. --config.algo.policy_loss=ppo --config.algo.policy_loss_options.ppo.clip_eps_low=0.1
       # (the tau of vcpo / seq_tis is algo.tis_threshold).
       policy_loss_options=configuration.options_config(losses.POLICY_LOSSES),

@@ -35,7 +35,7 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
       max_seq_len=640,             # chat-template prompt (~110 tokens with the default system turn) + 512
       param_dtype="float32",
       # float32 compute at "highest" keeps learner and sampler log-probs within 1e-4 per token (the IS
-      # ratios); the 7B uses bfloat16 compute to fit (see README for bf16's measured mismatch).
+      # ratios); the 7B uses bfloat16 compute to fit (docs/gpu.md measures bf16's mismatch).
       dtype="bfloat16" if size == "7b" else "float32",
       matmul_precision="default" if size == "7b" else "highest",
       scan_layers=True,            # one compiled layer: the step compiles in the same time at any depth

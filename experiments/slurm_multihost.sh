@@ -1,5 +1,5 @@
 #!/bin/bash
-# The learner as one JAX process per node under SLURM (README "Many hosts"). UNTESTED: written for SLURM +
+# The learner as one JAX process per node under SLURM (docs/multihost.md). UNTESTED: written for SLURM +
 # CUDA 12 nodes; it has not been run on a cluster (this project's runs are 2 processes on localhost, see
 # tests/test_multihost.py). jax.distributed reads the SLURM environment (distributed.auto=True): process
 # count and id from SLURM_NTASKS / SLURM_PROCID, the coordinator on the first node of SLURM_JOB_NODELIST.

@@ -1,7 +1,7 @@
 """The claims study's pre-registered verdict rules (docs/results/study/README.md) as code: C1-C4 decided from
 seed-paired endpoint differences, collapse counts and each claim's precondition.
 
-The rules were fixed before any run of the study (experiments/sweeps/study_v2.py) and are not tuned after.
+The rules were fixed before any run of the study (experiments/sweeps/claims_k8.py) and are not tuned after.
 Every difference is a - b of the endpoint (mean of the last 3 held-out greedy evaluations), paired by seed
 (both units of a seed share its warm start), with a 95% Student-t interval over seeds, in points.
 A claim is "not testable here" when its precondition fails; a rule that is not met is "not reproduced",

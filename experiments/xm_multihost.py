@@ -1,4 +1,4 @@
-"""One multi-process learner run as an XManager job group: N jobs, one JAX process each (README "Many hosts").
+"""One multi-process learner run as an XManager job group: N jobs, one JAX process each (docs/multihost.md).
 
     python -m experiments.xm_multihost --config=configs/countdown.py:emulate --workdir=runs/mh \
         --num_processes=2 [--devices_per_process=4] [--dry_run] [-- --config.rl.steps=60 ...]

@@ -6,14 +6,21 @@ import textwrap
 import numpy as np
 import pytest
 
-from benchmarks import common
+from benchmarks import environment
+from benchmarks import goals
+from benchmarks import markdown
+from benchmarks import model_choice
+from benchmarks import records
 from benchmarks import run
+from benchmarks import summary
+from benchmarks import timing
+from vcpo_jax.rollout import launcher
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 6])
 def test_summarize_matches_numpy(n):
   samples = np.random.default_rng(n).exponential(1.0, n).tolist()
-  st = common.summarize(samples)
+  st = summary.summarize(samples)
   assert st.median == pytest.approx(float(np.median(samples)))
   assert (st.min, st.max, st.n) == (min(samples), max(samples), n)
 
@@ -21,15 +28,15 @@ def test_summarize_matches_numpy(n):
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
 def test_summarize_rejects_bad_samples(bad):
   with pytest.raises(ValueError, match="samples"):
-    common.summarize(bad)
+    summary.summarize(bad)
 
 
 def test_ratio_samples_pairs_rounds():
-  assert common.ratio_samples([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
+  assert summary.ratio_samples([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
   with pytest.raises(ValueError, match="num and den"):
-    common.ratio_samples([1.0], [1.0, 2.0])
+    summary.ratio_samples([1.0], [1.0, 2.0])
   with pytest.raises(ValueError, match="den"):
-    common.ratio_samples([1.0], [0.0])
+    summary.ratio_samples([1.0], [0.0])
 
 
 @pytest.mark.parametrize("value,goal,met", [
@@ -37,31 +44,31 @@ def test_ratio_samples_pairs_rounds():
     (4.0, ">= 4", True), (3.99, ">= 4", False), (2.0, "> 1.5", True), (None, ">= 4", None), (1.0, None, None),
     (float("nan"), ">= 1", None)])
 def test_goal_met(value, goal, met):
-  assert common.goal_met(value, goal) is met
+  assert goals.goal_met(value, goal) is met
 
 
 @pytest.mark.parametrize("goal", ["about 3", "=> 3", "<= x"])
 def test_goal_met_rejects_malformed_goal(goal):
   with pytest.raises(ValueError, match="goal"):
-    common.goal_met(1.0, goal)
+    goals.goal_met(1.0, goal)
 
 
 def test_time_calls_interleaves_rounds_after_warmup():
   log = []
   fns = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
-  times = common.time_calls(fns, warmup=2, repeats=3, sync=lambda x: x)
+  times = timing.time_calls(fns, warmup=2, repeats=3, sync=lambda x: x)
   assert log == ["a", "b"] * 5
   assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
   assert all(t >= 0 for v in times.values() for t in v)
   with pytest.raises(ValueError, match="repeats"):
-    common.time_calls(fns, repeats=0)
+    timing.time_calls(fns, repeats=0)
 
 
 def test_time_once_waits_for_jax_results():
   import jax
   import jax.numpy as jnp
   x = jnp.ones((256, 256))
-  seconds = common.time_once(lambda: jax.jit(lambda a: a @ a)(x))
+  seconds = timing.time_once(lambda: jax.jit(lambda a: a @ a)(x))
   assert seconds > 0
 
 
@@ -73,11 +80,11 @@ def _results(figures):
 
 
 def test_render_markdown_rows_values_and_errors():
-  ok = common.figure("a", "step ratio | vcpo/grpo", unit="x", goal="<= 1.3",
-                     stats=common.summarize([1.1, 1.25, 1.4]), details={"B": 64})
-  bad = common.failed_figure("b", "async steps/hour", "train loop missing", goal=">= 1.5")
-  share = common.figure("c", "arith share", unit="%", goal="< 0.01", stats=common.summarize([0.002, 0.004]))
-  md = common.render_markdown(_results([ok, bad, share]))
+  ok = records.figure("a", "step ratio | vcpo/grpo", unit="x", goal="<= 1.3",
+                      stats=summary.summarize([1.1, 1.25, 1.4]), details={"B": 64})
+  bad = records.failed_figure("b", "async steps/hour", "train loop missing", goal=">= 1.5")
+  share = records.figure("c", "arith share", unit="%", goal="< 0.01", stats=summary.summarize([0.002, 0.004]))
+  md = markdown.render_markdown(_results([ok, bad, share]))
   rows = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
   assert len(rows) == 4  # header + one per figure
   assert "step ratio \\| vcpo/grpo" in rows[1] and "1.25x" in rows[1] and "1.10x - 1.40x" in rows[1]
@@ -89,14 +96,14 @@ def test_render_markdown_rows_values_and_errors():
 
 
 def test_figure_goal_reflects_median():
-  fig = common.figure("x", "t", unit="x", goal=">= 4", stats=common.summarize([3.0, 3.5, 5.0]))
+  fig = records.figure("x", "t", unit="x", goal=">= 4", stats=summary.summarize([3.0, 3.5, 5.0]))
   assert fig["value"] == 3.5 and fig["goal_met"] is False
 
 
 def test_run_figure_turns_exceptions_into_error_figures():
   def boom():
     raise RuntimeError("no learner yet")
-  [fig] = common.run_figure("k", "title", boom, goal=">= 1")
+  [fig] = records.run_figure("k", "title", boom, goal=">= 1")
   assert fig["error"] == "RuntimeError: no learner yet" and fig["goal_met"] is None
 
 
@@ -104,7 +111,7 @@ def test_normalize_figures_keeps_unknown_payload():
   job = run.Job("step", "m", "title", 1, 1)
   [fig] = run.normalize_figures(job, {"vcpo_over_grpo": 1.2})
   assert fig["details"]["raw"] == {"vcpo_over_grpo": 1.2} and fig["key"] == "step"
-  figs = [common.figure("a", "A", value=1.0)]
+  figs = [records.figure("a", "A", value=1.0)]
   assert run.normalize_figures(job, {"figures": figs}) == figs
 
 
@@ -154,7 +161,7 @@ def test_run_job_isolates_failures(fake_modules):
 
 @pytest.mark.integration
 def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tmp_path, monkeypatch):
-  monkeypatch.setenv(common.MODEL_ENV, "auto")  # run.main fixes the resolved model in the environment
+  monkeypatch.setenv(model_choice.MODEL_ENV, "auto")  # run.main fixes the resolved model in the environment
   monkeypatch.setattr(run, "JOBS", (run.Job("ok", "fake_bench_ok", "ok", 30, 30),
                                     run.Job("crash", "fake_bench_crash", "crash", 30, 30)))
   out = tmp_path / "out"
@@ -164,7 +171,7 @@ def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tm
   assert results["figures"][1]["error"] and results["mode"] == "quick"
   import jax
   assert results["environment"].get("backend") == jax.default_backend(), results["environment"]
-  assert results["environment"]["model"] == common.resolve_model(backend=jax.default_backend())
+  assert results["environment"]["model"] == model_choice.resolve_model(backend=jax.default_backend())
   md = (out / "results.md").read_text()
   assert "fake figure" in md and "not measured" in md
 
@@ -214,13 +221,13 @@ def test_run_subprocess_timeout_ends_grandchildren_in_other_sessions(tmp_path):
             f"time.sleep(60)'], start_new_session=True); open({str(pid_file)!r}, 'w').write(str(p.pid)); "
             f"time.sleep(60)")
   with pytest.raises(subprocess.TimeoutExpired):
-    common.run_subprocess([sys.executable, "-c", script], timeout=2.0)
+    run.run_subprocess([sys.executable, "-c", script], timeout=2.0)
   grandchild = int(pid_file.read_text())
   for _ in range(50):
-    if not common._alive(grandchild):
+    if not launcher.is_alive(grandchild):
       break
     time.sleep(0.1)
-  assert not common._alive(grandchild)
+  assert not launcher.is_alive(grandchild)
 
 
 def test_decode_baseline_takes_the_faster_variant_per_round():
@@ -256,29 +263,29 @@ def test_async_steps_seen_in_one_poll_count_once():
 
 
 def test_model_option_resolves_by_backend_and_picks_the_job(monkeypatch):
-  assert common.resolve_model("auto", backend="cpu") == "main"
-  assert common.resolve_model("auto", backend="gpu") == "qwen2.5-0.5b"
-  assert common.resolve_model("main", backend="gpu") == "main"
+  assert model_choice.resolve_model("auto", backend="cpu") == "main"
+  assert model_choice.resolve_model("auto", backend="gpu") == "qwen2.5-0.5b"
+  assert model_choice.resolve_model("main", backend="gpu") == "main"
   with pytest.raises(ValueError, match="--model"):
-    common.resolve_model("7b", backend="cpu")
-  monkeypatch.setenv(common.MODEL_ENV, "qwen2.5-0.5b")
-  cfg = common.model_config()
+    model_choice.resolve_model("7b", backend="cpu")
+  monkeypatch.setenv(model_choice.MODEL_ENV, "qwen2.5-0.5b")
+  cfg = model_choice.model_config()
   assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.dtype) == (896, 24, 151936, "bfloat16")
   from benchmarks import bench_async, bench_decode
   assert bench_async.setup_for(quick=True).config == "configs/qwen2_5.py:0.5b"
   assert bench_decode.main_job_model_config().param_dtype == "bfloat16"
-  monkeypatch.setenv(common.MODEL_ENV, "main")
-  assert common.model_config().hidden_size == 128 and bench_async.setup_for(quick=False) is bench_async.FULL
+  monkeypatch.setenv(model_choice.MODEL_ENV, "main")
+  assert model_choice.model_config().hidden_size == 128 and bench_async.setup_for(quick=False) is bench_async.FULL
   cmd = bench_async.train_command("/w", 0, [], config="configs/qwen2_5.py:0.5b")
   assert "--config=configs/qwen2_5.py:0.5b" in cmd
 
 
 def test_model_option_aliases_and_tiny(monkeypatch):
-  assert common.resolve_model("countdown", backend="gpu") == "main"
-  assert common.resolve_model("tiny", backend="gpu") == "tiny"
-  assert common.small_model("tiny") and common.small_model("countdown") and not common.small_model("qwen2.5-0.5b")
-  monkeypatch.setenv(common.MODEL_ENV, "tiny")
-  assert common.model_config().hidden_size == 32
+  assert model_choice.resolve_model("countdown", backend="gpu") == "main"
+  assert model_choice.resolve_model("tiny", backend="gpu") == "tiny"
+  assert model_choice.small_model("tiny") and model_choice.small_model("countdown") and not model_choice.small_model("qwen2.5-0.5b")
+  monkeypatch.setenv(model_choice.MODEL_ENV, "tiny")
+  assert model_choice.model_config().hidden_size == 32
   from benchmarks import bench_async
   assert bench_async.setup_for(quick=False).config == "configs/tiny.py"
 
@@ -376,8 +383,8 @@ def test_compile_one_on_abstract_inputs_allocates_nothing():
   import jax
   from benchmarks import bench_compile
   from vcpo_jax.job import configuration
-  cfg = dataclasses.replace(common.model_config("tiny"), num_layers=1, max_seq_len=16)
-  optimizer = configuration.build_optimizer(common.job_config("tiny"))
+  cfg = dataclasses.replace(model_choice.model_config("tiny"), num_layers=1, max_seq_len=16)
+  optimizer = configuration.build_optimizer(model_choice.job_config("tiny"))
   state = bench_compile.abstract_state(cfg, optimizer)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
   batch_lib.check_batch(bench_compile.abstract_batch(4, 16, group=2))
@@ -387,21 +394,21 @@ def test_compile_one_on_abstract_inputs_allocates_nothing():
 
 
 def test_goals_table_says_where_each_goal_was_measured():
-  fig = lambda key, value, goal, unit="": common.figure(key, key, value=value, unit=unit, goal=goal)
+  fig = lambda key, value, goal, unit="": records.figure(key, key, value=value, unit=unit, goal=goal)
   results = _results([fig("compile_vcpo_seconds", 4.0, "<= 10", "s"), fig("grpo_mfu", 0.2, ">= 0.45", "%"),
-                      common.failed_figure("learner_vcpo_over_grpo", "t", "boom")])
-  rows = {r[0]: r for r in (common.goal_row(g, results["figures"], results["environment"]) for g in common.GOALS)}
+                      records.failed_figure("learner_vcpo_over_grpo", "t", "boom")])
+  rows = {r[0]: r for r in (markdown.goal_row(g, results["figures"], results["environment"]) for g in goals.GOALS)}
   compile_row = next(r for t, r in rows.items() if t.startswith("compile"))
   assert "(met)" in compile_row[1] and "compile only" in compile_row[2] and "unverified" not in compile_row[2]
   mfu = next(r for t, r in rows.items() if t.startswith("GRPO-step MFU"))
   assert "20.00%" in mfu[1] and "NOT met" in mfu[1] and "unverified on GPU" in mfu[2]
   assert "not measured: boom" in next(r for t, r in rows.items() if t.startswith("VCPO / GRPO"))[1]
   assert next(r for t, r in rows.items() if t.startswith("decode"))[1] == "not in this run"
-  md = common.render_markdown({**results, "command": ".venv/bin/python -m benchmarks.run --only compile"})
-  assert "## Goals (issue 12)" in md and "`.venv/bin/python -m benchmarks.run --only compile`" in md
+  md = markdown.render_markdown({**results, "command": ".venv/bin/python -m benchmarks.run --only compile"})
+  assert "## Goals" in md and "`.venv/bin/python -m benchmarks.run --only compile`" in md
 
 
 @pytest.mark.integration
 def test_run_records_the_command_and_commit():
   assert run.command_line(["--only", "compile"]) == ".venv/bin/python -m benchmarks.run --only compile"
-  assert common.git_commit() not in ("", None)
+  assert environment.git_commit() not in ("", None)

@@ -1,4 +1,4 @@
-"""README.md and docs/*.md: links resolve, named make targets and `python -m` modules exist, the config reference is current."""
+"""Docs stay true: links, make targets, `python -m` modules, pointers from code and the config reference resolve."""
 import importlib.util
 import pathlib
 import re
@@ -89,3 +89,61 @@ def test_config_reference_reads_comments():
   source = "c.x = ml_collections.ConfigDict(dict(\n    a=1,  # the a\n    # about b\n    b=2,\n))  \n"
   known = config_reference.config_comments(source)
   assert known["x.a"][1] == "the a" and known["x.b"][1] == "about b"
+
+
+# -- pointers from code, configs and scripts ----------------------------------------------------------------
+POINTER_DIRS = ("vcpo_jax", "configs", "experiments", "benchmarks", "third_party", "tests")
+README_SECTION = re.compile(r"README(?:'s)? \"([^\"]+)\"")
+BARE_README = re.compile(r"(?<![\w/.])README(?!\.md|(?:'s)? \")")  # "see README": no section named
+DOCS_PATH = re.compile(r"(?<![\w/.])docs/[\w./-]*[\w/]")
+OUTSIDE_DESIGN = re.compile(r"(?<![\w])(?:\.\./)?(?:/work/)?shared/design/|(?<![\w/.])design/[\w.-]+\.md")
+ISSUE_NUMBER = re.compile(r"(?i)\bissues?\s*#\s*\d+|\bissues?\s+\d+\b|\(#\d+\b|^\s*(?:\"\"\")?#\d+\b")
+
+
+def _tracked_files() -> list[pathlib.Path]:
+  try:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+  except (OSError, subprocess.SubprocessError):
+    pytest.skip("not a git checkout")
+  return [ROOT / line for line in out.stdout.splitlines() if (ROOT / line).is_file()]
+
+
+def _pointer_sources() -> list[pathlib.Path]:
+  """Code, configs and scripts: what a reader follows a pointer from (result data files left out)."""
+  keep = (".py", ".sh", ".txt", ".md", ".toml", ".cfg")
+  return [p for p in _tracked_files()
+          if (p.parts[len(ROOT.parts)] in POINTER_DIRS and p.suffix in keep) or p.name == "Makefile"
+          or (p.parent == ROOT and p.name.startswith("requirements") and p.suffix == ".txt")]
+
+
+def _headings(text: str) -> list[str]:
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  return [m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)]
+
+
+def test_pointers_name_readme_sections_and_docs_that_exist():
+  sections = {h.replace("`", "").lower() for h in _headings((ROOT / "README.md").read_text())}
+  bad = []
+  for path in _pointer_sources():
+    if path == pathlib.Path(__file__):
+      continue
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+      where = f"{path.relative_to(ROOT)}:{n}"
+      bad += [f"{where}: README has no section {s!r}" for s in README_SECTION.findall(line)
+              if s.replace("`", "").lower() not in sections]
+      bad += [f"{where}: names README without a section" for _ in BARE_README.findall(line)]
+      bad += [f"{where}: {d} does not exist" for d in DOCS_PATH.findall(line) if not (ROOT / d).exists()]
+      bad += [f"{where}: cites a design note outside the repository" for _ in OUTSIDE_DESIGN.findall(line)]
+  assert not bad, "stale pointers:\n" + "\n".join(bad)
+
+
+def test_no_issue_numbers_in_file_names_docs_headings_or_code():
+  bad = [str(p.relative_to(ROOT)) for p in _tracked_files()
+         if re.search(r"(?i)issue[_-]?\d+|#\d+", p.name)]
+  for page in PAGES + sorted((ROOT / "benchmarks").glob("*.md")):
+    bad += [f"{page.relative_to(ROOT)}: heading {h!r}" for h in _headings(page.read_text())
+            if ISSUE_NUMBER.search(h) or re.search(r"\(issue", h, flags=re.I)]
+  for path in _pointer_sources():
+    lines = path.read_text(errors="replace").splitlines() if path != pathlib.Path(__file__) else []
+    bad += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(lines, 1) if ISSUE_NUMBER.search(line)]
+  assert not bad, "issue numbers (describe the project as it is):\n" + "\n".join(bad)

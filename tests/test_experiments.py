@@ -125,7 +125,7 @@ def test_every_arm_of_the_committed_sweeps_validates(spec):
   assert len({u.name for u in units}) == len(units) > 0
 
 
-def test_ablation_has_every_arm_of_the_issue():
+def test_ablation_has_every_arm():
   arms = {u["arm"] for u in launch.load_sweep(os.path.join(SWEEPS, "ablation.py"))}
   assert {"sync", "no_correction", "seq_tis", "token_tis", "seq_mis", "ppo_decoupled", "m2po", "gspo", "cispo",
           "ess_only", "opob_only", "vcpo", "sync_lr0.5x", "sync_lr0.25x", "sync_lr0.1x"} == arms

@@ -294,7 +294,7 @@ def test_bookkeeping_losses_have_per_sequence_coefficients(name, aggregation):
 
 @pytest.mark.slow
 def test_bfloat16_params_and_compute_train():
-  """Mixed precision (#12 item 4): bf16 params and compute, float32 optimizer state (the float32 master copy)
+  """Mixed precision: bf16 params and compute, float32 optimizer state (the float32 master copy)
   and float32 log-probs, IS log-weights and loss. Two REINFORCE steps at lr 1e-5 move the master by <= lr
   each and the bf16 params follow it (bf16 Adam alone rounds such steps away); then, at lr 3e-3, the loss
   on the fixed batch goes down step after step. One compile: the lr is a schedule."""

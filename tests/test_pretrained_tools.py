@@ -1,4 +1,4 @@
-"""Tool use with a pretrained tokenizer (#25): a tiny Qwen2 checkpoint whose Qwen2.5-style chat template has the
+"""Tool use with a pretrained tokenizer: a tiny Qwen2 checkpoint whose Qwen2.5-style chat template has the
 tools section; prompts with tools render to exactly transformers' apply_chat_template(messages, tools=...) ids,
 and an episode's ids round-trip a call and a tool response through that template."""
 import asyncio

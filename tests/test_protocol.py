@@ -1,6 +1,9 @@
 """Request validation of the SGLang protocol subset: what is accepted, and errors that name the field."""
+import dataclasses
+
 import pytest
 
+from vcpo_jax.model import sampling_fields
 from vcpo_jax.rollout import protocol as P
 from vcpo_jax.serving import requests as server_protocol
 
@@ -15,6 +18,18 @@ def test_defaults_are_sglangs():
   sp = P.parse_sampling_params(None)
   assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.n) == (128, 1.0, 1.0, -1, 0.0, 1)
   assert P.parse_sampling_params({"temperature": None}).temperature == 1.0  # null means default
+
+
+def test_wire_params_extend_the_per_row_fields():
+  """One definition: every per-row sampling field is a wire key with the same default, parsed as given."""
+  row_fields = [f.name for f in dataclasses.fields(sampling_fields.SamplingFields)]
+  assert set(row_fields) <= {f.name for f in dataclasses.fields(P.SamplingParams)} <= set(P.SAMPLING_PARAM_KEYS)
+  assert sampling_fields.field_values(P.parse_sampling_params(None)) == dataclasses.asdict(
+      sampling_fields.SamplingFields())
+  given = {"max_new_tokens": 9, "temperature": 0.5, "top_p": 0.75, "top_k": 3, "min_p": 0.25,
+           "min_new_tokens": 2, "stop_token_ids": [4, 5], "ignore_eos": True}
+  assert sorted(given) == sorted(row_fields)
+  assert sampling_fields.field_values(P.parse_sampling_params(given)) == dict(given, stop_token_ids=(4, 5))
 
 
 def test_single_batch_and_text_prompts():

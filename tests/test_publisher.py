@@ -175,7 +175,7 @@ def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path
 
   before, after, stats = asyncio.run(run())
   assert before == after and stats["refused_shapes"] == 1 and stats["server_failures"] == 0
-  assert os.listdir(tmp_path / "w") == []  # the refused export is removed (#27)
+  assert os.listdir(tmp_path / "w") == []  # the refused export is removed
 
 
 def _wide_export(intermediate_size=128):
@@ -197,7 +197,7 @@ def _files(path):
 
 
 def test_refused_republish_keeps_the_last_good_directory_and_resync_sends_it(cluster):
-  """#27 hole 1: a refused publish of an already published version neither overwrites root/vN nor stays on
+  """A refused publish of an already published version neither overwrites root/vN nor stays on
   disk, and a server re-synced afterwards gets the good vN (log-probs of the published params)."""
   a, b = cluster["servers"]
   root, exporter = cluster["root"], {"fn": fake_sglang.export_tiny}
@@ -232,7 +232,7 @@ def test_refused_republish_keeps_the_last_good_directory_and_resync_sends_it(clu
 
 
 def test_servers_serving_another_model_are_refused_at_start(cluster, tmp_path):
-  """#27 hole 3 (embedded): the reference is the job's own starting weights, and a server whose model
+  """Embedded: the reference is the job's own starting weights, and a server whose model
   differs from them (here its model_path, readable) is refused before anything is published."""
   urls = [s.url for s in cluster["servers"]]
   reference = str(tmp_path / "start")
@@ -373,7 +373,7 @@ def _fake_stats(url):
 
 
 def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
-  """#27 holes 1 and 3 (fake server, whose model_path is not readable here): the first publish is checked
+  """A fake server whose model_path is not readable here: the first publish is checked
   against the job's starting weights, not adopted as the reference; a refused re-publish of v1 leaves
   root/v1 as it was, and the resync sends that good directory."""
   procs, urls = _fake_servers(tmp_path, 1)
@@ -415,7 +415,7 @@ def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
 
 
 def test_server_reporting_another_model_is_refused_at_start(tmp_path):
-  """#27 hole 3 (fake server): what /get_model_info reports is cross-checked against the starting weights."""
+  """Fake server: what /get_model_info reports is cross-checked against the starting weights."""
   procs, urls = _fake_servers(tmp_path, 2, info={"vocab_size": 2 * VOCAB})
   reference = fake_sglang.export_tiny(_params(0), str(tmp_path / "start"))
 
@@ -437,7 +437,7 @@ def test_server_reporting_another_model_is_refused_at_start(tmp_path):
 
 
 def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
-  """#27 hole 2: a refusal in the RL loop first writes the step (metrics with the refusal counter), then
+  """A refusal in the RL loop first writes the step (metrics with the refusal counter), then
   ends the job with one line naming the field and both values."""
   import ml_collections
   from vcpo_jax.job import train

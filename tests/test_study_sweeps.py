@@ -1,4 +1,4 @@
-"""The pilot's and the powered study's sweeps (issue #24): every unit validates, seeds per arm, priority order."""
+"""The pilot's and the powered claims study's sweeps: every unit validates, seeds per arm, priority order."""
 import collections
 import os
 
@@ -13,8 +13,8 @@ def _units(spec):
   return workunit.prepare(launch.load_sweep(os.path.join(SWEEPS, spec)), CONFIG, "/nonexistent")
 
 
-def test_study_v2_arms_seeds_lags_and_steps():
-  units = _units("study_v2.py")
+def test_claims_k8_arms_seeds_lags_and_steps():
+  units = _units("claims_k8.py")
   seeds = collections.defaultdict(set)
   for u in units:
     c = u.config
@@ -32,8 +32,8 @@ def test_study_v2_arms_seeds_lags_and_steps():
                ("seq_tis", 128, 384): 3}
 
 
-def test_study_v2_runs_c2_first_then_c3_then_c4():
-  arms = [u.labels["arm"] for u in _units("study_v2.py")]
+def test_claims_k8_runs_c2_first_then_c3_then_c4():
+  arms = [u.labels["arm"] for u in _units("claims_k8.py")]
   first = lambda name: arms.index(name)  # noqa: E731
   assert set(arms[:16]) == {"sync", "no_correction", "seq_tis", "vcpo"}
   assert first("ess_only") > max(i for i, a in enumerate(arms) if a == "sync")
@@ -47,8 +47,8 @@ def test_pilot_units_per_learning_rate():
                  ("sync", 0, 2e-4), ("no_correction", 8, 2e-4), ("seq_tis", 8, 2e-4)]
 
 
-def test_study_v2_without_the_k128_tier():
-  units = _units("study_v2.py:c4_lags=32,lr=0.0001")
+def test_claims_k8_without_the_k128_tier():
+  units = _units("claims_k8.py:c4_lags=32,lr=0.0001")
   assert {u.labels["arm"] for u in units if u.config["rl"]["max_lag"] in (32, 128)} == {"vcpo", "seq_tis"}
   assert not any(u.labels["arm"] == "sync_long" or u.config["rl"]["max_lag"] == 128 for u in units)
   assert len(units) == 40 and all(u.config["optim"]["learning_rate"] == 1e-4 for u in units)
@@ -63,5 +63,5 @@ def test_c5_units_run_real_rollouts_with_the_server_on_another_core():
     assert c["rl"]["mode"] == "http" and c["rollout"]["server_cpus"] == "1" and c["rl"]["steps"] == 150
     assert c["optim"]["learning_rate"] == 7e-5 and c["task"]["eval_size"] >= 512 and c["eval_every"] == 25
   # one warm start per seed, the same as the study's units of that seed (so they can donate it)
-  study = {u.config["seed"]: u.warm_start_key for u in _units("study_v2.py:lr=7e-05,c4_lags=32")}
+  study = {u.config["seed"]: u.warm_start_key for u in _units("claims_k8.py:lr=7e-05,c4_lags=32")}
   assert all(u.warm_start_key == study[u.config["seed"]] for u in units)

@@ -1,4 +1,4 @@
-"""Tool calls in the chat template's format (#25): parsing, schema checks, every failure a counted error reply,
+"""Tool calls in the chat template's format: parsing, schema checks, every failure a counted error reply,
 no injection, and the task tokenizer's template renders prompts with tools, calls and tool messages."""
 import json
 import re

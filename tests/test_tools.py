@@ -1,4 +1,4 @@
-"""Tool use (#14, #25): the countdown_tools task and its warm-start traces in the chat template's tool format,
+"""Tool use: the countdown_tools task and its warm-start traces in the chat template's tool format,
 and the episode runner's turns, caps, masks, versions and error counts against a hand-built episode."""
 import asyncio
 import json

@@ -1,4 +1,4 @@
-"""Tool use (#14), learner side: masks with holes (generated | tool output | generated) in the RL step.
+"""Tool use, learner side: masks with holes (generated | tool output | generated) in the RL step.
 
 Tool-output tokens are context (attended to) but mask 0: no loss, no share of the IS log-weight, the OPOB
 per-sequence norms or the length normaliser. The step on such a batch, with garbage sampler log-probs at the

@@ -1,4 +1,4 @@
-"""Tool use (#14), rollout side with real components: episodes of a real model (in process, and through the
+"""Tool use, rollout side with real components: episodes of a real model (in process, and through the
 embedded server over HTTP with an abort + weight update mid-episode), the scheduler's lag bound for whole
 episodes, and the tool task's job for 3 steps."""
 import asyncio

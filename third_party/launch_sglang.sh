@@ -9,7 +9,7 @@
 #   WEIGHT_VERSION=v0   --weight-version: MUST be "v<int>" (the client rejects SGLang's default "default")
 #   SEED=0              --random-seed
 #   DTYPE=auto          --dtype (float32 for log-prob checks against the learner; CPU default float32)
-#   RADIX_CACHE=1       0 adds --disable-radix-cache (needed only for in-place weight updates, see README)
+#   RADIX_CACHE=1       0 adds --disable-radix-cache (needed only for in-place weight updates, docs/sglang.md)
 #   METRICS=1           add --enable-metrics (Prometheus /metrics)
 #   DEVICE=cuda         cpu: SGLang's CPU engine (third_party/install_sglang_cpu.sh installs it)
 #   PYTHON=python3      interpreter that has sglang installed
@@ -28,7 +28,7 @@ PORT="${1:-30000}"; [[ $# -gt 0 ]] && shift
 
 if [[ ! -f "$MODEL_DIR/config.json" ]]; then
   echo "launch_sglang.sh: MODEL_DIR=$MODEL_DIR has no config.json (the job's starting weights are" \
-       "WORKDIR/base: see README \"Real SGLang servers\")" >&2
+       "WORKDIR/base: see docs/sglang.md)" >&2
   exit 2
 fi
 if [[ ! "${WEIGHT_VERSION:-v0}" =~ ^v[0-9]+$ ]]; then

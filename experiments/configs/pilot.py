@@ -1,4 +1,4 @@
-"""The calibration pilot's and the claims study's base config (issue #24): the main job's model and warm start
+"""The calibration pilot's and the claims study's base config: the main job's model and warm start
 on two-number Countdown in [1, 40], lag emulation with the pipeline lag model.
 
 - Task: two numbers in [1, 40] (the main job: [1, 25]) so that the held-out split has >= 512 distinct problems

@@ -1,4 +1,4 @@
-"""The ablation at one lag: sync, its lr controls, and every async arm (issue #15 item 2), x seeds.
+"""The ablation at one lag: sync, its lr controls, and every async arm, x seeds.
 
 `--sweep=experiments/sweeps/ablation.py:k=64,seeds=3,lr=0.0002` (defaults shown; lr is the main job's
 optim.learning_rate). All units use deterministic lag emulation (rl.mode=emulate).

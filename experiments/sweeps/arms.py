@@ -1,4 +1,4 @@
-"""The study's arms (issue #15 item 2) as config overrides; every arm states its loss, advantage and ESS switch.
+"""The study's arms as config overrides; every arm states its loss, advantage and ESS switch.
 
 Baselines use GRPO advantages and no ESS scaling (vcpo-algorithm.md §6, off-policy-stabilizers.md); loss
 options are each loss's registered defaults unless stated. Every arm sets the learning rate explicitly so

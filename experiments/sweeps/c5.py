@@ -1,4 +1,4 @@
-"""C5 (issue #24 item 5): real asynchrony, the learner on one core and the embedded server on another.
+"""C5: real asynchrony, the learner on one core and the embedded server on another.
 
 `--config=experiments/configs/pilot.py:trace --sweep=experiments/sweeps/c5.py --parallel=1` (defaults:
 lr=7e-05,steps=150,lags=2+4,seeds=3,server_cpus=1). One unit at a time: the launcher pins the unit (its learner)
@@ -10,7 +10,7 @@ applies it. Run it on an otherwise idle machine: the verdict is about wall-clock
 """
 from experiments.sweep import chain, fixed, parse_arg, product, sweep
 from experiments.sweeps import arms
-from experiments.sweeps.study_v2 import EVAL
+from experiments.sweeps.claims_k8 import EVAL
 
 
 def get_sweep(arg: str = "") -> list[dict]:

@@ -1,4 +1,4 @@
-"""The calibration pilot (issue #24 item 2): where does no correction degrade and sequence TIS get stressed?
+"""The calibration pilot: where does no correction degrade and sequence TIS get stressed?
 
 `--config=experiments/configs/pilot.py --sweep=experiments/sweeps/pilot.py:lrs=0.0001+0.0002+5e-05,k=8,steps=80,seeds=1`
 (defaults shown). Per learning rate (in the order given): sync (k = 0), no correction and seq-TIS at k with the

@@ -62,7 +62,7 @@ def _check_run(workdir, steps):
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-  """The README sequence from nothing: export the starting weights, start servers on WORKDIR/base."""
+  """docs/sglang.md's sequence from nothing: export the starting weights, start servers on WORKDIR/base."""
   root = tmp_path_factory.mktemp("job")
   work = root / "w1"
   _run("vcpo_jax.job.export_base", work)

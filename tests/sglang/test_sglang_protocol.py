@@ -1,4 +1,4 @@
-"""Client and publisher against a real SGLang 0.5.23 server (CPU, float32): the checks of issue #9 items 1-3."""
+"""Client and publisher against a real SGLang 0.5.23 server (CPU, float32): protocol, publishing, resync."""
 import asyncio
 import os
 import sys
@@ -136,7 +136,7 @@ def test_other_shapes_are_refused_before_sending(server, tmp_path):
 
 
 def test_refused_updates_never_touch_the_last_good_weights(server, tmp_path):
-  """#27: with the served model_path unreadable by the learner, the reference is the job's own starting
+  """With the served model_path unreadable by the learner, the reference is the job's own starting
   weights; a mismatched first publish and a refused re-publish of v200 never reach the server nor change
   root/v200, and a resync afterwards serves the good v200 (log-probs match its params)."""
   import dataclasses  # noqa: PLC0415

@@ -1,4 +1,4 @@
-"""Tool use (#14, #25) against a real SGLang 0.5.23 server (CPU, float32): multi-turn episodes (a `stop` string
+"""Tool use against a real SGLang 0.5.23 server (CPU, float32): multi-turn episodes (a `stop` string
 per turn, the growing input as input_ids) and the countdown_tools job at k = 2 in the chat template's tool format
 (>= 1 answered call per episode on average), every token checked against the weights its version tag names."""
 import asyncio

@@ -163,8 +163,10 @@ def _source_line(path: str, known: dict[str, tuple[int, str]]) -> int:
   return known.get(path, (10**9, ""))[0]
 
 
-def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int, str]]) -> list[str]:
-  """Fields in the config file's order, one table per top-level section (scalars first)."""
+def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int, str]],
+                  choices: dict[str, list[str]] | None = None) -> list[str]:
+  """Fields in the config file's order, one table per top-level section (scalars first); a field named in
+  `choices` (field -> a registry's names) lists them, so the config's comments need not."""
   fields = sorted(_flat(config), key=lambda pv: ("." in pv[0], _source_line(pv[0], known)))
   out, section, seen = [], None, set()
   for path, value in fields:
@@ -185,6 +187,9 @@ def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int,
     comment = known.get(path, (0, ""))[1]
     if not comment and "_options." in path:
       comment = "see the registry below"
+    if path in (choices or {}):
+      names = ", ".join(f"`{n}`" for n in choices[path])
+      comment = f"{comment}; one of {names}" if comment else f"One of {names}."
     out.append(f"| `{path}` | {_cell(_value(value))} | {_cell(comment)} |")
   return out
 
@@ -247,29 +252,35 @@ def _known_facts(registry: Any) -> dict[str, str]:
   return dict(getattr(registry, "facts", None) or registry_lib.FACTS) if hasattr(registry, "get") else {}
 
 
-def render() -> str:
+def registries(config: ml_collections.ConfigDict) -> list[tuple[str, str, str, str, Any]]:
+  """(config field, section title, file, how to choose and set options, registry) of every registered choice."""
   from vcpo_jax import tasks  # noqa: PLC0415
   from vcpo_jax.algo import advantages, policy_losses  # noqa: PLC0415
   from vcpo_jax.rollout import backend  # noqa: PLC0415
-  config = load_config()
-  lines = HEADER.rstrip("\n").splitlines()
-  lines += render_config(config, config_comments(CONFIG.read_text()))
-  lines += render_registry(
-      "Advantage estimators (`algo.advantage`)", "vcpo_jax/algo/advantages.py",
-      "options: `--config.algo.advantage_options.<name>.<option>=...`.", advantages.ESTIMATORS)
-  lines += render_registry(
-      "Policy losses (`algo.policy_loss`)", "vcpo_jax/algo/policy_losses.py",
-      "options: `--config.algo.policy_loss_options.<name>.<option>=...` (a `tau` tied to the shared "
-      "`algo.tis_threshold` is set there).", policy_losses.LOSSES)
-  lines += render_registry(
-      "Rollout backends (`rl.mode`)", "vcpo_jax/rollout/backend.py",
-      "the backend is chosen by `--config.rl.mode=<name>`.", backend.BACKENDS)
   field = "options" if "options" in config.task else "kwargs"
   per_name = all(isinstance(config.task[field].get(n), ml_collections.ConfigDict) for n in _names(tasks.TASKS))
-  lines += render_registry(
-      "Tasks (`task.name`)", "vcpo_jax/tasks/base.py",
-      f"options: `--config.task.name=<name> --config.task.{field}.{'<name>.' if per_name else ''}<option>=...`.",
-      tasks.TASKS)
+  return [
+      ("algo.advantage", "Advantage estimators", "vcpo_jax/algo/advantages.py",
+       "options: `--config.algo.advantage_options.<name>.<option>=...`.", advantages.ESTIMATORS),
+      ("algo.policy_loss", "Policy losses", "vcpo_jax/algo/policy_losses.py",
+       "options: `--config.algo.policy_loss_options.<name>.<option>=...` (a `tau` tied to the shared "
+       "`algo.tis_threshold` is set there).", policy_losses.LOSSES),
+      ("rl.mode", "Rollout backends", "vcpo_jax/rollout/backend.py",
+       "the backend is chosen by `--config.rl.mode=<name>`.", backend.BACKENDS),
+      ("task.name", "Tasks", "vcpo_jax/tasks/base.py",
+       f"options: `--config.task.name=<name> --config.task.{field}.{'<name>.' if per_name else ''}<option>=...`.",
+       tasks.TASKS),
+  ]
+
+
+def render() -> str:
+  config = load_config()
+  chosen = registries(config)
+  lines = HEADER.rstrip("\n").splitlines()
+  lines += render_config(config, config_comments(CONFIG.read_text()),
+                         {field: _names(registry) for field, _, _, _, registry in chosen})
+  for field, title, where, how, registry in chosen:
+    lines += render_registry(f"{title} (`{field}`)", where, how, registry)
   return "\n".join(lines) + "\n"
 
 

@@ -180,7 +180,7 @@ def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B
   if "kl_k3" in aux:
     metrics["kl/mean"] = aux["kl_k3"]  # k3 estimate of KL(pi || ref), token mean over the loss mask
   metrics.update({f"loss/{k}": v for k, v in aux.items()})
-  metrics.update(diagnostics.mismatch_from_rows(stats["mismatch"], lag_B, valid_B))  # see README
+  metrics.update(diagnostics.mismatch_from_rows(stats["mismatch"], lag_B, valid_B))  # docs/gpu.md reads them
   return metrics
 
 

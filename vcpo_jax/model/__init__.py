@@ -1,1 +1,1 @@
-"""The policy model: Qwen2 transformer, LM head, sharding, HF interop, tokenizers, in-process generation."""
+"""The policy model: Qwen2 transformer with logical axis names, LM head, HF interop, tokenizers, in-process sampling."""

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.model import sampling_fields
 from vcpo_jax.model import transformer as model_lib
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, decode greedily (SGLang does the same for ~0 temperatures)
@@ -28,16 +29,7 @@ class DecodeState(NamedTuple):
   stopped_B: jax.Array  # finished on a stop token
   out_ids_BxN: jax.Array
   out_logp_BxN: jax.Array
-  temperature_B: jax.Array
-  top_p_B: jax.Array
-  top_k_B: jax.Array  # V when disabled
-  min_p_B: jax.Array
-  min_new_B: jax.Array
-  max_new_B: jax.Array
-  ignore_eos_B: jax.Array
-  stop_ids_BxK: jax.Array  # padded with V (never a token)
-  key_data_Bx2: jax.Array
-  sample_offset_B: jax.Array
+  rows: sampling_fields.RowArrays
 
 
 def top_k_top_p(scaled_BxV, top_k_B, top_p_B):
@@ -67,11 +59,11 @@ def sample_tokens(logits_BxV, temperature_B, top_p_B, top_k_B, min_p_B, keys_B):
   return jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
 
 
-def draw(logits_BxV, rows, count_B, active_B):
+def draw(logits_BxV, rows: sampling_fields.RowArrays, count_B, active_B):
   """Token number count_B of each row, its raw log-prob and whether it hits a stop id (active rows only).
 
-  `rows` carries the per-row sampling fields (a DecodeState or pool_kernels.RowParams). The random key is
-  fold_in(row key, sample_offset + count): a row's draws depend on its own stream and count only.
+  `rows` holds the per-row sampling fields. The random key is fold_in(row key, sample_offset + count): a
+  row's draws depend on its own stream and count only.
   """
   B, V = logits_BxV.shape
   logits_BxV = logits_BxV.astype(jnp.float32)
@@ -93,13 +85,13 @@ def draw(logits_BxV, rows, count_B, active_B):
 def sample_step(logits_BxV, st: DecodeState) -> DecodeState:
   """Samples token `st.step` of every row from next-token logits and updates the finish flags."""
   active_B = ~st.done_B
-  token_B, logp_B, hit_stop_B = draw(logits_BxV, st, jnp.broadcast_to(st.step, active_B.shape), active_B)
+  token_B, logp_B, hit_stop_B = draw(logits_BxV, st.rows, jnp.broadcast_to(st.step, active_B.shape), active_B)
   num_gen_B = st.num_gen_B + active_B.astype(jnp.int32)
   return st._replace(
       last_token_B=token_B,
       step=st.step + 1,
       num_gen_B=num_gen_B,
-      done_B=st.done_B | hit_stop_B | (num_gen_B >= st.max_new_B),
+      done_B=st.done_B | hit_stop_B | (num_gen_B >= st.rows.max_new_B),
       stopped_B=st.stopped_B | hit_stop_B,
       out_ids_BxN=st.out_ids_BxN.at[:, st.step].set(jnp.where(active_B, token_B, 0)),
       out_logp_BxN=st.out_logp_BxN.at[:, st.step].set(jnp.where(active_B, logp_B, 0.0)),
@@ -120,7 +112,7 @@ def prefill(params, tokens_BxP, positions_BxP, seeds_Bx2, st: DecodeState, *, cf
                                     head=False)
   prompt_logp_BxP, last_BxV = model_lib.prompt_logprobs_and_logits(params, cfg, x_BxPxD, tokens_BxP,
                                                                    jnp.full((B,), P - 1, jnp.int32))
-  st = st._replace(cache=cache, key_data_Bx2=row_keys(seeds_Bx2))
+  st = st._replace(cache=cache, rows=st.rows._replace(key_data_Bx2=row_keys(seeds_Bx2)))
   return sample_step(last_BxV, st), prompt_logp_BxP
 
 
@@ -131,7 +123,7 @@ def prefill_no_cache(params, tokens_BxP, positions_BxP, seeds_Bx2, st: DecodeSta
   x_BxPxD = model_lib.hidden_states(params, cfg, tokens_BxP, positions_BxP, st.key_mask_BxS[:, :P])
   prompt_logp_BxP, last_BxV = model_lib.prompt_logprobs_and_logits(params, cfg, x_BxPxD, tokens_BxP,
                                                                    jnp.full((B,), P - 1, jnp.int32))
-  st = st._replace(key_data_Bx2=row_keys(seeds_Bx2))
+  st = st._replace(rows=st.rows._replace(key_data_Bx2=row_keys(seeds_Bx2)))
   return sample_step(last_BxV, st), prompt_logp_BxP
 
 

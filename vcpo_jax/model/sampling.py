@@ -18,23 +18,13 @@ import numpy as np
 
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import decode_kernels as kernels
+from vcpo_jax.model import sampling_fields
 
 
-
-
-
-@dataclasses.dataclass(frozen=True)
-class RowSpec:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowSpec(sampling_fields.SamplingFields):
   """One row to generate. `seed`/`stream` pick the row's private random stream (stream = sample index)."""
   prompt: tuple[int, ...]
-  max_new_tokens: int
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = -1
-  min_p: float = 0.0
-  min_new_tokens: int = 0
-  stop_token_ids: tuple[int, ...] = ()
-  ignore_eos: bool = False
   seed: int = 0
   stream: int = 0
   # Tokens this row already generated before (a resumed row): advances the random stream so a resumed
@@ -93,43 +83,25 @@ def _validate_rows(rows: Sequence[RowSpec], cfg: model_config.ModelConfig):
 
 def _initial_state(rows, cfg, B, P, N, K) -> tuple[kernels.DecodeState, np.ndarray, np.ndarray, np.ndarray]:
   """Host-built arrays: state (no cache, no keys yet), left-padded prompts, positions, (seed, stream)s."""
-  V = cfg.vocab_size
   n = len(rows)
   tokens = np.zeros((B, P), np.int32)
   positions = np.zeros((B, P), np.int32)
   key_mask = np.ones((B, P + N), bool)
   prompt_len = np.ones((B,), np.int32)
-  stop_ids = np.full((B, K), V, np.int32)
   for b, row in enumerate(rows):
     L = len(row.prompt)
     tokens[b, P - L:] = row.prompt
     positions[b, P - L:] = np.arange(L)
     key_mask[b, :P - L] = False
     prompt_len[b] = L
-    stop_ids[b, :len(row.stop_token_ids)] = row.stop_token_ids
   key_mask[n:, :P - 1] = False  # filler rows: a one-token prompt of id 0
-
-  def per_row(fn, dtype, fill):
-    return jnp.asarray(np.array([fn(r) for r in rows] + [fill] * (B - n), dtype))
-
+  arrays, seeds = sampling_fields.row_arrays(rows, B, K, cfg.vocab_size)
   st = kernels.DecodeState(
       cache=None, key_mask_BxS=jnp.asarray(key_mask), prompt_len_B=jnp.asarray(prompt_len),
       last_token_B=jnp.zeros((B,), jnp.int32), step=jnp.int32(0), num_gen_B=jnp.zeros((B,), jnp.int32),
-      done_B=jnp.asarray(np.array([r.max_new_tokens == 0 for r in rows] + [True] * (B - n))),
-      stopped_B=jnp.zeros((B,), bool), out_ids_BxN=jnp.zeros((B, N), jnp.int32),
-      out_logp_BxN=jnp.zeros((B, N), jnp.float32),
-      temperature_B=per_row(lambda r: r.temperature, np.float32, 0.0),
-      top_p_B=per_row(lambda r: r.top_p, np.float32, 1.0),
-      top_k_B=per_row(lambda r: V if r.top_k <= 0 else min(r.top_k, V), np.int32, V),
-      min_p_B=per_row(lambda r: r.min_p, np.float32, 0.0),
-      min_new_B=per_row(lambda r: r.min_new_tokens, np.int32, 0),
-      max_new_B=per_row(lambda r: r.max_new_tokens, np.int32, 0),
-      ignore_eos_B=per_row(lambda r: r.ignore_eos, bool, True),
-      stop_ids_BxK=jnp.asarray(stop_ids),
-      key_data_Bx2=jnp.zeros((B, 2), jnp.uint32),  # set by the jitted prefill
-      sample_offset_B=per_row(lambda r: r.sample_offset, np.int32, 0),
-  )
-  seeds = np.array([[r.seed % 2**32, r.stream % 2**32] for r in rows] + [[0, 0]] * (B - n), np.uint32)
+      done_B=jnp.asarray(arrays.max_new_B == 0), stopped_B=jnp.zeros((B,), bool),
+      out_ids_BxN=jnp.zeros((B, N), jnp.int32), out_logp_BxN=jnp.zeros((B, N), jnp.float32),
+      rows=jax.tree.map(jnp.asarray, arrays))  # key_data_Bx2 is set by the jitted prefill
   return st, tokens, positions, seeds
 
 
@@ -186,28 +158,23 @@ def results(batch: DecodeBatch) -> list[RowResult]:
   return out
 
 
-def _row_specs(prompts, *, max_new_tokens, temperature, top_p, top_k, min_p, min_new_tokens,
-               stop_token_ids, ignore_eos, rng, seeds) -> list[RowSpec]:
+def _row_specs(prompts, *, rng, seeds, **fields) -> list[RowSpec]:
   if seeds is None:
     key = jax.random.key(rng) if isinstance(rng, int) else (jax.random.key(0) if rng is None else rng)
     seeds = np.asarray(jax.random.randint(key, (len(prompts),), 0, 2**31 - 1)).tolist()
   if len(seeds) != len(prompts):
     raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
-  return [RowSpec(prompt=tuple(int(t) for t in p), max_new_tokens=max_new_tokens, temperature=temperature,
-                  top_p=top_p, top_k=top_k, min_p=min_p, min_new_tokens=min_new_tokens,
-                  stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, seed=int(s))
-          for p, s in zip(prompts, seeds)]
+  if "stop_token_ids" in fields:
+    fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+  return [RowSpec(prompt=tuple(int(t) for t in p), seed=int(s), **fields) for p, s in zip(prompts, seeds)]
 
 
 def generate(params, cfg: model_config.ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
-             min_new_tokens: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-             rng=None, seeds: Sequence[int] | None = None, chunk_steps: int = 64,
-             use_cache: bool = True) -> list[RowResult]:
-  """Generates for every prompt in one batch. `rng` (key or int) draws per-row seeds unless `seeds` given."""
-  rows = _row_specs(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    top_k=top_k, min_p=min_p, min_new_tokens=min_new_tokens, stop_token_ids=stop_token_ids,
-                    ignore_eos=ignore_eos, rng=rng, seeds=seeds)
+             rng=None, seeds: Sequence[int] | None = None, chunk_steps: int = 64, use_cache: bool = True,
+             **fields) -> list[RowResult]:
+  """Generates for every prompt in one batch. `rng` (key or int) draws per-row seeds unless `seeds` given;
+  `fields` are the rows' other sampling fields (sampling_fields.SamplingFields: temperature, top_p, ...)."""
+  rows = _row_specs(prompts, max_new_tokens=max_new_tokens, rng=rng, seeds=seeds, **fields)
   batch = start_batch(params, cfg, rows, use_cache=use_cache)
   while not bool(jnp.all(batch.state.done_B)):
     decode_chunk(params, batch, chunk_steps, use_cache=use_cache)

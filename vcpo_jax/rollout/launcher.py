@@ -200,6 +200,56 @@ def thread_affinity(cpus: frozenset[int] | None, field: str = "rollout.server_cp
     os.sched_setaffinity(0, old)
 
 
+def descendants(pid: int) -> list[int]:
+  """Pids of every live descendant of `pid` (Linux /proc; empty elsewhere)."""
+  children: dict[int, list[int]] = {}
+  for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      continue
+    children.setdefault(ppid, []).append(int(entry))
+  out, todo = [], [pid]
+  while todo:
+    for child in children.get(todo.pop(), []):
+      out.append(child)
+      todo.append(child)
+  return out
+
+
+def is_alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie has exited); Linux /proc."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def end_process_tree(proc: subprocess.Popen, grace_s: float = 5.0):
+  """SIGTERM the child, its process group and its descendants (collected before signalling), then SIGKILL
+  what is left after `grace_s`. Why by pid as well as by group: a training run starts its rollout servers in
+  sessions of their own, which a process-group signal would not reach."""
+  pids = [proc.pid] + descendants(proc.pid)
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(proc.pid, sig)  # its own group (start_new_session), members that left the tree included
+    for pid in pids:
+      with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in pids):
+      time.sleep(0.1)
+      proc.poll()
+    if not any(is_alive(p) for p in pids):
+      break
+  with contextlib.suppress(subprocess.TimeoutExpired):
+    proc.communicate(timeout=grace_s)
+
+
 class ServerStartError(RuntimeError):
   """The server process exited or never became healthy; the message carries its output."""
 
@@ -263,14 +313,7 @@ class EmbeddedServer:
   def stop(self, timeout: float = 10.0):
     if self.proc is None or self.proc.poll() is not None:
       return
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(self.proc.pid, signal.SIGTERM)
-    try:
-      self.proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(self.proc.pid, signal.SIGKILL)
-      self.proc.wait()
+    end_process_tree(self.proc, grace_s=timeout)
     self._log.close()
 
 

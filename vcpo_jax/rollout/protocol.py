@@ -6,13 +6,15 @@ import math
 import re
 from typing import Any, Mapping, Optional, Sequence
 
+from vcpo_jax.model import sampling_fields
+
 # Keys a real SGLang 0.5.x server accepts inside `sampling_params` (an unknown key is a 400).
 SAMPLING_PARAM_KEYS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "n",
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
     "sampling_seed", "min_new_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
 )
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the request leaves it out.
+DEFAULT_MAX_NEW_TOKENS = sampling_fields.SamplingFields.max_new_tokens  # SGLang's default when left out.
 FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
 PAUSE_MODES = ("abort", "retract", "in_place")
 FINISH_TYPES = (FINISH_LENGTH, FINISH_STOP, FINISH_ABORT)
@@ -59,19 +61,12 @@ def error_message(body: Any) -> str:
   return str(body)
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """Validated sampling parameters of one prompt; defaults are SGLang's."""
-  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = -1
-  min_p: float = 0.0
-  min_new_tokens: int = 0
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams(sampling_fields.SamplingFields):
+  """Validated sampling parameters of one prompt: the per-row fields plus the request-level ones; defaults
+  are SGLang's."""
   stop: tuple[str, ...] = ()
-  stop_token_ids: tuple[int, ...] = ()
   n: int = 1
-  ignore_eos: bool = False
   skip_special_tokens: bool = True
   spaces_between_special_tokens: bool = True
   no_stop_trim: bool = False

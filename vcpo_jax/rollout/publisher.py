@@ -5,7 +5,7 @@ Default update (`pause_mode="abort"`): take the server out of routing, pause(abo
 and the client resumes them as prompt + partial output, so every token is computed by exactly the weights
 its version tag names, and the prefix cache is flushed with each update. `pause_mode="in_place"` keeps
 requests running across the update (flush_cache false; the servers need --disable-radix-cache), but the
-resumed tokens then attend to KV computed by the old weights: see README "Real SGLang servers".
+resumed tokens then attend to KV computed by the old weights: see docs/sglang.md.
 """
 from __future__ import annotations
 

@@ -16,26 +16,13 @@ import jax.numpy as jnp
 
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import decode_kernels as kernels
+from vcpo_jax.model import sampling_fields
 from vcpo_jax.model import transformer as model_lib
-
-
-class RowParams(NamedTuple):
-  """Per-row sampling fields (the names decode_kernels.draw reads)."""
-  temperature_B: jax.Array
-  top_p_B: jax.Array
-  top_k_B: jax.Array  # V when disabled
-  min_p_B: jax.Array
-  min_new_B: jax.Array
-  max_new_B: jax.Array
-  ignore_eos_B: jax.Array
-  stop_ids_BxK: jax.Array  # padded with V (never a token)
-  key_data_Bx2: jax.Array
-  sample_offset_B: jax.Array
 
 
 class PoolState(NamedTuple):
   cache: tuple
-  rows: RowParams
+  rows: sampling_fields.RowArrays
   index_B: jax.Array  # cache slot (= position) where last_token_B is written by the next step
   last_token_B: jax.Array
   num_gen_B: jax.Array  # tokens generated since the row joined
@@ -86,10 +73,8 @@ def empty(*, cfg, B, S, C, K, cache_dtype):
   """A pool of B free slots with an S-slot cache per row in `cache_dtype`."""
   V = cfg.vocab_size
   cache = jax.tree.map(lambda x: x.astype(cache_dtype), model_lib.init_cache(cfg, B, S))
-  zeros_i, zeros_f = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.float32)
-  rows = RowParams(zeros_f, jnp.ones((B,), jnp.float32), jnp.full((B,), V, jnp.int32), zeros_f, zeros_i,
-                   zeros_i, jnp.ones((B,), bool), jnp.full((B, K), V, jnp.int32),
-                   jnp.zeros((B, 2), jnp.uint32), zeros_i)
+  zeros_i = jnp.zeros((B,), jnp.int32)
+  rows = jax.tree.map(jnp.asarray, sampling_fields.row_arrays((), B, K, V)[0])
   return PoolState(cache, rows, zeros_i, zeros_i, zeros_i, jnp.ones((B,), bool), jnp.zeros((B,), bool),
                    jnp.zeros((B, C), jnp.int32), jnp.zeros((B, C), jnp.float32))
 
@@ -97,7 +82,7 @@ def empty(*, cfg, B, S, C, K, cache_dtype):
 class Joined(NamedTuple):
   """Prefilled rows, ready to be placed in a pool (`place`)."""
   cache: tuple  # J rows x P slots
-  rows: RowParams
+  rows: sampling_fields.RowArrays
   lens_J: jax.Array
   token_J: jax.Array
   logp_J: jax.Array
@@ -107,7 +92,8 @@ class Joined(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype"))
-def prefill(params, tokens_JxP, lens_J, rows_J: RowParams, seeds_Jx2, *, cfg, cache_dtype) -> Joined:
+def prefill(params, tokens_JxP, lens_J, rows_J: sampling_fields.RowArrays, seeds_Jx2, *, cfg,
+            cache_dtype) -> Joined:
   """Prefills J right-padded prompts and samples their token 0. Compiled per (J, P) only, not per pool size:
   the model's compile is the expensive one, and `place` (per pool size) holds no model."""
   J, P = tokens_JxP.shape
@@ -138,7 +124,8 @@ def place(pool: PoolState, joined: Joined, slots_J, *, cfg) -> PoolState:
       stopped_B=put(pool.stopped_B, joined.stopped_J))
 
 
-def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: RowParams, seeds_Jx2, *, cfg):
+def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: sampling_fields.RowArrays, seeds_Jx2, *,
+          cfg):
   """Prefills J right-padded prompts, samples their token 0 and writes them into `slots_J` (B: dropped).
 
   Returns the pool and, per joining row, (token 0, its log-prob, done, stopped, prompt log-probs [J, P]).

@@ -14,6 +14,7 @@ import tokenizers
 
 from vcpo_jax.model import hf
 from vcpo_jax.model import sampling
+from vcpo_jax.model import sampling_fields
 from vcpo_jax.rollout import protocol
 from vcpo_jax.serving import requests as SP
 from vcpo_jax.serving.engine import Engine, Row
@@ -42,10 +43,8 @@ def make_rows(req: SP.GenerateRequest, st: ServerState) -> list[Row]:
     seed = sp.sampling_seed if sp.sampling_seed is not None else st.rng.getrandbits(32)
     stop_ids = tuple(dict.fromkeys(sp.stop_token_ids + st.eos_ids))
     for j in range(sp.n):
-      spec = sampling.RowSpec(
-          prompt=tuple(prompt), max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
-          top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, min_new_tokens=sp.min_new_tokens,
-          stop_token_ids=stop_ids, ignore_eos=sp.ignore_eos, seed=seed, stream=j)
+      fields = dict(sampling_fields.field_values(sp), stop_token_ids=stop_ids)
+      spec = sampling.RowSpec(prompt=tuple(prompt), seed=seed, stream=j, **fields)
       rows.append(Row(spec=spec, rid=rid, stop_strings=sp.stop))
   return rows
 

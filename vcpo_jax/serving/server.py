@@ -3,7 +3,7 @@
   python -m vcpo_jax.serving.server --model-path DIR --port 30000 [--weights-root ROOT] [--max-batch 64]
 
 Requests share one continuous-batching pool (engine.py: rows join and leave between decode chunks).
-Speaks the subset in shared/design/sglang-protocol.md and behaves like SGLang 0.5.23 where the job depends
+Speaks the subset in docs/embedded-server.md and behaves like SGLang 0.5.23 where the job depends
 on it: context limits (an input of context_length - 6 tokens or more is a 400; prompt + output is capped
 at context_length - 2, finishing "length"); update_weights_from_disk with flush_cache (the default) while
 requests run or wait answers 400 "cache was not flushed" AFTER applying the weights (new tokens carry the

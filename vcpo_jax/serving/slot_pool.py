@@ -4,7 +4,7 @@ The pool's batch size follows its load: it grows to the next size min_rows * 4**
 rows join and compacts when at most a quarter of its slots are live, so a few rows do not pay for a large pool.
 Pool and join sizes step by 4, not 2: every pool size is one decode compile, every (join, prompt) size one
 prefill compile and every (pool, join, prompt) size one small placement compile, and on the 2-core CPU main
-job the compiles of a 2x ladder outweighed the padding they saved (measured: README "What `make train` gives").
+job the compiles of a 2x ladder outweighed the padding they saved (docs/embedded-server.md).
 Every row's tokens depend on its own prompt, parameters and random stream only, not on its slot or on the
 other rows (the same per-row keys as sampling.py: a row resumed with sample_offset draws what it would have).
 """
@@ -20,6 +20,7 @@ import numpy as np
 
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
+from vcpo_jax.model import sampling_fields
 from vcpo_jax.serving import pool_kernels as pk
 
 
@@ -36,26 +37,6 @@ class Tokens:
   done: bool
   stopped: bool
   prompt_logprobs: list[float] | None = None  # joins only: log p(prompt[t] | prompt[:t]) for t >= 1
-
-
-def row_params(specs: Sequence[sampling.RowSpec], J: int, K: int, V: int) -> tuple[pk.RowParams, np.ndarray]:
-  """Host arrays of J rows (fillers after the real ones: zero new tokens) and their (seed, stream)s."""
-  fill = J - len(specs)
-
-  def col(fn, dtype, filler):
-    return np.array([fn(r) for r in specs] + [filler] * fill, dtype)
-
-  stop = np.full((J, K), V, np.int32)
-  for j, r in enumerate(specs):
-    stop[j, :len(r.stop_token_ids)] = r.stop_token_ids
-  rows = pk.RowParams(
-      col(lambda r: r.temperature, np.float32, 0.0), col(lambda r: r.top_p, np.float32, 1.0),
-      col(lambda r: V if r.top_k <= 0 else min(r.top_k, V), np.int32, V), col(lambda r: r.min_p, np.float32, 0.0),
-      col(lambda r: r.min_new_tokens, np.int32, 0), col(lambda r: r.max_new_tokens, np.int32, 0),
-      col(lambda r: r.ignore_eos, bool, True), stop, np.zeros((J, 2), np.uint32),
-      col(lambda r: r.sample_offset, np.int32, 0))
-  seeds = np.array([[r.seed % 2**32, r.stream % 2**32] for r in specs] + [[0, 0]] * fill, np.uint32)
-  return rows, seeds
 
 
 class SlotPool:
@@ -133,7 +114,7 @@ class SlotPool:
       tokens[j, :len(r.prompt)] = r.prompt
     lens = np.array([len(r.prompt) for r in specs] + [1] * (J - len(specs)), np.int32)
     slots = np.array(free + [B] * (J - len(specs)), np.int32)
-    rows, seeds = row_params(specs, J, self.K, V)
+    rows, seeds = sampling_fields.row_arrays(specs, J, self.K, V)
     self.state, out = pk.admit(params, self.state, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots),
                                jax.tree.map(jnp.asarray, rows), jnp.asarray(seeds), cfg=self.cfg)
     token, logp, done, stopped, prompt_logp = jax.device_get(out)

@@ -1,6 +1,6 @@
-"""The claims study (issue #15, docs/results/study/): every arm at k = 64, the lr controls, a lag sweep, seeds.
+"""The first claims study (docs/results/study/README.md): every arm at k = 64, the lr controls, a lag sweep, seeds.
 
-`--sweep=experiments/sweeps/study.py:seeds=3,k=64,lags=16,lag_arms=no_correction+seq_tis+vcpo,lr=0.0002,extra=0`
+`--sweep=experiments/sweeps/claims_k64.py:seeds=3,k=64,lags=16,lag_arms=no_correction+seq_tis+vcpo,lr=0.0002,extra=0`
 (defaults shown). Units are ordered by priority, seed-major inside each tier, so that a study cut short still
 has whole seeds of the most important arms: (1) sync, the lr control nearest VCPO's measured mean lr scale,
 no correction, seq-TIS and VCPO's components at k; (2) the other baselines at k; (3) the lag sweep; with

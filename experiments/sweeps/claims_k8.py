@@ -1,6 +1,6 @@
-"""The powered claims study (issue #24 item 3; docs/results/study/README.md pre-registers its rules).
+"""The powered claims study at lag k = 8 (docs/results/study/README.md pre-registers its rules).
 
-`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/study_v2.py:lr=0.0004,steps=150,long_steps=384,c4_lags=32+128`
+`--config=experiments/configs/pilot.py --sweep=experiments/sweeps/claims_k8.py:lr=0.0004,steps=150,long_steps=384,c4_lags=32+128`
 (defaults shown; lr 4e-4 is the pilot's choice; c4_lags=32 drops the k = 128 tier, the last and costliest). Units in priority order (C2 > C3 > C4), seed-major inside
 each tier, so that a study cut short still has whole seeds of the most important arms:
   1. C2 and the preconditions, k = 8: sync (k = 0), no correction, seq-TIS, VCPO, seeds 0-3;
@@ -11,7 +11,7 @@ each tier, so that a study cut short still has whole seeds of the most important
      (sync, `long_steps`), VCPO and seq-TIS at k = 128 (`long_steps` >= 3k), seeds 0-2.
 VCPO and OPOB-only weight OPOB as the authors' code does (is_weight=reference: wt^2 w^2 ||s||^2).
 C5 (real async, learner and server on separate cores) is not a lag-emulation unit: see the page.
-The first study's units (k = 64, 60 steps) are experiments/sweeps/study.py, unchanged.
+The first study's units (k = 64, 60 steps) are experiments/sweeps/claims_k64.py, unchanged.
 """
 from experiments.sweep import arm, chain, fixed, parse_arg, product, sweep
 from experiments.sweeps import arms
