@@ -114,6 +114,11 @@ def test_algo_ess_fields_are_scale_by_ess_keyword_arguments():
                                                  "rule": "linear", "trigger": 0.25}
 
 
+def test_optim_schedule_fields_are_learning_rate_schedule_keyword_arguments():
+  params = inspect.signature(optimizer_lib.learning_rate_schedule).parameters
+  assert set(countdown.get_config().optim.schedule) == set(params) - {"learning_rate"}
+
+
 @pytest.mark.parametrize("field,value", [("base_ess_ratio", -1.0), ("base_ess_ratio", "half"), ("rule", "cubic"),
                                          ("trigger", -1.0), ("min_ess_floor", -0.1), ("min_ess_factor", 2.0)])
 @pytest.mark.parametrize("enabled", [True, False])
@@ -178,7 +183,8 @@ def test_linear_schedule_and_bad_schedule_name_the_field():
   schedule = configuration.learning_rate(config)
   assert [float(schedule(t)) for t in (0, 5, 10, 20)] == pytest.approx([lr, lr * 0.55, lr * 0.1, lr * 0.1])
   config.optim.schedule.update(name="cosine", warmup_steps=200, decay_steps=0)
-  with pytest.raises(ValueError, match=r"optim\.schedule"):
+  with pytest.raises(ValueError, match=r"optim\.schedule\.decay_steps=0: must be > warmup_steps=200 for cosine "
+                     rf"\(0: rl\.steps={config.rl.steps}\)"):
     configuration.validate_config(config)
 
 

@@ -161,16 +161,20 @@ def test_bad_arguments_raise_value_error_naming_field():
     tx.update({'x': jnp.ones(())}, tx.init(None), ess_ratio=0.5)
   with pytest.raises(ValueError, match='ess_ratio'):
     tx.update({'x': jnp.ones(())}, tx.init(None))
-  with pytest.raises(ValueError, match='kind'):
-    optimizer.learning_rate_schedule('linear_decay', peak_value=1.0)
-  with pytest.raises(ValueError, match='decay_steps'):
-    optimizer.learning_rate_schedule('cosine', peak_value=1.0, warmup_steps=5, decay_steps=3)
+  with pytest.raises(optimizer.ArgumentError, match="name='linear_decay'"):
+    optimizer.learning_rate_schedule('linear_decay', learning_rate=1.0)
+  with pytest.raises(optimizer.ArgumentError, match='decay_steps=3'):
+    optimizer.learning_rate_schedule('cosine', learning_rate=1.0, warmup_steps=5, decay_steps=3)
+  for field, bad in (('warmup_steps', -1), ('decay_steps', 1.5), ('final_lr_fraction', -0.5)):
+    with pytest.raises(optimizer.ArgumentError, match=re.escape(f'{field}={bad!r}')):
+      optimizer.learning_rate_schedule('constant', learning_rate=1.0, **{field: bad})
 
 
 def test_learning_rate_schedules():
-  const = optimizer.learning_rate_schedule('constant', peak_value=2e-3)
-  warm = optimizer.learning_rate_schedule('warmup_constant', peak_value=2e-3, warmup_steps=4)
-  cos = optimizer.learning_rate_schedule('cosine', peak_value=2e-3, warmup_steps=2, decay_steps=12, end_value=1e-4)
+  const = optimizer.learning_rate_schedule('constant', learning_rate=2e-3)
+  warm = optimizer.learning_rate_schedule('warmup_constant', learning_rate=2e-3, warmup_steps=4)
+  cos = optimizer.learning_rate_schedule('cosine', learning_rate=2e-3, warmup_steps=2, decay_steps=12,
+                                         final_lr_fraction=0.05)
   for t in range(15):
     assert float(const(t)) == pytest.approx(2e-3)
     assert float(warm(t)) == pytest.approx(2e-3 * min(t, 4) / 4, abs=1e-9)

@@ -103,18 +103,25 @@ def ess_arguments(config) -> dict:
 
 
 def learning_rate(config, *, sft: bool = False):
-  """optim.learning_rate shaped by optim.schedule (RL only; the warm start uses sft.learning_rate flat)."""
+  """optim.learning_rate shaped by optim.schedule, whose fields are learning_rate_schedule's keyword arguments
+  (its decay_steps 0: rl.steps), checked by it; the constant schedule is the number itself. RL only: the warm
+  start uses sft.learning_rate flat."""
   if sft:
     return config.sft.learning_rate
   lr, s = config.optim.learning_rate, config.optim.get("schedule")
-  if s is None or s.name == "constant":
+  if s is None:
     return lr
-  decay_steps = s.decay_steps or config.rl.steps
+  arguments = dict(s)
+  arguments["decay_steps"] = s.get("decay_steps") or config.rl.steps
   try:
-    return optimizer_lib.learning_rate_schedule(s.name, peak_value=lr, warmup_steps=s.warmup_steps,
-                                                decay_steps=decay_steps, end_value=lr * s.final_lr_fraction)
-  except ValueError as e:
-    _fail("optim.schedule", s.to_dict(), str(e))
+    schedule = optimizer_lib.learning_rate_schedule(learning_rate=lr, **arguments)
+  except optimizer_lib.ArgumentError as e:
+    value = s.get(e.name, e.value)  # as the config gives it (a decay_steps of 0 reads rl.steps)
+    _fail(f"optim.schedule.{e.name}", value, e.requirement + (f" (0: rl.steps={config.rl.steps})"
+                                                              if e.name == "decay_steps" else ""))
+  except TypeError as e:  # a field that is not one of its arguments
+    _fail("optim.schedule", s.to_dict(), f"fields must be learning_rate_schedule's keyword arguments ({e})")
+  return lr if s.name == "constant" else schedule
 
 
 def build_optimizer(config, *, sft: bool = False):
@@ -158,9 +165,6 @@ _SCALAR_FIELDS = {
     "optim.eps": (_number(lambda v: v > 0), "must be a number > 0"),
     "optim.weight_decay": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "optim.max_grad_norm": (_number(lambda v: v >= 0), "must be a number >= 0 (0: no clipping)"),
-    "optim.schedule.warmup_steps": (_int_at_least(0), "must be an int >= 0"),
-    "optim.schedule.decay_steps": (_int_at_least(0), "must be an int >= 0 (0: rl.steps)"),
-    "optim.schedule.final_lr_fraction": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "rl.emulation.speed_ratio": (_number(lambda v: v > 0), "must be a number > 0"),
     "rl.emulation.duration_cv": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "rl.emulation.server_rows": (_int_at_least(0), "must be an int >= 0 (0: unbounded)"),

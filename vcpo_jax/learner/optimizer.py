@@ -114,30 +114,38 @@ def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', tr
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def learning_rate_schedule(kind: str = 'constant', *, peak_value: float, warmup_steps: int = 0,
-                           decay_steps: Optional[int] = None, end_value: float = 0.0) -> optax.Schedule:
-  """'constant', 'warmup_constant' (linear 0 -> peak over warmup_steps), 'cosine' or 'linear' (warmup, then
-  cosine or linear decay to end_value at decay_steps, constant after)."""
-  if kind not in SCHEDULES:
-    raise ValueError(f'kind must be one of {SCHEDULES}, got kind={kind!r}')
-  if warmup_steps < 0:
-    raise ValueError(f'warmup_steps must be >= 0, got warmup_steps={warmup_steps!r}')
-  if kind == 'constant':
-    return optax.constant_schedule(peak_value)
-  if kind == 'warmup_constant':
+def _count(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ArgumentError(name, value, 'must be an int >= 0')
+  return value
+
+
+def learning_rate_schedule(name: str = 'constant', *, learning_rate: float, warmup_steps: int = 0,
+                           decay_steps: int = 0, final_lr_fraction: float = 0.0) -> optax.Schedule:
+  """'constant', 'warmup_constant' (linear 0 -> learning_rate over warmup_steps), 'cosine' or 'linear'
+  (warmup, then cosine or linear decay to final_lr_fraction * learning_rate at decay_steps, constant after).
+  The job's optim.schedule holds exactly these arguments but learning_rate (optim.learning_rate); a bad one
+  raises ArgumentError naming it."""
+  if name not in SCHEDULES:
+    raise ArgumentError('name', name, f'must be one of {SCHEDULES}')
+  warmup_steps, decay_steps = _count('warmup_steps', warmup_steps), _count('decay_steps', decay_steps)
+  final_lr_fraction = _number('final_lr_fraction', final_lr_fraction, lambda v: v >= 0, 'must be a number >= 0')
+  if name == 'constant':
+    return optax.constant_schedule(learning_rate)
+  if name == 'warmup_constant':
     if warmup_steps == 0:
-      return optax.constant_schedule(peak_value)
-    return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps),
-                                 optax.constant_schedule(peak_value)], [warmup_steps])
-  if decay_steps is None or decay_steps <= warmup_steps:
-    raise ValueError(f'{kind} needs decay_steps > warmup_steps, got decay_steps={decay_steps!r}, '
-                     f'warmup_steps={warmup_steps!r}')
-  if kind == 'cosine':
-    return optax.warmup_cosine_decay_schedule(0.0, peak_value, warmup_steps, decay_steps, end_value)
-  decay = optax.linear_schedule(peak_value, end_value, decay_steps - warmup_steps)
+      return optax.constant_schedule(learning_rate)
+    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                                 optax.constant_schedule(learning_rate)], [warmup_steps])
+  if decay_steps <= warmup_steps:
+    raise ArgumentError('decay_steps', decay_steps, f'must be > warmup_steps={warmup_steps} for {name}')
+  end_value = learning_rate * final_lr_fraction
+  if name == 'cosine':
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, decay_steps, end_value)
+  decay = optax.linear_schedule(learning_rate, end_value, decay_steps - warmup_steps)
   if warmup_steps == 0:
     return decay
-  return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps), decay], [warmup_steps])
+  return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay], [warmup_steps])
 
 
 class Float32MasterState(NamedTuple):
