@@ -63,7 +63,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.task.options.countdown.update(num_numbers=2, max_number=25, eval_fraction=0.2)
 
   # Supervised warm start on deliberately imperfect generated solutions (cached in workdir/base; a rerun in
-  # that workdir with other seed, model, sft or task settings is refused, naming the field).
+  # that workdir with other seed, model, sft or task settings is refused, naming the field, except the
+  # evaluation's own: task.eval_size, task.eval_samples and rl.max_new_tokens re-evaluate the cached weights).
   c.sft = ml_collections.ConfigDict(dict(
       steps=200,
       batch_size=32,
@@ -99,6 +100,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       policy_loss_options=configuration.options_config(losses.POLICY_LOSSES),
       aggregation="seq-mean-token-mean",   # | token-mean | seq-mean-token-sum-norm (Dr.GRPO)
       tis_threshold=8.0,       # tau for truncated sequence IS weights
+      # The keyword arguments of scale_by_ess (learner/optimizer.py), passed as they are, plus its switch.
       ess=ml_collections.ConfigDict(dict(
           enabled=True,        # scale each step by rule(min(1, ESS ratio / base))
           # A number, or "auto" (the first step's ESS ratio); both work on the command line.

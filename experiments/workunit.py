@@ -61,9 +61,10 @@ def hash_dict(data: Mapping) -> str:
 
 
 def warm_start_key(data: dict) -> str:
-  """Units with equal keys compute the identical warm start: the hash of the settings it reads, the record its
-  cache keeps (vcpo_jax/job/warm_start_cache.py), so sharing and the job's own reuse check agree."""
-  return hash_dict(warm_start_cache.warm_start_settings(data))
+  """Units with equal keys compute identical warm-start weights: the hash of the settings that make them, the
+  ones the job's own reuse check compares (vcpo_jax/job/warm_start_cache.py). Evaluation-only settings are left
+  out: a unit that shares a warm start made under others re-evaluates it (the job does), it does not retrain."""
+  return hash_dict(warm_start_cache.weight_settings(warm_start_cache.warm_start_settings(data)))
 
 
 @dataclasses.dataclass

@@ -1,4 +1,6 @@
 """Configs: load through absl config_flags, overrides, and invalid values rejected with the field named."""
+import inspect
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 from configs import countdown
 from vcpo_jax.algo import losses
 from vcpo_jax.job import configuration
+from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
 
 
@@ -98,12 +101,48 @@ def test_micro_batch_must_hold_whole_groups():
     configuration.validate_config(config)
 
 
+def test_algo_ess_fields_are_scale_by_ess_keyword_arguments():
+  """algo.ess is `enabled` plus exactly scale_by_ess's keyword arguments (same names, same defaults), passed
+  through unrenamed."""
+  params = inspect.signature(optimizer_lib.scale_by_ess).parameters
+  ess = countdown.get_config().algo.ess
+  assert set(ess) - {"enabled"} == set(params)
+  assert {k: ess[k] for k in params} == {k: p.default for k, p in params.items()}
+  config = countdown.get_config()
+  config.algo.ess.update(rule="linear", trigger=0.25)
+  assert configuration.ess_arguments(config) == {**{k: p.default for k, p in params.items()},
+                                                 "rule": "linear", "trigger": 0.25}
+
+
+def test_optim_schedule_fields_are_learning_rate_schedule_keyword_arguments():
+  params = inspect.signature(optimizer_lib.learning_rate_schedule).parameters
+  assert set(countdown.get_config().optim.schedule) == set(params) - {"learning_rate"}
+
+
+@pytest.mark.parametrize("field,value", [("base_ess_ratio", -1.0), ("base_ess_ratio", "half"), ("rule", "cubic"),
+                                         ("trigger", -1.0), ("min_ess_floor", -0.1), ("min_ess_factor", 2.0)])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_bad_algo_ess_field_fails_naming_it_even_when_off(field, value, enabled):
+  config = ml_collections.ConfigDict(countdown.get_config().to_dict(), type_safe=False)
+  config.algo.ess.update({"enabled": enabled, field: value})
+  with pytest.raises(ValueError, match="^" + re.escape(f"invalid config: algo.ess.{field}={value!r}: must be")):
+    configuration.validate_config(config)
+
+
+def test_unknown_algo_ess_field_fails():
+  config = countdown.get_config()
+  config.algo.ess.unlock()
+  config.algo.ess.ess_rule = "linear"
+  with pytest.raises(ValueError, match=r"invalid config: algo\.ess=.*ess_rule"):
+    configuration.validate_config(config)
+
+
 @pytest.mark.integration
 def test_base_ess_ratio_number_or_auto_on_the_command_line():
   for arg, want in (("auto", "auto"), ("0.5", 0.5), ("1", 1)):
     config = _load(["--config=configs/countdown.py", f"--config.algo.ess.base_ess_ratio={arg}"])
     assert config.algo.ess.base_ess_ratio == want
-    assert configuration.base_ess_ratio(config.algo.ess.base_ess_ratio) == want
+    assert optimizer_lib.check_base_ess_ratio(config.algo.ess.base_ess_ratio) == want
   config = countdown.get_config()
   config.algo.ess.base_ess_ratio = "half"
   with pytest.raises(ValueError, match=r"algo\.ess\.base_ess_ratio='half'"):
@@ -144,7 +183,8 @@ def test_linear_schedule_and_bad_schedule_name_the_field():
   schedule = configuration.learning_rate(config)
   assert [float(schedule(t)) for t in (0, 5, 10, 20)] == pytest.approx([lr, lr * 0.55, lr * 0.1, lr * 0.1])
   config.optim.schedule.update(name="cosine", warmup_steps=200, decay_steps=0)
-  with pytest.raises(ValueError, match=r"optim\.schedule"):
+  with pytest.raises(ValueError, match=r"optim\.schedule\.decay_steps=0: must be > warmup_steps=200 for cosine "
+                     rf"\(0: rl\.steps={config.rl.steps}\)"):
     configuration.validate_config(config)
 
 

@@ -83,12 +83,15 @@ def test_status_new_partial_done_conflict(tmp_path):
   assert changed.status() == "conflict"
 
 
-def test_warm_start_key_ignores_rl_only_fields_but_not_seed(tmp_path):
+def test_warm_start_key_ignores_rl_and_evaluation_fields_but_not_weight_ones(tmp_path):
   base = _unit(tmp_path)
   assert _unit(tmp_path, **{"algo.policy_loss": "seq_tis", "rl.max_lag": 0, "optim.learning_rate": 1e-5}
                ).warm_start_key == base.warm_start_key
   assert _unit(tmp_path, seed=1).warm_start_key != base.warm_start_key
-  assert _unit(tmp_path, **{"rl.max_new_tokens": 6}).warm_start_key != base.warm_start_key
+  # Evaluation-only settings share the weights (the job re-evaluates them), weight settings do not.
+  for field, value in (("rl.max_new_tokens", 6), ("task.eval_size", 16), ("task.eval_samples", 3)):
+    assert _unit(tmp_path, **{field: value}).warm_start_key == base.warm_start_key, field
+  assert _unit(tmp_path, **{"sft.steps": 7}).warm_start_key != base.warm_start_key
   assert _unit(tmp_path, **{"optim.weight_decay": 0.0}).warm_start_key != base.warm_start_key
   # Only the chosen task's options are read: another task's never change the key, the chosen one's do.
   assert base.config["task"]["name"] == "countdown"

@@ -1,4 +1,6 @@
 """Tests for optimizer.py: the ESS-scaled chain against independently built AdamW steps."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,8 +56,8 @@ def _numpy_adamw(lrs, b1=0.9, b2=0.999, eps=1e-8):
 @pytest.mark.parametrize('rule,fn', [('sqrt', np.sqrt), ('linear', lambda s: s)])
 def test_chain_equals_adamw_with_scaled_learning_rate(rule, fn):
   base = 0.8
-  tx = optimizer.build_optimizer(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP, base_ess_ratio=base,
-                                 ess_rule=rule)
+  tx = optimizer.build_optimizer(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP,
+                                 ess=dict(base_ess_ratio=base, rule=rule))
   got, state = _run_chain(tx, RATIOS)
   scales = [fn(min(1.0, r / base)) for r in RATIOS]
 
@@ -102,8 +104,15 @@ def test_trigger_gives_full_step_above_threshold():
   assert float(state.last_scale) == pytest.approx(np.sqrt(0.2))
 
 
+def test_zero_trigger_and_zero_floor_are_off():
+  off = optimizer.scale_by_ess(0.5, 'sqrt', trigger=0.0, min_ess_floor=0.0, min_ess_factor=0.0)
+  g = {'x': jnp.full((2,), 2.0)}
+  upd, _ = off.update(g, off.init(None), ess_ratio=0.1)   # no ess needed with the brake off
+  np.testing.assert_allclose(np.asarray(upd['x']), np.full(2, 2.0 * np.sqrt(0.2)), rtol=1e-6)
+
+
 def test_min_ess_brake_and_nan_handling():
-  tx = optimizer.scale_by_ess(1.0, 'linear', min_ess_brake=(1.1, 0.5))
+  tx = optimizer.scale_by_ess(1.0, 'linear', min_ess_floor=1.1, min_ess_factor=0.5)
   state = tx.init(None)
   g = {'x': jnp.ones(())}
   cases = [  # (ess_ratio, ess, expected scale)
@@ -140,25 +149,32 @@ def test_bad_arguments_raise_value_error_naming_field():
   for bad in (0.0, -1.0, 'half', float('nan')):
     with pytest.raises(ValueError, match='base_ess_ratio'):
       optimizer.scale_by_ess(bad)
-  with pytest.raises(ValueError, match='trigger'):
-    optimizer.scale_by_ess(1.0, trigger=0.0)
-  with pytest.raises(ValueError, match='min_ess_brake'):
-    optimizer.scale_by_ess(1.0, min_ess_brake=(1.1, 2.0))
-  tx = optimizer.scale_by_ess(1.0, min_ess_brake=(1.1, 0.5))
+  for bad in (-1.0, float('inf'), 'high', True):
+    with pytest.raises(optimizer.ArgumentError, match=re.escape(f'trigger={bad!r}')):
+      optimizer.scale_by_ess(1.0, trigger=bad)
+  with pytest.raises(optimizer.ArgumentError, match='min_ess_floor=-0.1'):
+    optimizer.scale_by_ess(1.0, min_ess_floor=-0.1)
+  with pytest.raises(optimizer.ArgumentError, match='min_ess_factor=2.0'):
+    optimizer.scale_by_ess(1.0, min_ess_floor=1.1, min_ess_factor=2.0)
+  tx = optimizer.scale_by_ess(1.0, min_ess_floor=1.1, min_ess_factor=0.5)
   with pytest.raises(ValueError, match='ess'):
     tx.update({'x': jnp.ones(())}, tx.init(None), ess_ratio=0.5)
   with pytest.raises(ValueError, match='ess_ratio'):
     tx.update({'x': jnp.ones(())}, tx.init(None))
-  with pytest.raises(ValueError, match='kind'):
-    optimizer.learning_rate_schedule('linear_decay', peak_value=1.0)
-  with pytest.raises(ValueError, match='decay_steps'):
-    optimizer.learning_rate_schedule('cosine', peak_value=1.0, warmup_steps=5, decay_steps=3)
+  with pytest.raises(optimizer.ArgumentError, match="name='linear_decay'"):
+    optimizer.learning_rate_schedule('linear_decay', learning_rate=1.0)
+  with pytest.raises(optimizer.ArgumentError, match='decay_steps=3'):
+    optimizer.learning_rate_schedule('cosine', learning_rate=1.0, warmup_steps=5, decay_steps=3)
+  for field, bad in (('warmup_steps', -1), ('decay_steps', 1.5), ('final_lr_fraction', -0.5)):
+    with pytest.raises(optimizer.ArgumentError, match=re.escape(f'{field}={bad!r}')):
+      optimizer.learning_rate_schedule('constant', learning_rate=1.0, **{field: bad})
 
 
 def test_learning_rate_schedules():
-  const = optimizer.learning_rate_schedule('constant', peak_value=2e-3)
-  warm = optimizer.learning_rate_schedule('warmup_constant', peak_value=2e-3, warmup_steps=4)
-  cos = optimizer.learning_rate_schedule('cosine', peak_value=2e-3, warmup_steps=2, decay_steps=12, end_value=1e-4)
+  const = optimizer.learning_rate_schedule('constant', learning_rate=2e-3)
+  warm = optimizer.learning_rate_schedule('warmup_constant', learning_rate=2e-3, warmup_steps=4)
+  cos = optimizer.learning_rate_schedule('cosine', learning_rate=2e-3, warmup_steps=2, decay_steps=12,
+                                         final_lr_fraction=0.05)
   for t in range(15):
     assert float(const(t)) == pytest.approx(2e-3)
     assert float(warm(t)) == pytest.approx(2e-3 * min(t, 4) / 4, abs=1e-9)
@@ -169,7 +185,7 @@ def test_learning_rate_schedules():
       exp = 1e-4 + (2e-3 - 1e-4) * 0.5 * (1 + np.cos(np.pi * frac))
     assert float(cos(t)) == pytest.approx(exp, rel=1e-5, abs=1e-9)
   # A schedule plugs into the chain and is scaled by the ESS factor on top.
-  tx = optimizer.build_optimizer(learning_rate=warm, weight_decay=0.0, max_grad_norm=None, base_ess_ratio=1.0)
+  tx = optimizer.build_optimizer(learning_rate=warm, weight_decay=0.0, max_grad_norm=None, ess=dict(base_ess_ratio=1.0))
   params = {'x': jnp.zeros(())}
   state = tx.init(params)
   for t in range(3):

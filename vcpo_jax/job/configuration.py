@@ -89,32 +89,39 @@ def learner_config(config) -> learner_config_lib.LearnerConfig:
 
 
 # ------------------------------------------------------------------------------------- optimizer
-def base_ess_ratio(value) -> float | str:
-  """algo.ess.base_ess_ratio: a positive number (also as a string) or 'auto'."""
-  if value == "auto":
-    return "auto"
+def ess_arguments(config) -> dict:
+  """algo.ess less its switch `enabled`: exactly scale_by_ess's keyword arguments, checked by scale_by_ess
+  itself whether or not ESS scaling is on (a bad one fails naming algo.ess.<name> and its value)."""
+  arguments = {k: v for k, v in config.algo.ess.items() if k != "enabled"}
   try:
-    ratio = float(value)
-  except (TypeError, ValueError):
-    ratio = float("nan")
-  if not 0 < ratio < float("inf") or isinstance(value, bool):
-    _fail("algo.ess.base_ess_ratio", value, "must be a positive number or 'auto'")
-  return ratio
+    optimizer_lib.scale_by_ess(**arguments)
+  except optimizer_lib.ArgumentError as e:
+    _fail(f"algo.ess.{e.name}", e.value, e.requirement)
+  except TypeError as e:  # a field that is not one of its arguments
+    _fail("algo.ess", arguments, f"fields must be `enabled` and scale_by_ess's keyword arguments ({e})")
+  return arguments
 
 
 def learning_rate(config, *, sft: bool = False):
-  """optim.learning_rate shaped by optim.schedule (RL only; the warm start uses sft.learning_rate flat)."""
+  """optim.learning_rate shaped by optim.schedule, whose fields are learning_rate_schedule's keyword arguments
+  (its decay_steps 0: rl.steps), checked by it; the constant schedule is the number itself. RL only: the warm
+  start uses sft.learning_rate flat."""
   if sft:
     return config.sft.learning_rate
   lr, s = config.optim.learning_rate, config.optim.get("schedule")
-  if s is None or s.name == "constant":
+  if s is None:
     return lr
-  decay_steps = s.decay_steps or config.rl.steps
+  arguments = dict(s)
+  arguments["decay_steps"] = s.get("decay_steps") or config.rl.steps
   try:
-    return optimizer_lib.learning_rate_schedule(s.name, peak_value=lr, warmup_steps=s.warmup_steps,
-                                                decay_steps=decay_steps, end_value=lr * s.final_lr_fraction)
-  except ValueError as e:
-    _fail("optim.schedule", s.to_dict(), str(e))
+    schedule = optimizer_lib.learning_rate_schedule(learning_rate=lr, **arguments)
+  except optimizer_lib.ArgumentError as e:
+    value = s.get(e.name, e.value)  # as the config gives it (a decay_steps of 0 reads rl.steps)
+    _fail(f"optim.schedule.{e.name}", value, e.requirement + (f" (0: rl.steps={config.rl.steps})"
+                                                              if e.name == "decay_steps" else ""))
+  except TypeError as e:  # a field that is not one of its arguments
+    _fail("optim.schedule", s.to_dict(), f"fields must be learning_rate_schedule's keyword arguments ({e})")
+  return lr if s.name == "constant" else schedule
 
 
 def build_optimizer(config, *, sft: bool = False):
@@ -122,12 +129,8 @@ def build_optimizer(config, *, sft: bool = False):
   o, e = config.optim, config.algo.ess
   kwargs = dict(learning_rate=learning_rate(config, sft=sft), b1=o.b1, b2=o.b2,
                 eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
-  if not sft and e.enabled:
-    kwargs.update(base_ess_ratio=base_ess_ratio(e.base_ess_ratio), ess_rule=e.rule, ess_trigger=e.trigger or None,
-                  min_ess_brake=(e.min_ess_floor, e.min_ess_factor) if e.min_ess_floor > 0 else None)
-  else:
-    kwargs.update(ess_scaling=False)
-  return optimizer_lib.build_optimizer(**kwargs)
+  ess = ess_arguments(config)
+  return optimizer_lib.build_optimizer(**kwargs, ess_scaling=not sft and e.enabled, ess=ess)
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -156,18 +159,12 @@ _SCALAR_FIELDS = {
     "rl.temperature": (_number(lambda v: v > 0), "must be a number > 0 for on-policy sampling"),
     "algo.kl_beta": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "algo.micro_batch_max_rows": (_int_at_least(1), "must be an int >= 1"),
-    "algo.ess.trigger": (_number(lambda v: v >= 0), "must be a number >= 0 (0: off)"),
-    "algo.ess.min_ess_floor": (_number(lambda v: v >= 0), "must be a number >= 0 (0: off)"),
-    "algo.ess.min_ess_factor": (_number(lambda v: 0 <= v <= 1), "must be a number in [0, 1]"),
     "optim.learning_rate": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "optim.b1": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),
     "optim.b2": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),
     "optim.eps": (_number(lambda v: v > 0), "must be a number > 0"),
     "optim.weight_decay": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "optim.max_grad_norm": (_number(lambda v: v >= 0), "must be a number >= 0 (0: no clipping)"),
-    "optim.schedule.warmup_steps": (_int_at_least(0), "must be an int >= 0"),
-    "optim.schedule.decay_steps": (_int_at_least(0), "must be an int >= 0 (0: rl.steps)"),
-    "optim.schedule.final_lr_fraction": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "rl.emulation.speed_ratio": (_number(lambda v: v > 0), "must be a number > 0"),
     "rl.emulation.duration_cv": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "rl.emulation.server_rows": (_int_at_least(0), "must be an int >= 0 (0: unbounded)"),
@@ -208,7 +205,7 @@ def _validate_algo(config):
   if micro > 0 and (micro % rl.group_size or (rl.prompts_per_step * rl.group_size) % micro):
     _fail("algo.micro_batch_size", micro, f"must be a multiple of rl.group_size={rl.group_size} that divides "
           f"the batch of {rl.prompts_per_step * rl.group_size} rows")
-  build_optimizer(config)  # schedule and ESS knobs
+  build_optimizer(config)  # schedule and algo.ess (checked by scale_by_ess)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConfig:

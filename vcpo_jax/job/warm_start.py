@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from vcpo_jax.job import data
 from vcpo_jax.job.configuration import build_optimizer, build_task, validate_config
 from vcpo_jax.job.evaluation import evaluate
-from vcpo_jax.job.warm_start_cache import check_cached_settings, warm_start_settings
+from vcpo_jax.job.warm_start_cache import changed_evaluation, check_cached_weights, warm_start_settings
 from vcpo_jax.learner import train_state
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
@@ -31,16 +31,13 @@ def starting_point(config):
 
 def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples, rewarder) -> tuple[str, dict]:
   """SFT on deliberately imperfect solutions; the result is cached as a HF directory in workdir/base, with the
-  settings that made it (a rerun under other settings is refused; caches without that record are trusted)."""
+  settings that made it: a rerun under other weight settings is refused, one under other evaluation settings
+  re-evaluates the cached weights (caches without that record are trusted)."""
   base_dir = os.path.join(workdir, "base")
   info_path = os.path.join(base_dir, "warm_start.json")
   settings_path = os.path.join(base_dir, "warm_start_settings.json")
   if os.path.exists(info_path):
-    if os.path.exists(settings_path):
-      with open(settings_path) as f:
-        check_cached_settings(json.load(f), warm_start_settings(config), settings_path)
-    with open(info_path) as f:
-      return base_dir, json.load(f)
+    return base_dir, _cached(config, base_dir, model_cfg, tok, task, eval_examples, rewarder)
   optimizer = build_optimizer(config, sft=True)
   state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
   if config.model.get("hf_path", ""):  # start from the checkpoint, each parameter read into its sharding
@@ -63,13 +60,43 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples, reward
                "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
   # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
   hf.export_hf(params, model_cfg, base_dir, tok)
-  with open(settings_path, "w") as f:
-    json.dump(warm_start_settings(config), f, indent=2)
-  with open(info_path + ".tmp", "w") as f:
-    json.dump(info, f, indent=2)
-  os.replace(info_path + ".tmp", info_path)
+  _write_json(settings_path, warm_start_settings(config))
+  _write_json(info_path, info)
   logging.info("warm start done: %s", info)
   return base_dir, info
+
+
+def _cached(config, base_dir, model_cfg, tok, task, eval_examples, rewarder) -> dict:
+  """The cached warm start's info. Refused if its weights came from other settings; if only the evaluation
+  settings changed, its weights are kept and evaluated as this run asks, and the new settings recorded."""
+  info_path = os.path.join(base_dir, "warm_start.json")
+  settings_path = os.path.join(base_dir, "warm_start_settings.json")
+  with open(info_path) as f:
+    info = json.load(f)
+  if not os.path.exists(settings_path):
+    return info
+  with open(settings_path) as f:
+    cached = json.load(f)
+  asked = warm_start_settings(config)
+  check_cached_weights(cached, asked, settings_path)
+  changed = changed_evaluation(cached, asked)
+  if not changed:
+    return info
+  logging.info("warm start: re-evaluating the cached base model (%s)",
+               ", ".join(f"{f} {old!r} -> {new!r}" for f, (old, new) in changed.items()))
+  params, _ = hf.import_hf(base_dir, cfg=model_cfg)
+  info = {**{k: v for k, v in info.items() if not k.startswith("eval/")},
+          **evaluate_as_job(config, params, model_cfg, tok, task, eval_examples, rewarder)}
+  # The accuracy first, then the settings it was measured under: a crash in between only evaluates again.
+  _write_json(info_path, info)
+  _write_json(settings_path, asked)
+  return info
+
+
+def _write_json(path: str, data: dict) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(data, f, indent=2)
+  os.replace(path + ".tmp", path)
 
 
 def evaluate_as_job(config, params, model_cfg, tok, task, eval_examples, rewarder) -> dict:

@@ -1,4 +1,5 @@
-"""What a cached warm start was made with: the settings it reads, and the check a reuse of it must pass."""
+"""What a cached warm start was made with: the settings it reads, split into those that make its weights (a
+reuse must match them) and those that only evaluate it (a change re-evaluates the cached weights)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,9 @@ from typing import Any, Mapping
 
 # The warm start's AdamW (configuration.build_optimizer(sft=True)) reads these; its lr is sft.learning_rate.
 SFT_OPTIM_FIELDS = ("b1", "b2", "eps", "weight_decay", "max_grad_norm")
+# Read only by the base model's evaluation, never by the SFT (its problems come from the train split whatever
+# the eval set's size, its sequences are model.max_seq_len long): the cached weights stay valid under others.
+EVALUATION_FIELDS = ("task.eval_size", "task.eval_samples", "rl.max_new_tokens")
 
 
 def warm_start_settings(config: Any) -> dict:
@@ -32,11 +36,22 @@ def _flatten(d: Mapping, prefix: str) -> dict:
   return out
 
 
-def check_cached_settings(cached: dict, asked: dict, path: str) -> None:
-  """A cached warm start made under other settings is refused (naming the field and both values), not reused:
-  its base accuracy would be measured on another evaluation, or its weights come from another SFT. Fields the
-  cache recorded that this run does not read (an option dropped since) do not matter."""
-  for field in sorted(asked):
+def weight_settings(settings: dict) -> dict:
+  """The part of warm_start_settings that makes the weights (what the launcher's sharing key hashes)."""
+  return {k: v for k, v in settings.items() if k not in EVALUATION_FIELDS}
+
+
+def check_cached_weights(cached: dict, asked: dict, path: str) -> None:
+  """A cached warm start whose weights came from other settings is refused (naming the field and both values),
+  not reused. Evaluation fields are not checked (see changed_evaluation); fields the cache recorded that this
+  run does not read (an option dropped since) do not matter."""
+  for field in sorted(weight_settings(asked)):
     if cached.get(field) != asked[field]:
       raise ValueError(f"{path} was made with {field}={cached.get(field)!r} but this run asks "
                        f"{field}={asked[field]!r}: use a new workdir, or the cached value")
+
+
+def changed_evaluation(cached: dict, asked: dict) -> dict:
+  """{field: (cached, asked)} for the evaluation fields that differ: the cached base model's accuracy was
+  measured on another evaluation and must be measured again."""
+  return {f: (cached.get(f), asked[f]) for f in EVALUATION_FIELDS if f in asked and cached.get(f) != asked[f]}

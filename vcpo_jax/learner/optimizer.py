@@ -1,5 +1,6 @@
 """The optax chain (clip -> Adam -> decoupled decay -> lr -> ESS scaling) and the `scale_by_ess` transform."""
-from typing import Any, NamedTuple, Optional, Tuple, Union
+import math
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -15,64 +16,81 @@ class ScaleByESSState(NamedTuple):
   count: jax.Array           # int32 number of updates seen
 
 
-def _check_positive(field: str, value) -> float:
+class ArgumentError(ValueError):
+  """A bad argument, with its name and value, so a config that passes its fields through names its own."""
+
+  def __init__(self, name: str, value: Any, requirement: str):
+    super().__init__(f'{name} {requirement}, got {name}={value!r}')
+    self.name, self.value, self.requirement = name, value, requirement
+
+
+def _number(name: str, value, ok, requirement: str) -> float:
+  """value as a float if it is a finite number (a numeric string too, never a bool) that `ok` accepts."""
   try:
-    value = float(value)
+    number = float(value) if not isinstance(value, bool) else float('nan')
   except (TypeError, ValueError):
-    raise ValueError(f'{field} must be a positive number, got {field}={value!r}') from None
-  if not value > 0 or value == float('inf'):
-    raise ValueError(f'{field} must be a positive finite number, got {field}={value!r}')
-  return value
+    number = float('nan')
+  if not (math.isfinite(number) and ok(number)):
+    raise ArgumentError(name, value, requirement)
+  return number
 
 
-def ess_step_scale(ess_ratio, base_ess_ratio, *, rule: str = 'sqrt', trigger: Optional[float] = None,
-                   ess=None, min_ess_brake: Optional[Tuple[float, float]] = None) -> jax.Array:
+def _check_positive(name: str, value) -> float:
+  return _number(name, value, lambda v: v > 0, 'must be a positive finite number')
+
+
+def check_base_ess_ratio(value) -> Union[float, str]:
+  """base_ess_ratio: 'auto', or a positive finite number (also as a numeric string, as a command line gives)."""
+  if value == 'auto':
+    return 'auto'
+  return _number('base_ess_ratio', value, lambda v: v > 0, "must be a positive number or 'auto'")
+
+
+def ess_step_scale(ess_ratio, base_ess_ratio, *, rule: str = 'sqrt', trigger: float = 0.0, ess=None,
+                   min_ess_floor: float = 0.0, min_ess_factor: float = 0.5) -> jax.Array:
   """Multiplier on the update: rule(min(1, rho / base)), with optional trigger and brake.
 
-  rho / base >= trigger gives the full step. The brake multiplies by `factor` when ESS <= floor or ESS is NaN.
-  A non-finite ratio or base (e.g. NaN ESS, or 'auto' still unset) gives 0: the step is skipped, never full.
+  trigger > 0: rho / base >= trigger gives the full step. min_ess_floor > 0: the step is multiplied by
+  min_ess_factor when ESS <= min_ess_floor or ESS is NaN. A non-finite ratio or base (e.g. NaN ESS, or 'auto'
+  still unset) gives 0: the step is skipped, never full.
   """
   ratio = jnp.asarray(ess_ratio, jnp.float32)
   base = jnp.asarray(base_ess_ratio, jnp.float32)
   ok = jnp.isfinite(ratio) & jnp.isfinite(base) & (base > 0)
   rel = jnp.clip(jnp.where(ok, ratio / jnp.where(ok, base, 1.0), 0.0), 0.0, 1.0)
   scale = jnp.sqrt(rel) if rule == 'sqrt' else rel
-  if trigger is not None:
+  if trigger > 0:
     scale = jnp.where(rel < trigger, scale, 1.0)
-  if min_ess_brake is not None:
-    floor, factor = min_ess_brake
+  if min_ess_floor > 0:
     ess = jnp.asarray(ess, jnp.float32)
-    braked = jnp.isnan(ess) | (ess <= floor)
-    scale = jnp.where(braked, scale * factor, scale)
+    braked = jnp.isnan(ess) | (ess <= min_ess_floor)
+    scale = jnp.where(braked, scale * min_ess_factor, scale)
   return jnp.where(ok, scale, 0.0).astype(jnp.float32)
 
 
-def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', trigger: Optional[float] = None,
-                 min_ess_brake: Optional[Tuple[float, float]] = None) -> optax.GradientTransformationExtraArgs:
+def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', trigger: float = 0.0,
+                 min_ess_floor: float = 0.0, min_ess_factor: float = 0.5) -> optax.GradientTransformationExtraArgs:
   """Scales updates by sqrt(s) ('sqrt') or s ('linear'), s = min(1, ess_ratio / base_ess_ratio).
 
   update(updates, state, params=None, *, ess_ratio, ess=None, **extra). Place it after
   scale_by_learning_rate so the whole step (decoupled weight decay included) is scaled, as in VCPO.
-  base_ess_ratio='auto' takes the first finite positive ess_ratio as the base. trigger: full step unless
-  ratio/base < trigger. min_ess_brake=(floor, factor): multiply by factor when ESS <= floor (NaN counts).
-  A non-finite ess_ratio yields scale 0, i.e. a skipped step (Adam's moments still see the gradient).
+  base_ess_ratio='auto' takes the first finite positive ess_ratio as the base. trigger > 0: full step unless
+  ratio/base < trigger (0: off). min_ess_floor > 0: multiply by min_ess_factor when ESS <= min_ess_floor (NaN
+  counts; 0: off). A non-finite ess_ratio yields scale 0, i.e. a skipped step (Adam's moments still see the
+  gradient). The job's config section algo.ess holds exactly these arguments (plus its switch, `enabled`); a
+  bad one raises ArgumentError naming it.
   """
+  base_ess_ratio = check_base_ess_ratio(base_ess_ratio)
   auto = base_ess_ratio == 'auto'
-  if not auto:
-    base_value = _check_positive('base_ess_ratio', base_ess_ratio)
   if rule not in RULES:
-    raise ValueError(f'rule must be one of {RULES}, got rule={rule!r}')
-  if trigger is not None:
-    trigger = _check_positive('trigger', trigger)
-  if min_ess_brake is not None:
-    if len(tuple(min_ess_brake)) != 2 or not 0.0 <= float(min_ess_brake[1]) <= 1.0:
-      raise ValueError(f'min_ess_brake must be (floor, factor) with factor in [0, 1], got '
-                       f'min_ess_brake={min_ess_brake!r}')
-    min_ess_brake = (float(min_ess_brake[0]), float(min_ess_brake[1]))
+    raise ArgumentError('rule', rule, f'must be one of {RULES}')
+  trigger = _number('trigger', trigger, lambda v: v >= 0, 'must be a number >= 0 (0: off)')
+  min_ess_floor = _number('min_ess_floor', min_ess_floor, lambda v: v >= 0, 'must be a number >= 0 (0: off)')
+  min_ess_factor = _number('min_ess_factor', min_ess_factor, lambda v: 0 <= v <= 1, 'must be a number in [0, 1]')
 
   def init_fn(params):
     del params
-    base = jnp.float32(jnp.nan) if auto else jnp.float32(base_value)
+    base = jnp.float32(jnp.nan) if auto else jnp.float32(base_ess_ratio)
     return ScaleByESSState(base_ess_ratio=jnp.asarray(base, jnp.float32), last_scale=jnp.ones((), jnp.float32),
                            count=jnp.zeros((), jnp.int32))
 
@@ -80,14 +98,15 @@ def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', tr
     del params, extra
     if ess_ratio is None:
       raise ValueError('scale_by_ess.update needs the keyword argument ess_ratio (got ess_ratio=None)')
-    if min_ess_brake is not None and ess is None:
-      raise ValueError('scale_by_ess with min_ess_brake needs the keyword argument ess (got ess=None)')
+    if min_ess_floor > 0 and ess is None:
+      raise ValueError('scale_by_ess with min_ess_floor > 0 needs the keyword argument ess (got ess=None)')
     ratio = jnp.asarray(ess_ratio, jnp.float32)
     base = state.base_ess_ratio
     if auto:
       usable = jnp.isnan(base) & jnp.isfinite(ratio) & (ratio > 0)
       base = jnp.where(usable, ratio, base)
-    scale = ess_step_scale(ratio, base, rule=rule, trigger=trigger, ess=ess, min_ess_brake=min_ess_brake)
+    scale = ess_step_scale(ratio, base, rule=rule, trigger=trigger, ess=ess, min_ess_floor=min_ess_floor,
+                           min_ess_factor=min_ess_factor)
     updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
     return updates, ScaleByESSState(base_ess_ratio=base, last_scale=scale,
                                     count=optax.safe_increment(state.count))
@@ -95,30 +114,38 @@ def scale_by_ess(base_ess_ratio: Union[float, str] = 1.0, rule: str = 'sqrt', tr
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def learning_rate_schedule(kind: str = 'constant', *, peak_value: float, warmup_steps: int = 0,
-                           decay_steps: Optional[int] = None, end_value: float = 0.0) -> optax.Schedule:
-  """'constant', 'warmup_constant' (linear 0 -> peak over warmup_steps), 'cosine' or 'linear' (warmup, then
-  cosine or linear decay to end_value at decay_steps, constant after)."""
-  if kind not in SCHEDULES:
-    raise ValueError(f'kind must be one of {SCHEDULES}, got kind={kind!r}')
-  if warmup_steps < 0:
-    raise ValueError(f'warmup_steps must be >= 0, got warmup_steps={warmup_steps!r}')
-  if kind == 'constant':
-    return optax.constant_schedule(peak_value)
-  if kind == 'warmup_constant':
+def _count(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ArgumentError(name, value, 'must be an int >= 0')
+  return value
+
+
+def learning_rate_schedule(name: str = 'constant', *, learning_rate: float, warmup_steps: int = 0,
+                           decay_steps: int = 0, final_lr_fraction: float = 0.0) -> optax.Schedule:
+  """'constant', 'warmup_constant' (linear 0 -> learning_rate over warmup_steps), 'cosine' or 'linear'
+  (warmup, then cosine or linear decay to final_lr_fraction * learning_rate at decay_steps, constant after).
+  The job's optim.schedule holds exactly these arguments but learning_rate (optim.learning_rate); a bad one
+  raises ArgumentError naming it."""
+  if name not in SCHEDULES:
+    raise ArgumentError('name', name, f'must be one of {SCHEDULES}')
+  warmup_steps, decay_steps = _count('warmup_steps', warmup_steps), _count('decay_steps', decay_steps)
+  final_lr_fraction = _number('final_lr_fraction', final_lr_fraction, lambda v: v >= 0, 'must be a number >= 0')
+  if name == 'constant':
+    return optax.constant_schedule(learning_rate)
+  if name == 'warmup_constant':
     if warmup_steps == 0:
-      return optax.constant_schedule(peak_value)
-    return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps),
-                                 optax.constant_schedule(peak_value)], [warmup_steps])
-  if decay_steps is None or decay_steps <= warmup_steps:
-    raise ValueError(f'{kind} needs decay_steps > warmup_steps, got decay_steps={decay_steps!r}, '
-                     f'warmup_steps={warmup_steps!r}')
-  if kind == 'cosine':
-    return optax.warmup_cosine_decay_schedule(0.0, peak_value, warmup_steps, decay_steps, end_value)
-  decay = optax.linear_schedule(peak_value, end_value, decay_steps - warmup_steps)
+      return optax.constant_schedule(learning_rate)
+    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                                 optax.constant_schedule(learning_rate)], [warmup_steps])
+  if decay_steps <= warmup_steps:
+    raise ArgumentError('decay_steps', decay_steps, f'must be > warmup_steps={warmup_steps} for {name}')
+  end_value = learning_rate * final_lr_fraction
+  if name == 'cosine':
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, decay_steps, end_value)
+  decay = optax.linear_schedule(learning_rate, end_value, decay_steps - warmup_steps)
   if warmup_steps == 0:
     return decay
-  return optax.join_schedules([optax.linear_schedule(0.0, peak_value, warmup_steps), decay], [warmup_steps])
+  return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay], [warmup_steps])
 
 
 class Float32MasterState(NamedTuple):
@@ -185,19 +212,18 @@ def reset_master(opt_state, params):
 def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
                     eps: float = 1e-8, weight_decay: float = 0.1, max_grad_norm: Optional[float] = 1.0,
                     weight_decay_mask: Any = None, ess_scaling: bool = True,
-                    base_ess_ratio: Union[float, str] = 1.0, ess_rule: str = 'sqrt',
-                    ess_trigger: Optional[float] = None,
-                    min_ess_brake: Optional[Tuple[float, float]] = None) -> optax.GradientTransformationExtraArgs:
+                    ess: Optional[Mapping[str, Any]] = None) -> optax.GradientTransformationExtraArgs:
   """clip_by_global_norm -> scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> scale_by_ess,
   run in float32 on a master copy when the params are lower precision (float32_master).
 
-  Call update(grads, state, params, ess_ratio=rho, ess=ess). With ess_scaling=False the ESS arguments are
-  accepted and ignored. max_grad_norm None or 0 disables clipping.
+  Call update(grads, state, params, ess_ratio=rho, ess=ess). ess: scale_by_ess's keyword arguments (None: its
+  defaults). With ess_scaling=False the ESS arguments are accepted and ignored. max_grad_norm None or 0
+  disables clipping.
   """
   if not (callable(learning_rate) or float(learning_rate) >= 0):
-    raise ValueError(f'learning_rate must be >= 0 or a schedule, got learning_rate={learning_rate!r}')
+    raise ArgumentError('learning_rate', learning_rate, 'must be >= 0 or a schedule')
   if weight_decay < 0:
-    raise ValueError(f'weight_decay must be >= 0, got weight_decay={weight_decay!r}')
+    raise ArgumentError('weight_decay', weight_decay, 'must be >= 0')
   parts = []
   if max_grad_norm:
     parts.append(optax.clip_by_global_norm(_check_positive('max_grad_norm', max_grad_norm)))
@@ -206,7 +232,7 @@ def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 
     parts.append(optax.add_decayed_weights(weight_decay, mask=weight_decay_mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
   if ess_scaling:
-    parts.append(scale_by_ess(base_ess_ratio, ess_rule, ess_trigger, min_ess_brake))
+    parts.append(scale_by_ess(**(ess or {})))
   return float32_master(optax.chain(*parts))
 
 
