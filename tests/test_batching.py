@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from vcpo_jax.learner.batch import RLBatch, check_batch
-from vcpo_jax.rollout import batching, types
+from vcpo_jax.job import batching
+from vcpo_jax.rollout import types
 
 
 def _group(index, prompt, outputs, versions, lag):

@@ -8,8 +8,8 @@ import pytest
 
 from configs import tiny
 from vcpo_jax.job import configuration
-from vcpo_jax.rollout import emulation, lag_model
-from vcpo_jax.rollout.scheduler import RolloutScheduler
+from vcpo_jax.rollout.emulation import emulator, lag_model
+from vcpo_jax.rollout.client.scheduler import RolloutScheduler
 
 
 def _lags(model, steps):
@@ -109,7 +109,7 @@ def test_emulator_samples_each_group_from_its_version():
     return [type("R", (), {"output_ids": [5, 6], "logprobs": [-1.0, -1.0], "finish_reason": "stop"})()
             for _ in prompts]
 
-  em = emulation.LagEmulator(generate, max_lag=2, group_size=2, seed=0, lag_model=model)
+  em = emulator.LagEmulator(generate, max_lag=2, group_size=2, seed=0, lag_model=model)
   examples = [{"prompt_ids": [1, 2], "index": i} for i in range(3)]
   for v in range(12):
     em.push(v, f"params{v}")

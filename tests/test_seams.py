@@ -9,7 +9,8 @@ import pytest
 from configs import countdown
 from vcpo_jax import registry, tasks
 from vcpo_jax.job import configuration
-from vcpo_jax.rollout import backend, launcher
+from vcpo_jax.rollout import backend
+from vcpo_jax.rollout.servers import launcher
 
 _LOADER = """
 import json, sys

@@ -12,7 +12,8 @@ from vcpo_jax import tasks
 from vcpo_jax.job import configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import batching, episodes, types
+from vcpo_jax.job import batching
+from vcpo_jax.rollout import episodes, types
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()

@@ -24,8 +24,10 @@ from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.model import hf
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
-from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model
-from vcpo_jax.rollout.publisher import PublishError
+from vcpo_jax.job import batching
+from vcpo_jax.rollout import backend as backend_lib, episodes
+from vcpo_jax.rollout.emulation import lag_model
+from vcpo_jax.rollout.servers.publisher import PublishError
 
 
 # ------------------------------------------------------------------------------------------ RL loop

@@ -82,7 +82,7 @@ BACKENDS = registry.Registry("rollout backend", facts=BACKEND_FACTS)
 # SGLang-protocol servers: embedded ones the job starts, or rollout.server_urls (real SGLang).
 BACKENDS.register_lazy("http", "vcpo_jax.rollout.http_backend:HttpBackend.from_config", embedded_servers=True)
 # The deterministic in-process lag emulator (rollouts for step t from the params of step t - k).
-BACKENDS.register_lazy("emulate", "vcpo_jax.rollout.emulation:EmulatedBackend.from_config", host_params=True)
+BACKENDS.register_lazy("emulate", "vcpo_jax.rollout.emulation.emulator:EmulatedBackend.from_config", host_params=True)
 RENAMED_MODES = {"async": "http"}
 
 

@@ -10,9 +10,9 @@ from typing import Any, Optional
 import ml_collections
 
 from vcpo_jax.model import hf
-from vcpo_jax.rollout import backend, client as client_lib, episodes as episodes_lib, launcher, protocol
-from vcpo_jax.rollout import publisher as publisher_lib
-from vcpo_jax.rollout import scheduler as scheduler_lib, types
+from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
+from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
+from vcpo_jax.rollout.servers import launcher, publisher as publisher_lib
 
 
 def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:

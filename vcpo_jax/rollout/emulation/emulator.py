@@ -10,7 +10,8 @@ import ml_collections
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.rollout import backend, episodes, lag_model as lag_model_lib, ring_store, types
+from vcpo_jax.rollout import backend, episodes, types
+from vcpo_jax.rollout.emulation import lag_model as lag_model_lib, ring_store
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
 # multi-turn episodes.Episode rows (tool tasks)

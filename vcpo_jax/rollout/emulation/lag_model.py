@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from vcpo_jax.rollout import scheduler as scheduler_lib
+from vcpo_jax.rollout.client import scheduler as scheduler_lib
 
 LAG_MODELS = ("fixed", "pipeline")
 
@@ -60,7 +60,7 @@ class _SimGroup:
 
 class PipelineLagModel:
   """Group lags a real async run at bound k would give, from a deterministic event simulation of the
-  scheduler's rule (rollout/scheduler.py): capacity B * (v + k - next_step + 1) unconsumed groups, a group
+  scheduler's rule (rollout/client/scheduler.py): capacity B * (v + k - next_step + 1) unconsumed groups, a group
   admitted at learner version u has deadline u + k, a batch is the B earliest-deadline completed groups taken
   only while the groups left stay feasible. The trainer publishes v, asks for batch v, learns for one time unit.
 
