@@ -62,6 +62,7 @@ def real_run(steps: int, max_lag: int, workdir: str) -> tuple[dict, object]:
 
 def compare(record: dict, config) -> dict:
   """The pipeline model at the measured speed ratio (and the fixed model) against the run's lag histogram."""
+  from vcpo_jax.rollout import group_metrics
   from vcpo_jax.rollout.emulation import lag_model
   rl, k = config.rl, config.rl.max_lag
   n, groups = rl.group_size, rl.prompts_per_step
@@ -72,17 +73,17 @@ def compare(record: dict, config) -> dict:
   concurrency = max(1, server_rows // n)
   ratio = concurrency * mean_step / (groups * mean_group)  # batches the busy servers finish per learner step
   real = [lag for step in record["lags"] for lag in step]
-  h_real = lag_model.histogram(real, k)
+  h_real = group_metrics.lag_histogram(real, k)
 
   def pipeline_hist(first_token_fraction):
     opts = lag_model.PipelineOptions(speed_ratio=ratio, duration_cv=cv, server_rows=server_rows,
                                      first_token_fraction=first_token_fraction)
     model = lag_model.make_lag_model("pipeline", max_lag=k, batch_groups=groups, group_size=n, seed=config.seed,
                                      options=opts)
-    return lag_model.histogram([lag for t in range(len(record["lags"])) for lag in model.lags(t)
-                                for _ in range(n)], k)
+    return group_metrics.lag_histogram([lag for t in range(len(record["lags"])) for lag in model.lags(t)
+                                        for _ in range(n)], k)
 
-  h_pipe, h_fixed = pipeline_hist(0.0), lag_model.histogram(
+  h_pipe, h_fixed = pipeline_hist(0.0), group_metrics.lag_histogram(
       [min(t, k) for t, step in enumerate(record["lags"]) for _ in step], k)
   # first_token_fraction is not measured here (no first-token clock): the best of a grid, reported as fitted.
   fits = {f: lag_model.total_variation(h_real, pipeline_hist(f)) for f in (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)}
