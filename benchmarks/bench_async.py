@@ -23,7 +23,7 @@ from typing import Sequence
 from benchmarks import model_choice
 from benchmarks import records
 from benchmarks import summary
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 
 TITLE = "async / sync RL steps per hour (main job)"
 GOAL = ">= 1.5"

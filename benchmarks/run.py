@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 from benchmarks import environment
 from benchmarks import markdown
 from benchmarks import model_choice
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 from benchmarks import records
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -80,8 +80,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       temperature=1.0,
       mode="http",             # a registered rollout backend: SGLang-protocol servers, or in-process lag emulation
       max_lag=2,               # k: no sample is consumed with lag > k; 0 is synchronous
-      # rl.mode=emulate: the lag of each group (rollout/lag_model.py). fixed: exactly min(t, k); pipeline: what a
-      # real async run at this k gives, from a seeded simulation of the scheduler's rule with servers
+      # rl.mode=emulate: the lag of each group (rollout/emulation/lag_model.py). fixed: exactly min(t, k);
+      # pipeline: what a real async run at this k gives, from a seeded simulation of the scheduler's rule with servers
       # generating server_rows rows at once at speed_ratio batches per learner step (a group's time varies
       # with coefficient of variation duration_cv; its first token comes after first_token_fraction of it).
       # Every mode logs the step's lag histogram (lag/frac_0..k). docs/results/lag_model.md: vs a real run.

@@ -48,7 +48,7 @@ def process_env(devices: int) -> dict[str, str]:
 
 
 def main(argv):
-  from vcpo_jax.rollout.launcher import free_port  # noqa: PLC0415
+  from vcpo_jax.rollout.servers.launcher import free_port  # noqa: PLC0415
   port = _PORT.value or free_port()
   jobs = {f"process{i}": process_args(_CONFIG.value, _WORKDIR.value, _NUM.value, i, port, _AUTO.value, argv[1:])
           for i in range(_NUM.value)}

@@ -100,7 +100,7 @@ def reference_logprobs(params, prompt: list[int], output: list[int]):
 
 def start_embedded(model_dir: str, weights_root: str, cache_dir: str, log_dir: str, port: int = 0,
                    weight_version: str = "v0"):
-  from vcpo_jax.rollout import launcher
+  from vcpo_jax.rollout.servers import launcher
   server = launcher.EmbeddedServer(model_dir, weights_root=weights_root, port=port, log_dir=log_dir,
                                    weight_version=weight_version,
                                    extra_args=EMBEDDED_ARGS + ("--compilation-cache-dir", cache_dir))

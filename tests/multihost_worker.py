@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vcpo_jax.rollout import batching
+from vcpo_jax.job import batching
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import processes

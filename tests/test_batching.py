@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from vcpo_jax.learner.batch import RLBatch, check_batch
-from vcpo_jax.rollout import batching, rewards, types
+from vcpo_jax.job import batching
+from vcpo_jax.rollout import group_metrics, rewards, types
 
 
 def score(group, reward_fn, decode=str):
@@ -101,8 +102,18 @@ def test_batch_metrics_equal_the_rows_statistics():
   rows = batching.groups_to_batch(groups, seq_len=6, pad_id=0, num_rows=6)
   valid = rows.valid_B > 0
   lengths = rows.mask_BxT.sum(axis=1)[valid]
-  m = batching.batch_metrics(groups, 2.0)
+  m = group_metrics.batch_metrics(groups, 2.0)
   assert m["reward/mean"] == float(rows.rewards_B[valid].mean())
   assert m["reward/std"] == float(rows.rewards_B[valid].std())
   assert m["response_length/mean"] == float(lengths.mean()) == 1.5  # 2, 1, 2 (3 tokens, one a tool output), 1
   assert m["throughput/tokens_per_s"] == float(lengths.sum() / 2.0) and m["throughput/step_seconds"] == 2.0
+
+
+def test_step_metrics_are_the_three_kinds_together():
+  """The loop's one call: reward/length/throughput, tool-episode and lag metrics, each as computed alone."""
+  groups = _scored_groups()
+  m = group_metrics.step_metrics(groups, seconds=2.0, max_lag=3)
+  parts = (group_metrics.batch_metrics(groups, 2.0), group_metrics.episode_metrics(groups),
+           group_metrics.lag_metrics(groups, 3))
+  assert all(parts) and m == {k: v for part in parts for k, v in part.items()}
+  assert sum(len(p) for p in parts) == len(m)

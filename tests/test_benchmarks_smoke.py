@@ -14,7 +14,7 @@ from benchmarks import records
 from benchmarks import run
 from benchmarks import summary
 from benchmarks import timing
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 6])

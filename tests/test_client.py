@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from tests import fake_sglang
-from vcpo_jax.rollout import client as client_lib, protocol
-from vcpo_jax.rollout import launcher
-from vcpo_jax.rollout import pool
+from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout.client import client as client_lib
+from vcpo_jax.rollout.servers import launcher
+from vcpo_jax.rollout.client import pool
 
 VOCAB = 64
 
@@ -443,7 +444,7 @@ def test_end_to_end_with_the_embedded_server(embedded_pair):
 def test_generation_aborted_for_a_weight_update_resumes_on_the_new_weights(embedded_pair):
   """pause(abort) cuts requests short; the client resubmits prompt + partial output, and the resumed part
   runs on the new weights: old tokens match the old params' recompute, new ones the new params'."""
-  from vcpo_jax.rollout import publisher as publisher_lib
+  from vcpo_jax.rollout.servers import publisher as publisher_lib
   urls = [s.url for s in embedded_pair]
   vocab = fake_sglang.TINY_MODEL["vocab_size"]
   params = {0: fake_sglang.tiny_params(0), 1: fake_sglang.tiny_params(1)}

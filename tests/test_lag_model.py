@@ -8,8 +8,9 @@ import pytest
 
 from configs import tiny
 from vcpo_jax.job import configuration
-from vcpo_jax.rollout import emulation, lag_model
-from vcpo_jax.rollout.scheduler import RolloutScheduler
+from vcpo_jax.rollout import group_metrics
+from vcpo_jax.rollout.client.scheduler import RolloutScheduler
+from vcpo_jax.rollout.emulation import emulator, lag_model
 
 
 def _lags(model, steps):
@@ -95,8 +96,8 @@ def test_pipeline_model_matches_the_real_scheduler_driven_by_the_same_durations(
 
 def test_histogram_metrics_and_distance():
   groups = [type("G", (), {"sample_lags": [0, 2]})(), type("G", (), {"sample_lags": [2, 1]})()]
-  assert lag_model.lag_metrics(groups, 2) == {"lag/frac_0": 0.25, "lag/frac_1": 0.25, "lag/frac_2": 0.5}
-  assert lag_model.lag_metrics([], 2) == {}
+  assert group_metrics.lag_metrics(groups, 2) == {"lag/frac_0": 0.25, "lag/frac_1": 0.25, "lag/frac_2": 0.5}
+  assert group_metrics.lag_metrics([], 2) == {}
   assert lag_model.total_variation(np.array([1.0, 0.0]), np.array([0.25, 0.75])) == 0.75
 
 
@@ -109,7 +110,7 @@ def test_emulator_samples_each_group_from_its_version():
     return [type("R", (), {"output_ids": [5, 6], "logprobs": [-1.0, -1.0], "finish_reason": "stop"})()
             for _ in prompts]
 
-  em = emulation.LagEmulator(generate, max_lag=2, group_size=2, seed=0, lag_model=model)
+  em = emulator.LagEmulator(generate, max_lag=2, group_size=2, seed=0, lag_model=model)
   examples = [{"prompt_ids": [1, 2], "index": i} for i in range(3)]
   for v in range(12):
     em.push(v, f"params{v}")

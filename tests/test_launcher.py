@@ -7,7 +7,7 @@ import time
 import pytest
 
 from vcpo_jax.model import config as model_config
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def test_server_that_cannot_start_reports_its_output(tmp_path):
 
 _PARENT = """
 import sys, time
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 s = launcher.EmbeddedServer(sys.argv[1], weights_root=sys.argv[2], log_dir=sys.argv[2]).start()
 s.wait_healthy(timeout=300)
 print(s.proc.pid, flush=True)

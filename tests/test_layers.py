@@ -1,4 +1,5 @@
-"""The package's layers: no module imports a higher layer or a sibling package, and no import cycle exists."""
+"""The package's layers: no module imports a higher layer, a sibling package or a package its own is kept from,
+and no import cycle exists."""
 import ast
 import os
 
@@ -7,10 +8,16 @@ import pytest
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vcpo_jax")
 
 # Lowest first. A module may import its own package and any lower rank; packages sharing a rank are siblings
-# that never import each other (algo/ and tasks/ both sit on the model and know nothing of one another).
-RANKS = (("registry",), ("parallel",), ("model",), ("algo", "tasks"), ("learner",), ("rollout",), ("serving",),
+# that never import each other (algo/ and tasks/ both sit on the model and know nothing of one another; the
+# learner sees only batches and rollout/ only groups: the job builds the one from the other).
+RANKS = (("registry",), ("parallel",), ("model",), ("algo", "tasks"), ("learner", "rollout"), ("serving",),
          ("job",), ("main",))
 RANK = {unit: i for i, units in enumerate(RANKS) for unit in units}
+# Lower packages a package may not import although its rank allows it: rollout/ is host-side asyncio that
+# never places arrays on devices or talks to other processes (the job feeds every process its rows).
+KEPT_FROM = {"rollout": ("parallel",)}
+# What serving/ (the embedded server) takes from rollout/: the wire format it shares with the client.
+SERVING_USES_FROM_ROLLOUT = {"vcpo_jax.rollout.protocol"}
 
 
 def unit_of(module: str) -> str:
@@ -54,7 +61,9 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
       other = unit_of(dep)
       if other in (me, "__init__"):
         continue
-      if RANK[other] > RANK[me]:
+      if other in KEPT_FROM.get(me, ()):
+        out.append(f"{module} imports {dep}: {me} is kept from {other}")
+      elif RANK[other] > RANK[me]:
         out.append(f"{module} imports {dep}: {other} is above {me}")
       elif RANK[other] == RANK[me]:
         out.append(f"{module} imports {dep}: {other} and {me} are siblings")
@@ -109,6 +118,19 @@ def test_algo_and_learner_never_import_rollout_or_serving():
   assert bad == []
 
 
+def test_rollout_never_imports_learner_or_parallel():
+  graph = import_graph()
+  bad = [(m, d) for m, deps in graph.items() if unit_of(m) == "rollout"
+         for d in deps if unit_of(d) in ("learner", "parallel", "serving", "job")]
+  assert bad == []
+
+
+def test_serving_takes_only_the_wire_format_from_rollout():
+  graph = import_graph()
+  used = {d for m, deps in graph.items() if unit_of(m) == "serving" for d in deps if unit_of(d) == "rollout"}
+  assert used <= SERVING_USES_FROM_ROLLOUT, sorted(used - SERVING_USES_FROM_ROLLOUT)
+
+
 def test_no_import_cycles():
   assert cycles(import_graph()) == []
 
@@ -116,6 +138,10 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("graph,expected", [
     ({"vcpo_jax.model.hf": {"vcpo_jax.job.multihost"}, "vcpo_jax.job.multihost": set()}, "above"),
     ({"vcpo_jax.algo.vcpo": {"vcpo_jax.tasks.base"}, "vcpo_jax.tasks.base": set()}, "siblings"),
+    ({"vcpo_jax.rollout.types": {"vcpo_jax.learner.batch"}, "vcpo_jax.learner.batch": set()}, "siblings"),
+    ({"vcpo_jax.learner.step": {"vcpo_jax.rollout.types"}, "vcpo_jax.rollout.types": set()}, "siblings"),
+    ({"vcpo_jax.rollout.client.pool": {"vcpo_jax.parallel.processes"}, "vcpo_jax.parallel.processes": set()},
+     "kept from"),
 ])
 def test_the_checker_flags_upward_and_sibling_imports(graph, expected):
   violations = layer_violations(graph)

@@ -22,8 +22,8 @@ from tests import multihost_worker as worker
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
-from vcpo_jax.rollout import batching
-from vcpo_jax.rollout.launcher import free_port
+from vcpo_jax.job import batching
+from vcpo_jax.rollout.servers.launcher import free_port
 
 CPU_ONLY = pytest.mark.cpu_only(reason="each process fakes 4 CPU devices (XLA_FLAGS host device count)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

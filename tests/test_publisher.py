@@ -9,8 +9,9 @@ import pytest
 
 from tests import fake_sglang
 from vcpo_jax.model import config as model_config
-from vcpo_jax.rollout import client as client_lib, publisher as publisher_lib
-from vcpo_jax.rollout import launcher, weight_store
+from vcpo_jax.rollout.client import client as client_lib
+from vcpo_jax.rollout.servers import publisher as publisher_lib
+from vcpo_jax.rollout.servers import launcher, weight_store
 
 pytestmark = pytest.mark.integration
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
@@ -441,7 +442,8 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
   ends the job with one line naming the field and both values."""
   import ml_collections
   from vcpo_jax.job import train
-  from vcpo_jax.rollout import batching, http_backend
+  from vcpo_jax.job import batching
+  from vcpo_jax.rollout import http_backend
   procs, urls = _fake_servers(tmp_path, 1)
 
   class Backend:  # the HTTP backend's publish and stats over a fake server; no generation needed

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vcpo_jax.rollout import backend, emulation, rewards, ring_store
+from vcpo_jax.rollout import backend, rewards
+from vcpo_jax.rollout.emulation import emulator, ring_store
 
 
 def _params(v):
@@ -60,7 +61,7 @@ def _backend(workdir, used):
   ctx = backend.RolloutContext(model_cfg=None, tokenizer=None, prompts=iter(
       {"prompt_ids": [1, 2], "index": i} for i in range(1000)), rewarder=rewards.inline(lambda e, t: 0.0), workdir=workdir,
       batch_rows=4)
-  return emulation.EmulatedBackend(emulation.LagEmulator(generate, max_lag=3, group_size=2, seed=0), ctx,
+  return emulator.EmulatedBackend(emulator.LagEmulator(generate, max_lag=3, group_size=2, seed=0), ctx,
                                    batch_groups=2)
 
 

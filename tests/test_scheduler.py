@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vcpo_jax.rollout import rewards, scheduler as sched_lib
+from vcpo_jax.rollout import rewards
+from vcpo_jax.rollout.client import scheduler as sched_lib
 
 
 @dataclasses.dataclass
@@ -236,14 +237,14 @@ class _Row:
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_lag_emulator_generates_step_t_with_the_params_of_step_t_minus_k(k):
-  from vcpo_jax.rollout import emulation
+  from vcpo_jax.rollout.emulation import emulator
   used = []
 
   def generate(params, prompts, seeds):  # "params" is the version tag itself: outputs reveal which was used
     used.append(params)
     return [_Row([params % 50, seed % 7], [-0.5, -0.25]) for seed in seeds]
 
-  emu = emulation.LagEmulator(generate, max_lag=k, group_size=2, seed=0)
+  emu = emulator.LagEmulator(generate, max_lag=k, group_size=2, seed=0)
   examples = [{"prompt_ids": [1, 2], "index": i} for i in range(3)]
   seeds_by_step = []
   for t in range(8):
@@ -260,7 +261,8 @@ def test_lag_emulator_generates_step_t_with_the_params_of_step_t_minus_k(k):
 
 
 def test_emulated_backend_scores_groups_where_it_generates():
-  from vcpo_jax.rollout import backend, emulation
+  from vcpo_jax.rollout import backend
+  from vcpo_jax.rollout.emulation import emulator
   scored = []
 
   def score(example, output_ids):
@@ -273,7 +275,7 @@ def test_emulated_backend_scores_groups_where_it_generates():
   ctx = backend.RolloutContext(model_cfg=None, tokenizer=None, prompts=iter(
       {"prompt_ids": [1, 2], "index": i} for i in range(100)), rewarder=rewards.inline(score, decode=list),
       workdir="", batch_rows=4)
-  rollouts = emulation.EmulatedBackend(emulation.LagEmulator(generate, max_lag=1, group_size=2, seed=0), ctx,
+  rollouts = emulator.EmulatedBackend(emulator.LagEmulator(generate, max_lag=1, group_size=2, seed=0), ctx,
                                        batch_groups=2)
 
   async def run():

@@ -1,4 +1,5 @@
 """The seams chosen by name: rollout backends declare their needs, tasks and their options come from the command line."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -6,10 +7,11 @@ import sys
 import ml_collections
 import pytest
 
-from configs import countdown
+from configs import countdown, qwen2_5
 from vcpo_jax import registry, tasks
 from vcpo_jax.job import configuration
-from vcpo_jax.rollout import backend, launcher
+from vcpo_jax.rollout import backend
+from vcpo_jax.rollout.servers import launcher
 
 _LOADER = """
 import json, sys
@@ -106,6 +108,38 @@ def test_backends_declare_their_needs(mode, host_params, embedded):
   assert len(launcher.config_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs) == (1 if embedded else 0)
   config.rollout.server_urls = "http://127.0.0.1:1"
   assert launcher.config_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs == ()
+
+
+def _backend_config_classes():
+  from vcpo_jax.rollout import http_backend
+  from vcpo_jax.rollout.emulation import emulator
+  return [http_backend.HttpBackendConfig, emulator.EmulatedBackendConfig]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_backends_typed_config_is_its_fields_of_the_job_config(index):
+  config_cls = _backend_config_classes()[index]
+  config = countdown.get_config()
+  config.seed, config.rl.max_lag, config.rl.temperature, config.rollout.server_cpus = 7, 5, 0.5, "1-2"
+  cfg = backend.read_config(config_cls, config)
+  assert (cfg.seed, cfg.max_lag, cfg.temperature) == (7, 5, 0.5)
+  config_files = [config, qwen2_5.get_config()]  # model.hf_path is a pretrained config's field
+  for f in dataclasses.fields(config_cls):  # every field is named as a config names it, in its section
+    sections = [c[f.metadata["section"]] if f.metadata["section"] else c for c in config_files]
+    assert any(f.name in section for section in sections), (f.metadata["section"], f.name)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.max_lag = 1
+  del config.rl["group_size"]
+  with pytest.raises(ValueError, match=r"rl\.group_size is missing"):
+    backend.read_config(config_cls, config)
+
+
+def test_a_backend_config_field_with_a_default_may_be_absent():
+  from vcpo_jax.rollout import http_backend
+  config = countdown.get_config()
+  del config.rollout["server_cpus"]
+  assert backend.read_config(http_backend.HttpBackendConfig, config).server_cpus == ""
+  assert backend.read_config(http_backend.HttpBackendConfig, config).server_urls == config.rollout.server_urls
 
 
 def test_one_registry_type_serves_every_kind_of_choice():

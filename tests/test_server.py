@@ -18,7 +18,7 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer
 from vcpo_jax.model import transformer as model
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 
 pytestmark = pytest.mark.integration
 
@@ -438,7 +438,7 @@ def test_bad_model_dir_exits_nonzero(tmp_path):
 def test_rollout_client_against_embedded_server(server):
   """The project's client (abort-resume included) speaks to this server end to end."""
   import asyncio
-  from vcpo_jax.rollout import client as client_lib
+  from vcpo_jax.rollout.client import client as client_lib
 
   async def run():
     async with client_lib.RolloutClient([server.url], vocab_size=128) as c:

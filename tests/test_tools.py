@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from vcpo_jax import tasks
-from vcpo_jax.job import configuration, data
+from vcpo_jax.job import batching, configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import batching, episodes, rewards, types
+from vcpo_jax.rollout import episodes, group_metrics, rewards, types
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
@@ -192,12 +192,12 @@ def test_failing_calls_continue_the_episode_and_are_counted():
   assert sample.tool_error_kinds == {"tool": 1, "malformed": 1, "json": 1}
   text = completion_text(TOK, sample.output_ids)
   assert plain(REPLY("error: division by zero")) in text and plain(REPLY(tool_calls.ERROR_KINDS["json"])) in text
-  metrics = episodes.metrics([types.Group(0, {}, 0, 0, samples=[sample, sample])])
+  metrics = group_metrics.episode_metrics([types.Group(0, {}, 0, 0, samples=[sample, sample])])
   assert metrics["tools/calls_per_episode"] == 3 and metrics["tools/error_rate"] == 1.0
   assert metrics["tools/turns_per_episode"] == 4 and metrics["tools/errors/json"] == 1
   assert metrics["tools/errors/unknown_tool"] == 0 and set(metrics) >= {f"tools/errors/{k}" for k in tool_calls.ERROR_KINDS}
-  assert episodes.metrics([types.Group(0, {}, 0, 0, samples=[types.Sample([1], [2], np.zeros(1), np.zeros(1),
-                                                                          "stop", "")])]) == {}
+  single_turn = types.Sample([1], [2], np.zeros(1), np.zeros(1), "stop", "")
+  assert group_metrics.episode_metrics([types.Group(0, {}, 0, 0, samples=[single_turn])]) == {}
 
 
 def test_episode_length_is_capped_and_a_reply_that_does_not_fit_ends_it():

@@ -14,7 +14,8 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import client as client_lib, episodes, scheduler as sched_lib, types
+from vcpo_jax.rollout import episodes, types
+from vcpo_jax.rollout.client import client as client_lib, scheduler as sched_lib
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
@@ -97,7 +98,7 @@ def embedded(tmp_path_factory):
 def test_http_episodes_span_an_abort_and_a_weight_update(embedded):
   """Each turn is a /generate on the growing input with the marker as a `stop` string; an abort inside a
   turn is resumed on the new weights; tokens keep their versions across turns, tool tokens have none."""
-  from vcpo_jax.rollout import publisher as publisher_lib
+  from vcpo_jax.rollout.servers import publisher as publisher_lib
   server, weights = embedded
   vocab = fake_sglang.TINY_MODEL["vocab_size"]
   params = {0: fake_sglang.tiny_params(0), 1: fake_sglang.tiny_params(1)}

@@ -156,7 +156,7 @@ def test_async_run_against_server_urls(tmp_path):
   from vcpo_jax.model import hf
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
-  from vcpo_jax.rollout import launcher
+  from vcpo_jax.rollout.servers import launcher
   config = tiny_config(**{"rl.steps": 2})
   cfg = model_config.ModelConfig.from_dict(config.model)
   start = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(7)), cfg, str(tmp_path / "start"),

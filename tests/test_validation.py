@@ -113,8 +113,7 @@ def _fake_run(tmp_path, *, leader, steps, eval_every, checkpoint_every, log_ever
 def test_after_step_with_every_zero_acts_only_after_the_last_step(tmp_path, monkeypatch, leader):
   calls = []
   monkeypatch.setattr(train, "evaluate_as_job", lambda *a, **k: calls.append(("eval", run.step)) or {"eval/x": 1.0})
-  monkeypatch.setattr(train.episodes, "metrics", lambda groups: {})
-  monkeypatch.setattr(train.batching, "batch_metrics", lambda groups, seconds: {})
+  monkeypatch.setattr(train.group_metrics, "step_metrics", lambda groups, **kw: {})
   run = _fake_run(tmp_path, leader=leader, steps=3, eval_every=0, checkpoint_every=0, log_every=0, calls=calls)
   for _ in range(3):
     train.RLRun.after_step(run, [], {"loss": np.float32(0.5)}, {}, 1.0, lambda: {})
@@ -127,8 +126,7 @@ def test_after_step_with_every_zero_acts_only_after_the_last_step(tmp_path, monk
 def test_after_step_with_positive_every_keeps_its_schedule(tmp_path, monkeypatch):
   calls = []
   monkeypatch.setattr(train, "evaluate_as_job", lambda *a, **k: calls.append(("eval", run.step)) or {"eval/x": 1.0})
-  monkeypatch.setattr(train.episodes, "metrics", lambda groups: {})
-  monkeypatch.setattr(train.batching, "batch_metrics", lambda groups, seconds: {})
+  monkeypatch.setattr(train.group_metrics, "step_metrics", lambda groups, **kw: {})
   run = _fake_run(tmp_path, leader=True, steps=5, eval_every=2, checkpoint_every=3, log_every=4, calls=calls)
   for _ in range(5):
     train.RLRun.after_step(run, [], {}, {}, 1.0, lambda: {})

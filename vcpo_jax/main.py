@@ -9,7 +9,7 @@ from ml_collections import config_flags
 
 from vcpo_jax.job import train
 from vcpo_jax.parallel import processes
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.servers import launcher
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)

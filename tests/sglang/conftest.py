@@ -73,7 +73,7 @@ class SGLangServer:
 
 def start_servers(model_dir: str, log_dir: str, n: int, **kw) -> list[SGLangServer]:
   """n servers started together (each takes ~40-60 s to load on CPU); all stopped if any fails."""
-  from vcpo_jax.rollout.launcher import free_port
+  from vcpo_jax.rollout.servers.launcher import free_port
   servers = [SGLangServer(model_dir, free_port(), os.path.join(log_dir, f"sglang{i}.log"), **kw)
              for i in range(n)]
   try:

@@ -8,7 +8,8 @@ import pytest
 
 from tests.sglang.conftest import requires_sglang, start_servers
 from vcpo_jax.model import config as model_config
-from vcpo_jax.rollout import client as client_lib, publisher as publisher_lib
+from vcpo_jax.rollout.client import client as client_lib
+from vcpo_jax.rollout.servers import publisher as publisher_lib
 
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(1800)]
 CONTEXT = 96  # the countdown model's max_seq_len, exported as max_position_embeddings

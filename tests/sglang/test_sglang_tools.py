@@ -11,7 +11,8 @@ import pytest
 from tests.sglang import verify_tags
 from tests.sglang.conftest import requires_sglang, start_servers
 from tests.sglang.test_sglang_job import _env, _metrics  # noqa: F401  (the same job environment)
-from vcpo_jax.rollout import client as client_lib, episodes
+from vcpo_jax.rollout import episodes
+from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.tasks import calculator
 
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(3600)]

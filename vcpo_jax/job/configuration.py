@@ -18,8 +18,8 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import backend as backend_lib
-from vcpo_jax.rollout import lag_model as lag_model_lib
-from vcpo_jax.rollout import launcher
+from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
+from vcpo_jax.rollout.servers import launcher
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 

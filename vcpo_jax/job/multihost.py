@@ -2,7 +2,7 @@
 
 Process 0 (the leader) drives rollouts (client, scheduler, publisher; or the lag emulator), the data iterator,
 evaluation and every file the job writes; the others (followers) hold their shards of the train state and take
-part in the collectives. The step's rows reach every process in rollout/batching.py (next_batch). Control goes
+part in the collectives. The step's rows reach every process in job/batching.py (next_batch). Control goes
 through jax.distributed's key-value store, whose reads have timeouts, so a hung leader ends its followers with an
 error naming what they waited for; a dead process is reported by jax.distributed's own heartbeats
 (distributed.heartbeat_timeout_s), and a hung process by the per-step barrier. With one process neither backend

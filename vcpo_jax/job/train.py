@@ -11,6 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from vcpo_jax.job import batching
 from vcpo_jax.job import checkpointing
 from vcpo_jax.job import data
 from vcpo_jax.job import metrics as metrics_lib
@@ -23,9 +24,9 @@ from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.model import hf
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
-from vcpo_jax.rollout import backend as backend_lib, batching, episodes, lag_model
+from vcpo_jax.rollout import backend as backend_lib, group_metrics
 from vcpo_jax.rollout.rewards import Rewarder
-from vcpo_jax.rollout.publisher import PublishError
+from vcpo_jax.rollout.servers.publisher import PublishError
 
 
 # ------------------------------------------------------------------------------------------ RL loop
@@ -134,9 +135,8 @@ class RLRun:
       return
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
-    scalars = {**step_metrics, **batching.batch_metrics(groups, seconds), **episodes.metrics(groups), **extra,
-               **self.rewarder.stats(),
-               **lag_model.lag_metrics(groups, rl.get("max_lag"))}  # the step's lag histogram, every mode
+    scalars = {**step_metrics, **group_metrics.step_metrics(groups, seconds=seconds, max_lag=rl.get("max_lag")),
+               **extra, **self.rewarder.stats()}
     for key, value in step_metrics.items():
       arr = np.asarray(value)
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):

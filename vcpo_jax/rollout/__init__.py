@@ -1,1 +1,1 @@
-"""Rollout side: SGLang-protocol client, scheduler, weight publisher and the embedded JAX server."""
+"""Rollout side: the backend seam and its types; the HTTP client, server launching and publishing, lag emulation."""

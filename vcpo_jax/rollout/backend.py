@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import ml_collections
 
@@ -69,6 +69,30 @@ class RolloutBackend(abc.ABC):
 
 
 BackendFactory = Callable[[ml_collections.ConfigDict, RolloutContext], RolloutBackend]
+ConfigT = TypeVar("ConfigT")
+
+
+def config_field(section: str, default: Any = dataclasses.MISSING) -> Any:
+  """A field of a backend's typed config, read from `config.<section>.<the field's name>` ('' = the top
+  level); a field with a default may be absent from the config."""
+  return dataclasses.field(default=default, metadata={"section": section})
+
+
+def read_config(config_cls: type[ConfigT], config: ml_collections.ConfigDict) -> ConfigT:
+  """The one place a backend's typed config is built: each field from its section, under its own name."""
+  values = {}
+  for f in dataclasses.fields(config_cls):
+    section = f.metadata["section"]
+    node = config
+    for part in filter(None, section.split(".")):
+      node = node.get(part) if node is not None else None
+    if node is not None and f.name in node:
+      value = node[f.name]
+      values[f.name] = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    elif f.default is dataclasses.MISSING:
+      where = f"{section}.{f.name}" if section else f.name
+      raise ValueError(f"invalid config: {where} is missing ({config_cls.__name__} reads it)")
+  return config_cls(**values)
 
 # What a backend needs from the loop and the launcher; they read these facts and never test a mode's name.
 BACKEND_FACTS = {
@@ -83,7 +107,7 @@ BACKENDS = registry.Registry("rollout backend", facts=BACKEND_FACTS)
 # SGLang-protocol servers: embedded ones the job starts, or rollout.server_urls (real SGLang).
 BACKENDS.register_lazy("http", "vcpo_jax.rollout.http_backend:HttpBackend.from_config", embedded_servers=True)
 # The deterministic in-process lag emulator (rollouts for step t from the params of step t - k).
-BACKENDS.register_lazy("emulate", "vcpo_jax.rollout.emulation:EmulatedBackend.from_config", host_params=True)
+BACKENDS.register_lazy("emulate", "vcpo_jax.rollout.emulation.emulator:EmulatedBackend.from_config", host_params=True)
 RENAMED_MODES = {"async": "http"}
 
 

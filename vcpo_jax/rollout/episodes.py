@@ -224,25 +224,6 @@ class EpisodeRunner:
     return eps
 
 
-def metrics(groups: Sequence[types.Group]) -> dict[str, float]:
-  """Per-step episode metrics (TensorBoard `tools/...`); {} when no sample is a multi-turn episode."""
-  samples = [s for g in groups for s in g.samples if getattr(s, "output_mask", None) is not None]
-  if not samples:
-    return {}
-  calls = np.asarray([s.tool_calls for s in samples], np.float64)
-  errors = np.asarray([s.tool_errors for s in samples], np.float64)
-  tool_tokens = [float(np.sum(np.asarray(s.output_mask) == 0)) for s in samples]
-  return {"tools/calls_per_episode": float(calls.mean()),
-          "tools/errors_per_episode": float(errors.mean()),
-          "tools/error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
-          "tools/turns_per_episode": float(np.mean([s.num_turns for s in samples])),
-          "tools/max_turns": float(max(s.num_turns for s in samples)),
-          "tools/turn_capped_fraction": float(np.mean([s.turn_capped for s in samples])),
-          "tools/tool_tokens_per_episode": float(np.mean(tool_tokens)),
-          **{f"tools/errors/{kind}": float(np.mean([(s.tool_error_kinds or {}).get(kind, 0) for s in samples]))
-             for kind in tool_calls.ERROR_KINDS}}
-
-
 def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional[int] = None
                ) -> Optional[EpisodeRunner]:
   """The episode runner of a task with a tool environment (None for single-turn tasks)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import re
@@ -10,9 +11,9 @@ from typing import Any, Optional
 import ml_collections
 
 from vcpo_jax.model import hf
-from vcpo_jax.rollout import backend, client as client_lib, episodes as episodes_lib, launcher, protocol
-from vcpo_jax.rollout import publisher as publisher_lib
-from vcpo_jax.rollout import scheduler as scheduler_lib, types
+from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
+from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
+from vcpo_jax.rollout.servers import launcher, publisher as publisher_lib
 
 
 def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:
@@ -36,6 +37,28 @@ def starting_weights_dir(workdir: str, hf_path: str = "") -> Optional[str]:
   return None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HttpBackendConfig:
+  """The config fields the http backend reads, named as in the config (backend.read_config builds it)."""
+  seed: int = backend.config_field("")  # each sample's sampling_seed derives from it
+  max_new_tokens: int = backend.config_field("rl")
+  temperature: float = backend.config_field("rl")
+  group_size: int = backend.config_field("rl")
+  prompts_per_step: int = backend.config_field("rl")
+  max_lag: int = backend.config_field("rl")
+  hf_path: str = backend.config_field("model", "")  # external servers' starting weights, when no WORKDIR/base
+  server_urls: str = backend.config_field("rollout")
+  num_servers: int = backend.config_field("rollout")
+  base_port: int = backend.config_field("rollout")
+  request_timeout: float = backend.config_field("rollout")
+  max_retries: int = backend.config_field("rollout")
+  keep_versions: int = backend.config_field("rollout")
+  server_devices: str = backend.config_field("rollout", "")
+  learner_memory_fraction: float = backend.config_field("rollout", 0.0)
+  server_memory_fraction: float = backend.config_field("rollout", 0.0)
+  server_cpus: str = backend.config_field("rollout", "")
+
+
 class HttpBackend(backend.RolloutBackend):
   """Servers generate with version v while the learner computes v+1; the scheduler keeps lag <= k.
 
@@ -43,14 +66,16 @@ class HttpBackend(backend.RolloutBackend):
   published. Each group is scored in the scheduler's completion hook, as soon as its samples arrive.
   """
 
-  def __init__(self, ctx: backend.RolloutContext, rollout: ml_collections.ConfigDict, *, sampling_params: dict,
-               group_size: int, batch_groups: int, max_lag: int,
-               episodes: Optional[episodes_lib.EpisodeRunner] = None, reference_dir: Optional[str] = None):
-    self.ctx, self.cfg = ctx, rollout
-    self.episodes = episodes  # multi-turn tasks: each sample is an episode of /generate turns
-    self.sampling_params, self.group_size = sampling_params, group_size
-    self.batch_groups, self.max_lag = batch_groups, max_lag
-    self.urls = [u.strip() for u in rollout.server_urls.split(",") if u.strip()]
+  def __init__(self, ctx: backend.RolloutContext, cfg: HttpBackendConfig):
+    self.ctx, self.cfg = ctx, cfg
+    # Multi-turn tasks: each sample is an episode of /generate turns.
+    self.episodes = episodes_lib.runner_for(ctx.task, ctx.tokenizer, max_new_tokens=cfg.max_new_tokens,
+                                            context_length=ctx.model_cfg.max_seq_len)
+    self.sampling_params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+                            "stop_token_ids": list(ctx.tokenizer.stop_ids), "no_stop_trim": True,
+                            "sampling_seed": cfg.seed}
+    self.group_size, self.batch_groups, self.max_lag = cfg.group_size, cfg.prompts_per_step, cfg.max_lag
+    self.urls = [u.strip() for u in cfg.server_urls.split(",") if u.strip()]
     self.weights_root = os.path.join(ctx.workdir, "weights")
     self._servers: list = []  # embedded servers this backend started (and stops)
     self._client: Optional[client_lib.RolloutClient] = None
@@ -59,19 +84,11 @@ class HttpBackend(backend.RolloutBackend):
     self._restored: Optional[dict] = None
     # External servers were launched on the job's starting weights; exports and served models are checked
     # against them (embedded servers: against the directory they are started on).
-    self.reference_dir = reference_dir
+    self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
-    rl = config.rl
-    params = {"max_new_tokens": rl.max_new_tokens, "temperature": rl.temperature,
-              "stop_token_ids": list(ctx.tokenizer.stop_ids), "no_stop_trim": True,
-              "sampling_seed": config.seed}
-    runner = episodes_lib.runner_for(ctx.task, ctx.tokenizer,
-                                     max_new_tokens=rl.max_new_tokens, context_length=ctx.model_cfg.max_seq_len)
-    return cls(ctx, config.rollout, sampling_params=params, group_size=rl.group_size,
-               batch_groups=rl.prompts_per_step, max_lag=rl.max_lag, episodes=runner,
-               reference_dir=starting_weights_dir(ctx.workdir, config.model.get("hf_path", "")))
+    return cls(ctx, backend.read_config(HttpBackendConfig, config))
 
   def _export(self, params: Any, out_dir: str) -> None:
     hf.export_hf(params, self.ctx.model_cfg, out_dir, self.ctx.tokenizer)
@@ -87,7 +104,7 @@ class HttpBackend(backend.RolloutBackend):
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
         base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
         weight_version=wire, envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
-        cpus=launcher.parse_cpus(self.cfg.get("server_cpus", "")),
+        cpus=launcher.parse_cpus(self.cfg.server_cpus),
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     # A cache named in the environment is shared (the test suite's jobs share one per run).
                     "--compilation-cache-dir",

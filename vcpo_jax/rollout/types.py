@@ -41,6 +41,17 @@ def generated_versions(sample: Any) -> np.ndarray:
   return versions if mask is None else versions[np.asarray(mask) > 0]
 
 
+def output_mask(group: Any, sample: Any, length: int) -> np.ndarray:
+  """1 on generated tokens, 0 on an episode's tool-output tokens (Sample.output_mask; None: all generated)."""
+  m = getattr(sample, "output_mask", None)
+  if m is None:
+    return np.ones((length,), np.float32)
+  m = np.asarray(m, np.float32)
+  if m.shape != (length,) or not np.all((m == 0) | (m == 1)):
+    raise ValueError(f"group {group.index}: output_mask must be 0/1 of shape ({length},), got {m!r:.200}")
+  return m
+
+
 @dataclasses.dataclass
 class Group:
   """n samples of one prompt, with the staleness record of each sample."""

@@ -13,7 +13,7 @@ from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.learner.config import check_chunks
 from vcpo_jax.parallel import processes, sharding
 from vcpo_jax.rollout.backend import RolloutBackend
-from vcpo_jax.rollout.types import Group
+from vcpo_jax.rollout.types import Group, output_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +46,6 @@ async def next_batch(backend: RolloutBackend, version: int, layout: BatchLayout)
   return groups, await asyncio.to_thread(feed_rows, rows, version, layout.mesh, layout.num_rows, layout.timeout_s)
 
 
-def batch_metrics(groups: Sequence[Group], seconds: float) -> dict:
-  """Reward and response-length statistics of a step's samples (generated tokens only) and its throughput."""
-  rewards = np.asarray([r for g in groups for r in g.rewards], np.float32)
-  lengths = np.asarray([_output_mask(g, s, len(s.output_ids)).sum() for g in groups for s in g.samples],
-                       np.float32)
-  return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-          "response_length/mean": float(lengths.mean()),
-          "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
-          "throughput/step_seconds": seconds}
-
-
 def _check_sample(g: Group, ids: np.ndarray, logprobs, mask: np.ndarray, seq_len: int,
                   vocab_size: int | None) -> None:
   if ids.size > seq_len:
@@ -66,17 +55,6 @@ def _check_sample(g: Group, ids: np.ndarray, logprobs, mask: np.ndarray, seq_len
     raise ValueError(f"group {g.index}: token id {bad} outside the vocabulary [0, {vocab_size})")
   if not np.all(np.isfinite(np.asarray(logprobs, np.float64)[mask > 0])):
     raise ValueError(f"group {g.index}: non-finite sampler log-prob in output_logprobs")
-
-
-def _output_mask(g: Group, s, length: int) -> np.ndarray:
-  """1 on generated tokens, 0 on an episode's tool-output tokens (Sample.output_mask; None: all generated)."""
-  m = getattr(s, "output_mask", None)
-  if m is None:
-    return np.ones((length,), np.float32)
-  m = np.asarray(m, np.float32)
-  if m.shape != (length,) or not np.all((m == 0) | (m == 1)):
-    raise ValueError(f"group {g.index}: output_mask must be 0/1 of shape ({length},), got {m!r:.200}")
-  return m
 
 
 def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_rows: int | None = None,
@@ -105,7 +83,7 @@ def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_r
     s = g.samples[j]
     ids = np.asarray(list(s.prompt_ids) + list(s.output_ids), np.int64)
     start, end = len(s.prompt_ids), ids.size
-    out_mask = _output_mask(g, s, end - start)
+    out_mask = output_mask(g, s, end - start)
     _check_sample(g, ids, s.output_logprobs, out_mask, seq_len, vocab_size)
     tokens[row, :end] = ids
     mask[row, start:end] = out_mask

@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 
 from vcpo_jax.rollout import protocol
-from vcpo_jax.rollout.pool import RolloutError, ServerPool, _is_int
+from vcpo_jax.rollout.client.pool import RolloutError, ServerPool, _is_int
 # Defined in protocol (the wire format's one module); importable from here as before.
 from vcpo_jax.rollout.protocol import BadResponseError, Segment
 from vcpo_jax.rollout.types import Sample

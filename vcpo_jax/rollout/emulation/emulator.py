@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ml_collections
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.rollout import backend, episodes, lag_model as lag_model_lib, ring_store, types
+from vcpo_jax.rollout import backend, episodes, types
+from vcpo_jax.rollout.emulation import lag_model as lag_model_lib, ring_store
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
 # multi-turn episodes.Episode rows (tool tasks)
@@ -97,6 +99,18 @@ class LagEmulator:
     return groups
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmulatedBackendConfig:
+  """The config fields the emulate backend reads, named as in the config (backend.read_config builds it)."""
+  seed: int = backend.config_field("")
+  max_new_tokens: int = backend.config_field("rl")
+  temperature: float = backend.config_field("rl")
+  group_size: int = backend.config_field("rl")
+  prompts_per_step: int = backend.config_field("rl")
+  max_lag: int = backend.config_field("rl")
+  emulation: Optional[Mapping[str, Any]] = backend.config_field("rl", None)  # lag_model and its options
+
+
 class EmulatedBackend(backend.RolloutBackend):
   """The lag emulator behind the backend seam: step t draws rl.prompts_per_step prompts and trains on groups
   sampled (and scored, right where they are generated) with the params of step t - k. No servers.
@@ -114,24 +128,28 @@ class EmulatedBackend(backend.RolloutBackend):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "EmulatedBackend":
-    rl = config.rl
+    return cls.build(backend.read_config(EmulatedBackendConfig, config), ctx)
+
+  @classmethod
+  def build(cls, cfg: EmulatedBackendConfig, ctx: backend.RolloutContext) -> "EmulatedBackend":
+    """The emulator and its lag model from the backend's own config fields."""
     runner = episodes.runner_for(ctx.task, ctx.tokenizer,
-                                 max_new_tokens=rl.max_new_tokens)
+                                 max_new_tokens=cfg.max_new_tokens)
     if runner is None:
       generate = lambda params, prompts, seeds: sampling.generate(  # noqa: E731
-          params, ctx.model_cfg, prompts, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+          params, ctx.model_cfg, prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
           stop_token_ids=ctx.tokenizer.stop_ids, seeds=seeds)
     else:
       generate = lambda params, prompts, seeds: runner.run_local(  # noqa: E731
-          params, ctx.model_cfg, prompts, seeds, temperature=rl.temperature)
-    em = rl.get("emulation") or {}
+          params, ctx.model_cfg, prompts, seeds, temperature=cfg.temperature)
+    em = cfg.emulation or {}
     options = {k: v for k, v in dict(em).items() if k != "lag_model"}
-    lag_model = lag_model_lib.make_lag_model(em.get("lag_model", "fixed"), max_lag=rl.max_lag,
-                                             batch_groups=rl.prompts_per_step, group_size=rl.group_size,
-                                             seed=config.seed, options=options)
-    emulator = LagEmulator(generate, max_lag=rl.max_lag, group_size=rl.group_size, seed=config.seed,
+    lag_model = lag_model_lib.make_lag_model(em.get("lag_model", "fixed"), max_lag=cfg.max_lag,
+                                             batch_groups=cfg.prompts_per_step, group_size=cfg.group_size,
+                                             seed=cfg.seed, options=options)
+    emulator = LagEmulator(generate, max_lag=cfg.max_lag, group_size=cfg.group_size, seed=cfg.seed,
                            lag_model=lag_model)
-    return cls(emulator, ctx, batch_groups=rl.prompts_per_step)
+    return cls(emulator, ctx, batch_groups=cfg.prompts_per_step)
 
   def state_dict(self) -> dict:
     """Saves the ring's past versions (called at each checkpoint, with the prompt iterator's state)."""

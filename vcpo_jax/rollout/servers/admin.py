@@ -6,7 +6,8 @@ from typing import Any, Callable, Optional
 
 import aiohttp
 
-from vcpo_jax.rollout import client as client_lib, protocol
+from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout.client import client as client_lib
 
 
 class Rejected(RuntimeError):

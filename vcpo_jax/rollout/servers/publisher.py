@@ -18,7 +18,9 @@ from typing import Any, Iterable, Optional, Union
 
 import aiohttp
 
-from vcpo_jax.rollout import admin, checkpoint_spec, client as client_lib, protocol, weight_store
+from vcpo_jax.rollout import protocol
+from vcpo_jax.rollout.client import client as client_lib
+from vcpo_jax.rollout.servers import admin, checkpoint_spec, weight_store
 
 PAUSE_MODES = ("abort", "in_place")
 log = logging.getLogger(__name__)

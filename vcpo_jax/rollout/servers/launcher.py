@@ -115,11 +115,12 @@ def plan_devices(gpus: Sequence[str], num_servers: int, *, server_devices: str =
 
 
 def rollout_plan(rollout, num_servers: int, environ: Mapping[str, str] | None = None) -> DevicePlan:
-  """The plan for `num_servers` embedded servers from a job's `rollout` config section."""
+  """The plan for `num_servers` embedded servers from a job's `rollout` config section (or the http backend's
+  typed config: the same field names)."""
   return plan_devices(visible_gpus(os.environ if environ is None else environ), num_servers,
-                      server_devices=rollout.get("server_devices", ""),
-                      learner_memory_fraction=rollout.get("learner_memory_fraction", 0.0),
-                      server_memory_fraction=rollout.get("server_memory_fraction", 0.0))
+                      server_devices=getattr(rollout, "server_devices", ""),
+                      learner_memory_fraction=getattr(rollout, "learner_memory_fraction", 0.0),
+                      server_memory_fraction=getattr(rollout, "server_memory_fraction", 0.0))
 
 
 def config_plan(config, environ: Mapping[str, str] | None = None) -> DevicePlan:

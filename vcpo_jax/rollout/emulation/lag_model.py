@@ -5,11 +5,11 @@ import bisect
 import collections
 import dataclasses
 import heapq
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from vcpo_jax.rollout import scheduler as scheduler_lib
+from vcpo_jax.rollout.client import scheduler as scheduler_lib
 
 LAG_MODELS = ("fixed", "pipeline")
 
@@ -60,7 +60,7 @@ class _SimGroup:
 
 class PipelineLagModel:
   """Group lags a real async run at bound k would give, from a deterministic event simulation of the
-  scheduler's rule (rollout/scheduler.py): capacity B * (v + k - next_step + 1) unconsumed groups, a group
+  scheduler's rule (rollout/client/scheduler.py): capacity B * (v + k - next_step + 1) unconsumed groups, a group
   admitted at learner version u has deadline u + k, a batch is the B earliest-deadline completed groups taken
   only while the groups left stay feasible. The trainer publishes v, asks for batch v, learns for one time unit.
 
@@ -167,23 +167,6 @@ def make_lag_model(name: str, *, max_lag: int, batch_groups: int, group_size: in
                           seed=seed)
 
 
-def histogram(lags: Sequence[int], max_lag: int) -> np.ndarray:
-  """Fractions of lags equal to 0..max_lag (float64 [max_lag + 1]; a lag above k lands in the last bin)."""
-  lags_N = np.minimum(np.asarray(list(lags), np.int64), max_lag)
-  counts_K = np.bincount(lags_N, minlength=max_lag + 1).astype(np.float64)
-  return counts_K / max(counts_K.sum(), 1.0)
-
-
 def total_variation(p_K: np.ndarray, q_K: np.ndarray) -> float:
   """Total-variation distance between two histograms over the same bins: half the L1 distance."""
   return 0.5 * float(np.abs(np.asarray(p_K, np.float64) - np.asarray(q_K, np.float64)).sum())
-
-
-def lag_metrics(groups: Sequence[Any], max_lag: int | None) -> dict[str, float]:
-  """lag/frac_0..lag/frac_k: the step's per-sample lag histogram (fractions), logged every step in every mode
-  (max_lag None: bins up to the largest lag seen)."""
-  lags = [lag for g in groups for lag in (getattr(g, "sample_lags", None) or [])]
-  if not lags:
-    return {}
-  k = max(lags) if max_lag is None else max_lag
-  return {f"lag/frac_{j}": float(f) for j, f in enumerate(histogram(lags, k))}

@@ -1,0 +1,62 @@
+"""A step's metrics from its consumed groups: rewards, lengths and throughput, tool episodes, the lag histogram."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from vcpo_jax.rollout import types
+from vcpo_jax.tasks import tool_calls
+
+
+def step_metrics(groups: Sequence[types.Group], *, seconds: float, max_lag: Optional[int]) -> dict[str, float]:
+  """Every group metric of one step (the RL loop's one call): reward/, response_length/, throughput/,
+  tools/ (multi-turn runs only) and lag/frac_0..k."""
+  return {**batch_metrics(groups, seconds), **episode_metrics(groups), **lag_metrics(groups, max_lag)}
+
+
+def batch_metrics(groups: Sequence[types.Group], seconds: float) -> dict[str, float]:
+  """Reward and response-length statistics of a step's samples (generated tokens only) and its throughput."""
+  rewards = np.asarray([r for g in groups for r in g.rewards], np.float32)
+  lengths = np.asarray([types.output_mask(g, s, len(s.output_ids)).sum() for g in groups for s in g.samples],
+                       np.float32)
+  return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+          "response_length/mean": float(lengths.mean()),
+          "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+          "throughput/step_seconds": seconds}
+
+
+def episode_metrics(groups: Sequence[types.Group]) -> dict[str, float]:
+  """Per-step episode metrics (TensorBoard `tools/...`); {} when no sample is a multi-turn episode."""
+  samples = [s for g in groups for s in g.samples if getattr(s, "output_mask", None) is not None]
+  if not samples:
+    return {}
+  calls = np.asarray([s.tool_calls for s in samples], np.float64)
+  errors = np.asarray([s.tool_errors for s in samples], np.float64)
+  tool_tokens = [float(np.sum(np.asarray(s.output_mask) == 0)) for s in samples]
+  return {"tools/calls_per_episode": float(calls.mean()),
+          "tools/errors_per_episode": float(errors.mean()),
+          "tools/error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
+          "tools/turns_per_episode": float(np.mean([s.num_turns for s in samples])),
+          "tools/max_turns": float(max(s.num_turns for s in samples)),
+          "tools/turn_capped_fraction": float(np.mean([s.turn_capped for s in samples])),
+          "tools/tool_tokens_per_episode": float(np.mean(tool_tokens)),
+          **{f"tools/errors/{kind}": float(np.mean([(s.tool_error_kinds or {}).get(kind, 0) for s in samples]))
+             for kind in tool_calls.ERROR_KINDS}}
+
+
+def lag_histogram(lags: Sequence[int], max_lag: int) -> np.ndarray:
+  """Fractions of lags equal to 0..max_lag (float64 [max_lag + 1]; a lag above k lands in the last bin)."""
+  lags_N = np.minimum(np.asarray(list(lags), np.int64), max_lag)
+  counts_K = np.bincount(lags_N, minlength=max_lag + 1).astype(np.float64)
+  return counts_K / max(counts_K.sum(), 1.0)
+
+
+def lag_metrics(groups: Sequence[Any], max_lag: int | None) -> dict[str, float]:
+  """lag/frac_0..lag/frac_k: the step's per-sample lag histogram (fractions), logged every step in every mode
+  (max_lag None: bins up to the largest lag seen)."""
+  lags = [lag for g in groups for lag in (getattr(g, "sample_lags", None) or [])]
+  if not lags:
+    return {}
+  k = max(lags) if max_lag is None else max_lag
+  return {f"lag/frac_{j}": float(f) for j, f in enumerate(lag_histogram(lags, k))}
