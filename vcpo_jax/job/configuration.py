@@ -18,9 +18,9 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import backend as backend_lib
+from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout import lag_model as lag_model_lib
 from vcpo_jax.rollout import launcher
-from vcpo_jax.tasks import environment
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -72,7 +72,7 @@ def build_task(config, render_prompt=None):
   task = tasks.get_task(config.task.name, render_prompt=render_prompt, **task_options(config))
   env = task.environment()
   if env is not None:
-    env.pool = environment.make_pool(config.get("tools"))
+    env.pool = episodes.tool_pool(config.get("tools"))
   return task
 
 
@@ -237,7 +237,7 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
     _fail("task.kwargs", dict(config.task.kwargs), f"replaced by task.options.{config.task.name}.<option>")
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
-  environment.make_pool(config.get("tools")).close()  # its own errors name the tools.<field>
+  episodes.tool_pool(config.get("tools")).close()  # its own errors name the tools.<field>
   try:
     build_task(config)
   except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses

@@ -328,3 +328,19 @@ def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional
   return EpisodeRunner(env, encode=tokenizer.encode, decode=lambda ids: completion_text(tokenizer, ids),
                        stop_ids=tokenizer.stop_ids, max_new_tokens=max_new_tokens,
                        context_length=context_length, pool=getattr(env, "pool", None))
+
+
+# The tools pool (config section `tools`): thread or inline only, since an episode's environment lives here.
+POOL_DEFAULTS = {"pool": "thread", "workers": 8, "timeout_s": 30.0}
+
+
+def tool_pool(settings: Optional[dict] = None) -> offload.CallPool:
+  """The job's tools pool from the config section `tools` (fields: POOL_DEFAULTS)."""
+  s = {**POOL_DEFAULTS, **dict(settings or {})}
+  unknown = sorted(set(s) - set(POOL_DEFAULTS))
+  if unknown:
+    raise ValueError(f"invalid config: tools.{unknown[0]} is not a field; fields: {sorted(POOL_DEFAULTS)}")
+  if s["pool"] not in ("inline", "thread"):
+    raise ValueError(f"invalid config: tools.pool={s['pool']!r}: must be 'inline' or 'thread' (an episode's "
+                     f"environment lives in this process)")
+  return offload.CallPool(s["pool"], workers=s["workers"], timeout_s=s["timeout_s"], name="tools")

@@ -119,7 +119,8 @@ class EnvironmentFactory:
   (declarations, call_text, stop_strings, max_turns), and `start(example)`: a fresh instance, reset from the
   example, wrapped in a tool_calls.ToolEnvironment that parses, checks and answers its calls. `pool` (a
   rollout.offload.CallPool, thread or inline: the instances live in this process) runs starts, calls and
-  episode rewards off the rollout event loop (the job sets it from the config section `tools`)."""
+  episode rewards off the rollout event loop (the job sets it from the config section `tools`,
+  rollout.episodes.tool_pool)."""
 
   stop_strings = tool_calls.ToolEnvironment.stop_strings
 
@@ -169,19 +170,3 @@ def make(name: str, *, max_turns: int = 4, max_call_chars: int = 256,
   return EnvironmentFactory(entry.fn, dataclasses.asdict(entry.make_options(options)), max_turns=max_turns,
                             max_call_chars=max_call_chars, render_reply=render_reply)
 
-
-# The tools pool (config section `tools`): thread or inline only, since an episode's instance lives here.
-POOL_DEFAULTS = {"pool": "thread", "workers": 8, "timeout_s": 30.0}
-
-
-def make_pool(settings: Optional[Mapping[str, Any]] = None):
-  """The job's tools pool from the config section `tools` (fields: POOL_DEFAULTS)."""
-  from vcpo_jax.rollout.offload import CallPool  # noqa: PLC0415 - the tasks package does not need the rollout side
-  s = {**POOL_DEFAULTS, **dict(settings or {})}
-  unknown = sorted(set(s) - set(POOL_DEFAULTS))
-  if unknown:
-    raise ValueError(f"invalid config: tools.{unknown[0]} is not a field; fields: {sorted(POOL_DEFAULTS)}")
-  if s["pool"] not in ("inline", "thread"):
-    raise ValueError(f"invalid config: tools.pool={s['pool']!r}: must be 'inline' or 'thread' (an episode's "
-                     f"environment lives in this process)")
-  return CallPool(s["pool"], workers=s["workers"], timeout_s=s["timeout_s"], name="tools")
