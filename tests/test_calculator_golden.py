@@ -45,15 +45,10 @@ class ScriptedPolicy:
 
 def _episode(runner, prompt_ids, turns, example):
   (s,) = asyncio.run(runner.generate(ScriptedPolicy(turns), prompt_ids, {"max_new_tokens": 1, "sampling_seed": 3},
-                                     n=1, **_example_kw(runner, example)))
+                                     n=1, example=example))
   return {"ids": s.output_ids, "mask": "".join(str(int(m)) for m in s.output_mask), "turns": s.num_turns,
           "calls": s.tool_calls, "errors": s.tool_errors, "kinds": dict(sorted(s.tool_error_kinds.items())),
           "finish": s.finish_reason}
-
-
-def _example_kw(runner, example):
-  import inspect
-  return {"example": example} if "example" in inspect.signature(runner.generate).parameters else {}
 
 
 def _variant(variant: str) -> dict:
@@ -68,14 +63,12 @@ def _variant(variant: str) -> dict:
     rec = {"prompt_ids": prompt_ids, "rows": [], "episodes": []}
     for error_rate in (0.0, 1.0):
       completion = task.sft_completion(ex, np.random.default_rng([i, int(error_rate)]), error_rate)
-      kw = {"example": ex} if "example" in __import__("inspect").signature(data.encode_sft_example).parameters else {}
-      tokens_T, mask_T = data.encode_sft_example(TOK, ex["prompt"], completion, 400, env=env, **kw)
+      tokens_T, mask_T = data.encode_sft_example(TOK, ex["prompt"], completion, 400, env=env, example=ex)
       n = int((tokens_T != TOK.pad_id).sum())
       rec["rows"].append({"tokens": tokens_T[:n].tolist(), "mask": "".join(str(int(m)) for m in mask_T[:n]),
                           "reward": task.reward(ex, completion)})
       # The trace's own turns, played back by a scripted policy through the episode runner.
-      turns = [t for t, is_tool in episodes.trace_segments(env, completion, **({"example": ex} if kw else {}))
-               if not is_tool]
+      turns = [t for t, is_tool in episodes.trace_segments(env, completion, ex) if not is_tool]
       turns[-1] += END
       rec["episodes"].append(_episode(runner, prompt_ids, turns, ex))
     calls_per_episode = env.max_turns - 1
