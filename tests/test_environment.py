@@ -276,3 +276,42 @@ def test_a_failing_episode_reward_scores_zero_and_is_counted():
   for answer in ("nan", "x"):
     (s,) = asyncio.run(_runner(env).generate(ScriptedPolicy([answer + END]), PROMPT, {"max_new_tokens": 1}))
     assert s.env_reward == 0.0 and s.tool_error_kinds == {"reward": 1}
+
+
+def test_the_scheduler_and_the_emulator_hand_each_episode_its_groups_example():
+  from vcpo_jax.rollout import emulation, scheduler
+  seen = []
+
+  class Keyed(environment.Environment):
+    def reset(self, example):
+      self.key = example["key"]
+      seen.append(self.key)
+
+    def whoami(self) -> str:
+      """The episode's example key."""
+      return self.key
+
+  runner = _runner(environment.EnvironmentFactory(Keyed))
+  policy = lambda: ScriptedPolicy([C("whoami"), "<answer>1</answer>" + END])  # noqa: E731
+  generate = lambda prompt, params, n, example: runner.generate(policy(), prompt, params, n, example)  # noqa: E731
+  prompts = ({"prompt_ids": PROMPT, "key": f"k{i}", "index": i} for i in range(100))
+  sched = scheduler.RolloutScheduler(generate, prompts, sampling_params={"max_new_tokens": 1}, group_size=1,
+                                     batch_groups=2, max_lag=0, pass_example=True)
+
+  async def run():
+    try:
+      return await sched.next_batch(0)
+    finally:
+      await sched.close()
+
+  groups = asyncio.run(run())
+  assert [_replies(g.samples[0]) for g in groups] == [[g.example["key"]] for g in groups]
+
+  assert sorted(seen) == sorted(g.example["key"] for g in groups)
+  # The lag emulator hands its generate each row's example (run_local(..., examples=...) starts from them).
+  local = lambda params, prompts, seeds, examples: [  # noqa: E731
+      episodes.Episode(server_url=e["key"]) for e in examples]
+  emu = emulation.LagEmulator(local, max_lag=0, group_size=2, seed=0, pass_examples=True)
+  emu.push(0, None)
+  out = emu.rollout(0, [{"prompt_ids": PROMPT, "key": "a"}, {"prompt_ids": PROMPT, "key": "b"}])
+  assert [s.server_url for g in out for s in g.samples] == ["a", "a", "b", "b"]

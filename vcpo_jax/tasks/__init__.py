@@ -1,4 +1,4 @@
-"""Verifiable tasks (Countdown, arithmetic, Countdown with a calculator tool) and tool environments, registered by name."""
+"""Verifiable tasks (Countdown, arithmetic, Countdown with tools) and tool environments, registered by name."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Multi-turn environments as plug-ins: a class whose typed public methods are the model's tools, one instance per episode.
+"""Multi-turn environments as plug-ins: a class whose typed public methods are tools, one instance per episode.
 
 Write one by subclassing `Environment` (the shape of TRL's environment_factory):
 - `reset(example)` starts an episode from its prompt example; the instance may keep per-episode state;
@@ -151,7 +151,6 @@ class EnvironmentFactory:
                                          render_reply=self.render_reply)
     if self.has_reward:
       episode.reward = env.reward
-    episode.instance = env
     return episode
 
   def respond(self, turn_text: str) -> Optional[tool_calls.ToolReply]:
