@@ -160,6 +160,15 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       memory_mb=0,             # process pool: address-space limit per worker (0 = none)
   ))
 
+  # Multi-turn tasks' tool calls and episode rewards: off the rollout event loop, in a pool of threads (an
+  # episode's environment lives in this process). A call past the timeout is answered "error: the tool did not
+  # answer in time" (tools/errors/timeout) and the episode goes on; its thread runs on until the tool returns.
+  c.tools = ml_collections.ConfigDict(dict(
+      pool="thread",           # inline | thread
+      workers=8,               # concurrent tool calls
+      timeout_s=30.0,          # per call
+  ))
+
   c.eval_every = 20
   c.checkpoint_every = 10
   c.log_every = 1

@@ -70,7 +70,7 @@ def _ids(x):
 
 def test_prompts_with_tools_render_to_transformers_ids(ckpt):
   ours, theirs = tokenizer_lib.load_pretrained(ckpt), transformers.AutoTokenizer.from_pretrained(ckpt)
-  tools = calculator.Calculator().declarations()
+  tools = calculator.environment_of().declarations()
   task = tasks.get_task("countdown_tools", num_numbers=3, max_number=10, max_target=100,
                         render_prompt=ours.chat_prompt)
   for ex in task.sample(0, 5):
@@ -104,7 +104,7 @@ def test_an_episode_round_trips_a_call_and_a_tool_response(ckpt, expression, con
                         render_prompt=ours.chat_prompt)
   env = task.environment()
   ex = task.sample(1, 1)[0]
-  call, answer = env.call(expression), "<answer>2*3</answer>"
+  call, answer = calculator.call(expression), "<answer>2*3</answer>"
   policy = ScriptedPolicy([ours.encode(call), ours.encode(answer) + [ours.eos_id]])
   runner = episodes.runner_for(task, ours, max_new_tokens=400)
   prompt = ours.encode(ex["prompt"])

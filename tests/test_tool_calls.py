@@ -10,7 +10,7 @@ from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = tokenizer_lib.build_tokenizer()
-CALC = calculator.Calculator(max_turns=3, max_result_chars=24, max_call_chars=120)
+CALC = calculator.environment_of(max_turns=3, max_result_chars=24, max_call_chars=120)
 # What a reply may hold: a value, or a fixed phrase (the calculator's or a parse failure's); never model text.
 TOOL_PHRASES = {f"error: {p}" for _, p in calculator._ERROR_PHRASES} | {
     "error: malformed", "error: too long", "error: empty", "error: tool failed"}
@@ -81,9 +81,11 @@ def test_a_tool_that_raises_is_a_counted_error_reply():
 
 
 def test_over_long_values_are_capped():
-  calc = calculator.Calculator(max_turns=2, max_result_chars=5)
-  assert calc.run("12345") == ("12345", False) and calc.run("123456") == ("error: too long", True)
-  assert calc.run("100/7") == ("100/7", False) and calc.run("1000/7")[1]
+  calc = calculator.Calculator(max_result_chars=5)
+  assert calc.calculator("12345") == "12345" and calc.calculator("100/7") == "100/7"
+  for expression in ("123456", "1000/7"):
+    with pytest.raises(tool_calls.ToolError, match="too long"):
+      calc.calculator(expression)
 
 
 @pytest.mark.parametrize("expr", [
@@ -110,11 +112,13 @@ def test_any_turn_text_gets_none_or_a_well_formed_reply(text):
 
 def test_environment_knobs_are_checked():
   with pytest.raises(ValueError, match="max_turns"):
-    calculator.Calculator(max_turns=0)
+    calculator.environment_of(max_turns=0)
   with pytest.raises(ValueError, match="max_result_chars"):
     calculator.Calculator(max_result_chars=0)
+  with pytest.raises(ValueError, match="max_result_chars"):
+    calculator.environment_of(max_result_chars=0)
   with pytest.raises(ValueError, match="max_call_chars"):
-    calculator.Calculator(max_call_chars=True)
+    calculator.environment_of(max_call_chars=True)
 
 
 # --- the task tokenizer's template ------------------------------------------------------------------------
@@ -133,8 +137,8 @@ def test_task_template_keeps_plain_prompts_and_ids_and_renders_the_tool_format()
   rendered = TOK.chat_prompt.render(messages, tools=tools)
   prompt = TOK.chat_prompt("hi", tools=tools)
   # An episode's text: prompt + the call the model writes + the environment's reply.
-  assert rendered == prompt + CALC.call("2*3") + CALC.respond(CALC.call("2*3")).text
-  ids = TOK.encode(CALC.call("2*3"))
+  assert rendered == prompt + calculator.call("2*3") + CALC.respond(calculator.call("2*3")).text
+  ids = TOK.encode(calculator.call("2*3"))
   assert len(ids) == 5  # the call's boilerplate is two pieces of the task tokenizer
 
 

@@ -16,7 +16,7 @@ from vcpo_jax.rollout import episodes, group_metrics, rewards, types
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
-CALC = calculator.Calculator(max_turns=3, max_result_chars=24)
+CALC = calculator.environment_of(max_turns=3, max_result_chars=24)
 REPLY = TOK.chat_prompt.tool_reply  # tool-message content -> the text that follows a call
 # A reply as an episode's text holds it: the end of the call's turn, the tool message, the next turn's start.
 REPLY_RE = re.compile(r"<\|im_end\|>\n<\|im_start\|>user\n<tool_response>\n(.*?)\n</tool_response><\|im_end\|>\n"
@@ -30,7 +30,7 @@ def plain(text: str) -> str:
 
 
 def C(expression: str) -> str:  # noqa: N802 - a calculator call as the template renders it
-  return CALC.call(expression)
+  return calculator.call(expression)
 
 
 # --- task -------------------------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def C(expression: str) -> str:  # noqa: N802 - a calculator call as the template
 def test_tool_task_traces_are_valid_calls_with_real_replies_and_scored_as_countdown():
   task = tasks.get_task("countdown_tools", num_numbers=3, max_number=10, max_target=100,
                         render_prompt=TOK.chat_prompt)
-  assert isinstance(task.environment(), calculator.Calculator)
+  assert task.environment().cls is calculator.Calculator
   assert tasks.get_task("countdown").environment() is None
   with pytest.raises(ValueError, match="render_prompt"):
     tasks.get_task("countdown_tools", render_prompt=tasks.get_task("countdown").render_prompt)
@@ -129,7 +129,7 @@ class ScriptedPolicy:
 
 
 def _runner(max_turns=3, max_new_tokens=80, context_length=None):
-  return episodes.EpisodeRunner(calculator.Calculator(max_turns=max_turns), encode=TOK.encode,
+  return episodes.EpisodeRunner(calculator.environment_of(max_turns=max_turns), encode=TOK.encode,
                                 decode=lambda ids: completion_text(TOK, ids), stop_ids=TOK.stop_ids,
                                 max_new_tokens=max_new_tokens, context_length=context_length)
 

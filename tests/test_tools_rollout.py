@@ -29,6 +29,9 @@ class MarkerEnv:
   def __init__(self, marker: str, max_turns: int = 3):
     self.stop_strings, self.max_turns = (marker,), max_turns
 
+  def start(self, example):
+    return self  # no per-episode state
+
   def respond(self, turn_text):
     return tool_calls.ToolReply(REPLY, False, "42") if self.stop_strings[0] in turn_text else None
 
@@ -153,7 +156,7 @@ class VersionedPolicy:
       ids.append(TOK.token_to_id("1"))
       versions.append(self.version)
     if self.rng.random() < 0.6:  # a call
-      call = TOK.encode(calculator.Calculator().call("1+1"))
+      call = TOK.encode(calculator.call("1+1"))
       ids += call
       versions += [self.version] * len(call)
     return [types.Sample(list(input_ids), ids, np.full(len(ids), -0.5, np.float32), np.asarray(versions, np.int64),
@@ -164,7 +167,7 @@ class VersionedPolicy:
 def test_lag_bound_holds_for_whole_episodes(k):
   rng = random.Random(k)
   policy = VersionedPolicy(rng)
-  runner = episodes.EpisodeRunner(calculator.Calculator(max_turns=4), encode=TOK.encode,
+  runner = episodes.EpisodeRunner(calculator.environment_of(max_turns=4), encode=TOK.encode,
                                   decode=lambda ids: completion_text(TOK, ids), stop_ids=TOK.stop_ids,
                                   max_new_tokens=200)
   gen = lambda prompt, params, n: runner.generate(policy, prompt, params, n)  # noqa: E731

@@ -53,9 +53,12 @@ class MarkerEnv:
   def __init__(self, markers=("<tool_call>", "<answer>")):
     self.stop_strings, self.max_turns = tuple(markers), 3
 
+  def start(self, example):
+    return self  # no per-episode state
+
   def respond(self, turn_text):
-    calc = calculator.Calculator()
-    return calc.respond(calc.call("6*7")) if any(m in turn_text for m in self.stop_strings) else None
+    calc = calculator.environment_of()
+    return calc.respond(calculator.call("6*7")) if any(m in turn_text for m in self.stop_strings) else None
 
 
 def test_episode_turns_on_a_real_server(tools_server):
@@ -67,7 +70,7 @@ def test_episode_turns_on_a_real_server(tools_server):
   params, cfg = hf.import_hf(str(work / "base"))
   tok = tokenizer.build_tokenizer()
   prompt = tok.encode(tok.chat_prompt("Using the numbers [2, 3, 7], make 42.",
-                                      tools=calculator.Calculator().declarations()))
+                                      tools=calculator.environment_of().declarations()))
   sp = {"max_new_tokens": 1, "temperature": 1.0, "no_stop_trim": True, "ignore_eos": True}
 
   async def run():

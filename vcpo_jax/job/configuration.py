@@ -18,6 +18,7 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import backend as backend_lib
+from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
 from vcpo_jax.rollout.servers import launcher
 
@@ -66,8 +67,13 @@ def task_options(config) -> dict:
 
 
 def build_task(config, render_prompt=None):
-  """The job's task: task.name built with its options (render_prompt: a pretrained chat template)."""
-  return tasks.get_task(config.task.name, render_prompt=render_prompt, **task_options(config))
+  """The job's task: task.name built with its options (render_prompt: a pretrained chat template); a
+  multi-turn task's environment calls its tools in the pool of the config section `tools`."""
+  task = tasks.get_task(config.task.name, render_prompt=render_prompt, **task_options(config))
+  env = task.environment()
+  if env is not None:
+    env.pool = episodes.tool_pool(config.get("tools"))
+  return task
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -228,6 +234,7 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
     _fail("task.kwargs", dict(config.task.kwargs), f"replaced by task.options.{config.task.name}.<option>")
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
+  episodes.tool_pool(config.get("tools")).close()  # its own errors name the tools.<field>
   try:
     build_task(config)
   except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses

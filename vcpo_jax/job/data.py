@@ -116,13 +116,14 @@ def make_prompt_iterator(task: tasks_base.Task, *, seed: int, split: str = "trai
 
 
 def encode_sft_example(tokenizer: Tokenizer, prompt: str, completion: str, seq_len: int,
-                       env: episodes.Environment | None = None) -> tuple[np.ndarray, np.ndarray]:
+                       env: episodes.Environment | None = None,
+                       example: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Right-padded [prompt | completion <|im_end|> | pad] and its mask: 1 exactly on the completion's generated
   tokens + stop. With a tool environment (task.environment()) the completion is a multi-turn trace, cut and
   encoded segment by segment as episodes are (episodes.trace_segments): tool replies get mask 0, since the
-  model never generates them."""
+  model never generates them (the replies of an episode's environment started from `example`)."""
   prompt_ids = tokenizer.encode(prompt)
-  segments = [(completion, False)] if env is None else episodes.trace_segments(env, completion)
+  segments = [(completion, False)] if env is None else episodes.trace_segments(env, completion, example)
   response_ids, response_mask = [], []
   for text, is_tool in segments:
     ids = tokenizer.encode(text)
@@ -153,7 +154,7 @@ class _SftAt:
     rng = np.random.default_rng([self.seed, _STREAM_SFT_COMPLETION, int(index)])
     completion = self.task.sft_completion(example, rng, self.error_rate)
     tokens_T, mask_T = encode_sft_example(self.tokenizer, example["prompt"], completion, self.seq_len,
-                                          env=self.task.environment())
+                                          env=self.task.environment(), example=example)
     return {"tokens": tokens_T, "mask": mask_T,
             "reward": np.float32(self.task.reward(example, completion))}
 

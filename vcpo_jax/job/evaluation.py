@@ -23,7 +23,8 @@ def evaluate(params, model_cfg, tok, task, examples, *, rewarder, max_new_tokens
                                   temperature=temperature, stop_token_ids=tok.stop_ids, rng=seed)
     else:
       seeds = np.random.default_rng([seed, 0xE7A1]).integers(2**31 - 1, size=len(prompts)).tolist()
-      results = runner.run_local(params, model_cfg, prompts, seeds, temperature=temperature)
-    rewards = rewarder.score_blocking(batch, [r.output_ids for r in results])
+      results = runner.run_local(params, model_cfg, prompts, seeds, temperature=temperature, examples=batch)
+    rewards = rewarder.score_blocking(batch, [r.output_ids for r in results],
+                                      [getattr(r, "env_reward", None) for r in results])
     out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
   return out

@@ -5,7 +5,10 @@ a `/generate` with the same wire format as single-turn rollouts (the call marker
 client's retries and abort-resume work inside a turn; in process, a batch of sampler rows per turn (the rows
 run on past the marker and are cut there afterwards, which leaves the kept tokens' distribution unchanged).
 Per-token versions are kept across turns, so an episode's lag is the learner version minus the oldest version
-among all its generated tokens. Tool outputs, turns and the episode's length are capped.
+among all its generated tokens. Tool outputs, turns and the episode's length are capped. Each episode gets its
+own environment (`env.start(example)`), and its calls and its episode reward run in the tools pool (a
+rollout.offload.CallPool with a per-call timeout), never on the event loop that generates the other episodes
+and publishes weights: a call past the timeout is the error reply of kind 'timeout' and the episode goes on.
 """
 from __future__ import annotations
 
@@ -18,17 +21,20 @@ import numpy as np
 
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import protocol, types
+from vcpo_jax.rollout import offload, protocol, types
 from vcpo_jax.tasks import tool_calls
 
 
 class Environment(Protocol):
-  """What a tool environment offers (tasks.tool_calls.ToolEnvironment, e.g. the Calculator)."""
+  """What a multi-turn environment offers (tasks.environment.EnvironmentFactory, e.g. the calculator's, or a
+  stateless tasks.tool_calls.ToolEnvironment): the call marker, the turn cap, and each episode's environment."""
   stop_strings: tuple[str, ...]
   max_turns: int
 
-  def respond(self, turn_text: str) -> Optional[Any]:
-    """A reply (.text, .error, optional .kind) to the turn's tool call, or None when the turn makes no call."""
+  def start(self, example: Optional[dict]) -> Any:
+    """The environment of one episode: respond(turn_text) -> a reply (.text, .error, optional .kind) to the
+    turn's call, or None when the turn makes none; error_reply(kind) -> the reply of a call that failed outside
+    it ('timeout', 'tool'); optional reward(completion_text) -> the episode's reward or None (the task's)."""
 
 
 @dataclasses.dataclass
@@ -46,6 +52,7 @@ class Episode:
   finish_reason: str = "length"
   num_resumes: int = 0
   server_url: str = ""
+  env_reward: Optional[float] = None  # the environment's episode reward (None: the task's reward applies)
 
   def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
     if not len(ids) == len(logprobs) == len(versions):
@@ -67,7 +74,8 @@ class Episode:
         output_logprobs=np.asarray(self.logprobs, np.float32), token_versions=np.asarray(self.versions, np.int64),
         finish_reason=self.finish_reason, server_url=self.server_url, num_resumes=self.num_resumes,
         output_mask=np.asarray(self.mask, np.float32), num_turns=self.turns, tool_calls=self.tool_calls,
-        tool_errors=self.tool_errors, turn_capped=self.turn_capped, tool_error_kinds=dict(self.error_kinds))
+        tool_errors=self.tool_errors, turn_capped=self.turn_capped, tool_error_kinds=dict(self.error_kinds),
+        env_reward=self.env_reward)
 
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
@@ -91,12 +99,13 @@ def first_stop(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stops
   return lo
 
 
-def trace_segments(env: Environment, text: str) -> list[tuple[str, bool]]:
+def trace_segments(env: Environment, text: str, example: Optional[dict] = None) -> list[tuple[str, bool]]:
   """A written episode (turns and tool replies as one text, e.g. a warm-start trace) cut the way episodes are
   built: a turn ends at its first stop string (first_stop, characters as tokens) and the environment's reply
   to its call follows as a tool segment. Returns (text, is_tool) pairs in order; ValueError for a text no
   episode could hold (text after a turn without a call or after the max_turns-th turn, or after a call but
-  other than its reply)."""
+  other than its reply). The replies are those of one episode's environment, started from `example`."""
+  episode_env = env.start(example)
   segments, rest, turns = [], text, 0
   while rest:
     cut = first_stop(rest, str, env.stop_strings)
@@ -105,7 +114,7 @@ def trace_segments(env: Environment, text: str) -> list[tuple[str, bool]]:
     turns += 1
     if not rest:  # the last turn (it may end at a call: the reply would follow)
       break
-    reply = env.respond(turn)
+    reply = episode_env.respond(turn)
     if reply is None or turns >= env.max_turns:
       raise ValueError(f"trace goes on after turn {turns} (max_turns={env.max_turns}), where an episode ends: "
                        f"{text!r}")
@@ -117,18 +126,33 @@ def trace_segments(env: Environment, text: str) -> list[tuple[str, bool]]:
   return segments
 
 
+def _as_reward(outcome: offload.Outcome) -> tuple[Optional[float], bool]:
+  """(episode reward or None: the task's, failed): a failed call, or a value that is not a finite number, is
+  reward 0 and a failure."""
+  if not outcome.ok:
+    return 0.0, True
+  value = outcome.value
+  if value is None:
+    return None, False
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(float(value)):
+    return 0.0, True
+  return float(value), False
+
+
 class EpisodeRunner:
   """Drives episodes of one environment. max_new_tokens caps an episode's response (generated + tool tokens),
-  so episodes fit the rows single-turn samples use; context_length (the servers') caps every turn's input."""
+  so episodes fit the rows single-turn samples use; context_length (the servers') caps every turn's input.
+  pool: where starts, tool calls and episode rewards run (default: inline, on the calling thread)."""
 
   def __init__(self, env: Environment, *, encode: Callable[[str], list[int]],
                decode: Callable[[Sequence[int]], str], stop_ids: Sequence[int], max_new_tokens: int,
-               context_length: Optional[int] = None):
+               context_length: Optional[int] = None, pool: Optional[offload.CallPool] = None):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     self.env, self.encode, self.decode = env, encode, decode
     self.stop_ids = frozenset(int(t) for t in stop_ids)
     self.max_new_tokens, self.context_length = max_new_tokens, context_length
+    self.pool = pool if pool is not None else offload.CallPool("inline", name="tools")
 
   def room(self, prompt_len: int, ep: Episode) -> int:
     """Tokens the next turn may generate (0: the episode cannot continue)."""
@@ -137,23 +161,27 @@ class EpisodeRunner:
       room = protocol.fit_max_new_tokens(prompt_len + len(ep.output_ids), room, self.context_length)
     return max(room, 0)
 
-  def after_turn(self, ep: Episode, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
-                 finish_reason: str, prompt_len: int) -> bool:
-    """Records one turn and, when it made a call, the tool's reply; True when the episode goes on."""
+  def record_turn(self, ep: Episode, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                  finish_reason: str) -> Optional[str]:
+    """Records one turn; its text when it made a call the environment is to answer, else None (it ends)."""
     ids = list(ids)
     cut = first_stop(ids, self.decode, self.env.stop_strings)
     if cut is not None:  # also when a resumed request ran past a marker split by the abort
       ids, logprobs, versions = ids[:cut], list(logprobs)[:cut], list(versions)[:cut]
     ep.add_generated(ids, logprobs, versions)
     ep.turns += 1
-    ended_by_stop_id = bool(ids) and ids[-1] in self.stop_ids
-    reply = None if cut is None or ended_by_stop_id else self.env.respond(self.decode(ids))
-    if reply is None:
+    if cut is None or (bool(ids) and ids[-1] in self.stop_ids):
       ep.finish_reason = finish_reason if finish_reason in ("stop", "length") else "length"
-      return False
+      return None
     ep.finish_reason = "length"  # unless a later turn ends it with a stop token
     if ep.turns >= self.env.max_turns:
       ep.turn_capped = True
+      return None
+    return self.decode(ids)
+
+  def add_reply(self, ep: Episode, reply: Any, prompt_len: int) -> bool:
+    """Appends the environment's reply to the call; True when the episode goes on."""
+    if reply is None:  # the environment found no call in the turn
       return False
     tool_ids = self.encode(reply.text)
     if self.room(prompt_len, Episode(output_ids=ep.output_ids + tool_ids)) < 1:
@@ -166,17 +194,38 @@ class EpisodeRunner:
       ep.error_kinds[kind] = ep.error_kinds.get(kind, 0) + 1
     return True
 
+  @staticmethod
+  def reply_of(episode_env: Any, outcome: offload.Outcome) -> Any:
+    """The reply a pool outcome stands for: the environment's own, or the fixed reply of a timed-out call
+    (kind 'timeout') or of a crash outside the tool's own error handling (kind 'tool')."""
+    if outcome.ok:
+      return outcome.value
+    return episode_env.error_reply("timeout" if outcome.error == "timeout" else "tool")
+
+  def _started(self, outcome: offload.Outcome, example: Optional[dict]) -> Any:
+    if not outcome.ok:  # reset sees no model text: a failure is the environment's bug, not a sample's
+      raise RuntimeError(f"the environment failed to start an episode ({outcome.error}: {outcome.detail}) "
+                         f"for example {str(example)[:200]}")
+    return outcome.value
+
+  def _rewarded(self, ep: Episode, outcome: offload.Outcome) -> None:
+    ep.env_reward, failed = _as_reward(outcome)
+    if failed:
+      ep.error_kinds["reward"] = ep.error_kinds.get("reward", 0) + 1
+
   # -- over HTTP (or any per-sample generate) ----------------------------------------------------------
   async def run(self, generate_one: Callable[..., Awaitable[Sequence[types.Sample]]], prompt_ids: Sequence[int],
-                params: dict) -> Episode:
-    """One episode; generate_one(input_ids, sampling_params, n=1) is e.g. RolloutClient.generate."""
+                params: dict, example: Optional[dict] = None) -> Episode:
+    """One episode; generate_one(input_ids, sampling_params, n=1) is e.g. RolloutClient.generate. The
+    environment's start, calls and reward are awaited in the pool: the event loop runs on meanwhile."""
     ep, prompt_ids = Episode(), [int(t) for t in prompt_ids]
+    episode_env = self._started(await self.pool.call(self.env.start, example), example)
     stops = list(dict.fromkeys(list(params.get("stop", [])) + list(self.env.stop_strings)))
     while True:
       room = self.room(len(prompt_ids), ep)
       if room < 1:
         ep.finish_reason = "length"
-        return ep
+        break
       turn_params = dict(params, max_new_tokens=room, stop=stops)
       seed = turn_seed(params.get("sampling_seed"), ep.turns)
       if seed is not None:
@@ -184,24 +233,36 @@ class EpisodeRunner:
       (s,) = await generate_one(prompt_ids + ep.output_ids, turn_params, n=1)
       ep.num_resumes += s.num_resumes
       ep.server_url = s.server_url
-      if not self.after_turn(ep, s.output_ids, s.output_logprobs, s.token_versions, s.finish_reason,
-                             len(prompt_ids)):
-        return ep
+      call = self.record_turn(ep, s.output_ids, s.output_logprobs, s.token_versions, s.finish_reason)
+      if call is None:
+        break
+      reply = self.reply_of(episode_env, await self.pool.call(episode_env.respond, call))
+      if not self.add_reply(ep, reply, len(prompt_ids)):
+        break
+    if getattr(episode_env, "reward", None) is not None:
+      self._rewarded(ep, await self.pool.call(episode_env.reward, self.decode(ep.output_ids)))
+    return ep
 
   async def generate(self, generate_one: Callable[..., Awaitable[Sequence[types.Sample]]],
-                     prompt_ids: Sequence[int], sampling_params: dict, n: int = 1) -> list[types.Sample]:
-    """n independent episodes (the scheduler's generate signature); episode i uses sampling_seed + i."""
+                     prompt_ids: Sequence[int], sampling_params: dict, n: int = 1,
+                     example: Optional[dict] = None) -> list[types.Sample]:
+    """n independent episodes (the scheduler's generate signature, plus the group's prompt example each
+    episode's environment starts from); episode i uses sampling_seed + i."""
     seed = sampling_params.get("sampling_seed")
     per = [dict(sampling_params, sampling_seed=seed + i) if seed is not None else sampling_params
            for i in range(n)]
-    episodes = await asyncio.gather(*(self.run(generate_one, prompt_ids, p) for p in per))
+    episodes = await asyncio.gather(*(self.run(generate_one, prompt_ids, p, example) for p in per))
     return [ep.to_sample(prompt_ids) for ep in episodes]
 
   # -- in process (lag emulation, evaluation) --------------------------------------------------------
   def run_local(self, params, cfg, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
-                temperature: float, version: int = 0) -> list[Episode]:
-    """Episodes for every prompt with the in-process sampler: one batch of rows per turn."""
+                temperature: float, version: int = 0, examples: Optional[Sequence[dict]] = None) -> list[Episode]:
+    """Episodes for every prompt with the in-process sampler: one batch of rows per turn; each turn's calls
+    run in the pool side by side (examples: each prompt's example, its environment's start)."""
     eps = [Episode(server_url="in-process") for _ in prompts]
+    starts = self.pool.map_blocking(self.env.start, [(None if examples is None else examples[i],)
+                                                     for i in range(len(prompts))])
+    envs = [self._started(o, None if examples is None else examples[i]) for i, o in enumerate(starts)]
     # The sampler's rows hold prompt + output within the model's max_seq_len.
     room = lambda i: min(self.room(len(prompts[i]), eps[i]),  # noqa: E731
                          cfg.max_seq_len - len(prompts[i]) - len(eps[i].output_ids))
@@ -214,22 +275,53 @@ class EpisodeRunner:
       batch = sampling.start_batch(params, cfg, rows)
       while not bool(jnp.all(batch.state.done_B)):
         sampling.decode_chunk(params, batch, 64)
-      going = []
+      calls = {}
       for i, r in zip(active, sampling.results(batch)):
         n = len(r.output_ids)
-        if (self.after_turn(eps[i], r.output_ids, r.logprobs, [version] * n, r.finish_reason or "length",
-                            len(prompts[i])) and room(i) >= 1):
-          going.append(i)
-      active = going
+        call = self.record_turn(eps[i], r.output_ids, r.logprobs, [version] * n, r.finish_reason or "length")
+        if call is not None:
+          calls[i] = call
+      outcomes = self.pool.map_blocking(_respond, [(envs[i], text) for i, text in calls.items()])
+      active = [i for i, outcome in zip(calls, outcomes)
+                if self.add_reply(eps[i], self.reply_of(envs[i], outcome), len(prompts[i])) and room(i) >= 1]
+    scored = [i for i in range(len(eps)) if getattr(envs[i], "reward", None) is not None]
+    for i, outcome in zip(scored, self.pool.map_blocking(_reward, [(envs[i], self.decode(eps[i].output_ids))
+                                                                    for i in scored])):
+      self._rewarded(eps[i], outcome)
     return eps
+
+
+def _respond(episode_env: Any, text: str) -> Any:
+  return episode_env.respond(text)
+
+
+def _reward(episode_env: Any, completion: str) -> Any:
+  return episode_env.reward(completion)
 
 
 def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional[int] = None
                ) -> Optional[EpisodeRunner]:
-  """The episode runner of a task with a tool environment (None for single-turn tasks)."""
+  """The episode runner of a task with a tool environment (None for single-turn tasks), calling in the
+  environment's pool (the job's tools pool; inline when none is set)."""
   env = task.environment()
   if env is None:
     return None
   return EpisodeRunner(env, encode=tokenizer.encode, decode=lambda ids: completion_text(tokenizer, ids),
                        stop_ids=tokenizer.stop_ids, max_new_tokens=max_new_tokens,
-                       context_length=context_length)
+                       context_length=context_length, pool=getattr(env, "pool", None))
+
+
+# The tools pool (config section `tools`): thread or inline only, since an episode's environment lives here.
+POOL_DEFAULTS = {"pool": "thread", "workers": 8, "timeout_s": 30.0}
+
+
+def tool_pool(settings: Optional[dict] = None) -> offload.CallPool:
+  """The job's tools pool from the config section `tools` (fields: POOL_DEFAULTS)."""
+  s = {**POOL_DEFAULTS, **dict(settings or {})}
+  unknown = sorted(set(s) - set(POOL_DEFAULTS))
+  if unknown:
+    raise ValueError(f"invalid config: tools.{unknown[0]} is not a field; fields: {sorted(POOL_DEFAULTS)}")
+  if s["pool"] not in ("inline", "thread"):
+    raise ValueError(f"invalid config: tools.pool={s['pool']!r}: must be 'inline' or 'thread' (an episode's "
+                     f"environment lives in this process)")
+  return offload.CallPool(s["pool"], workers=s["workers"], timeout_s=s["timeout_s"], name="tools")

@@ -42,7 +42,7 @@ def episode_metrics(groups: Sequence[types.Group]) -> dict[str, float]:
           "tools/turn_capped_fraction": float(np.mean([s.turn_capped for s in samples])),
           "tools/tool_tokens_per_episode": float(np.mean(tool_tokens)),
           **{f"tools/errors/{kind}": float(np.mean([(s.tool_error_kinds or {}).get(kind, 0) for s in samples]))
-             for kind in tool_calls.ERROR_KINDS}}
+             for kind in (*tool_calls.ERROR_KINDS, "reward")}}
 
 
 def lag_histogram(lags: Sequence[int], max_lag: int) -> np.ndarray:

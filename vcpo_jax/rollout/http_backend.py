@@ -134,7 +134,7 @@ class HttpBackend(backend.RolloutBackend):
     self._sched = scheduler_lib.RolloutScheduler(
         generate, self.ctx.prompts, sampling_params=self.sampling_params,
         group_size=self.group_size, batch_groups=self.batch_groups, max_lag=self.max_lag,
-        on_complete=self.ctx.rewarder.score_group)
+        on_complete=self.ctx.rewarder.score_group, pass_example=self.episodes is not None)
     if self._restored is not None:
       self._sched.load_state_dict(self._restored)
 

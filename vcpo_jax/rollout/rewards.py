@@ -64,16 +64,26 @@ class Rewarder:
     return rewards
 
   async def score_group(self, group: Group) -> Group:
-    """Sets group.rewards and group.completions; the event loop keeps running while the rewards compute."""
+    """Sets group.rewards and group.completions; the event loop keeps running while the rewards compute. A
+    sample with an episode reward (its environment's, sample.env_reward) keeps it."""
     texts = [self.decode(list(s.output_ids)) for s in group.samples]
-    outcomes = await asyncio.gather(*(self.pool.call(self.reward_fn, group.example, t) for t in texts))
+    given = [getattr(s, "env_reward", None) for s in group.samples]
+    outcomes = await asyncio.gather(*(self.pool.call(self.reward_fn, group.example, t) if g is None
+                                      else _given(g) for t, g in zip(texts, given)))
     group.rewards, group.completions = self._record(outcomes), texts
     return group
 
-  def score_blocking(self, examples: Sequence[dict], output_ids: Sequence[Sequence[int]]) -> list[float]:
-    """Rewards for many (example, ids) pairs from synchronous code (the held-out evaluation)."""
+  def score_blocking(self, examples: Sequence[dict], output_ids: Sequence[Sequence[int]],
+                     env_rewards: Sequence[float | None] | None = None) -> list[float]:
+    """Rewards for many (example, ids) pairs from synchronous code (the held-out evaluation); env_rewards:
+    episode rewards that replace the task's where not None."""
     texts = [self.decode(list(ids)) for ids in output_ids]
-    return self._record(self.pool.map_blocking(self.reward_fn, zip(examples, texts)))
+    given = list(env_rewards) if env_rewards is not None else [None] * len(texts)
+    todo = [i for i, g in enumerate(given) if g is None]
+    outcomes = [Outcome(value=g) for g in given]
+    for i, outcome in zip(todo, self.pool.map_blocking(self.reward_fn, [(examples[i], texts[i]) for i in todo])):
+      outcomes[i] = outcome
+    return self._record(outcomes)
 
   def stats(self) -> dict[str, float]:
     """reward/calls and reward/errors/<kind> (timeout, exception, crash, bad_value), cumulative."""
@@ -82,6 +92,10 @@ class Rewarder:
 
   def close(self) -> None:
     self.pool.close()
+
+
+async def _given(value: float) -> Outcome:
+  return Outcome(value=value)
 
 
 def inline(reward_fn: RewardFn, decode: Callable[[Sequence[int]], str] = str, **pool_options: Any) -> Rewarder:

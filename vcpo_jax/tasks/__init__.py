@@ -1,13 +1,16 @@
-"""Verifiable tasks (Countdown, arithmetic, Countdown with a calculator tool) registered by name."""
+"""Verifiable tasks (Countdown, arithmetic, Countdown with tools) and tool environments, registered by name."""
 from __future__ import annotations
 
 import dataclasses
 
-# Each built-in task module registers its class (base.register_task) when imported here.
+# Each built-in task and environment module registers its class (base.register_task,
+# environment.register_environment) when imported here.
+from vcpo_jax.tasks import calculator  # noqa: F401 - the calculator environment
 from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
+from vcpo_jax.tasks.environment import ENVIRONMENTS, Environment, ToolError, register_environment
 
 
 def get_task(name: str, *, render_prompt=None, **options) -> Task:
@@ -31,5 +34,6 @@ def reward(example: Example, completion: str) -> float:
   return get_task(example["task"]).reward(example, completion)
 
 
-__all__ = ["Arithmetic", "Countdown", "CountdownTools", "Example", "SPLITS", "TASKS", "Task", "countdown_reward",
-           "extract_answer", "get_task", "register_task", "reward", "sft_completion"]
+__all__ = ["Arithmetic", "Countdown", "CountdownTools", "ENVIRONMENTS", "Environment", "Example", "SPLITS", "TASKS",
+           "Task", "ToolError", "countdown_reward", "extract_answer", "get_task", "register_environment",
+           "register_task", "reward", "sft_completion"]

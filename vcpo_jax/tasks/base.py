@@ -119,7 +119,8 @@ class Task(abc.ABC):
     return None
 
   def environment(self):
-    """The tool environment of a multi-turn task (e.g. tasks.calculator.Calculator), or None: single turn."""
+    """The environment of a multi-turn task (a tasks.environment.EnvironmentFactory, e.g. the calculator's), or
+    None: single turn."""
     return None
 
   def split_of(self, example: Example) -> str:

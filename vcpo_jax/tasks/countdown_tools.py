@@ -1,7 +1,8 @@
 """Countdown with a calculator tool: the model may check an expression with a `calculator` call before answering.
 
 Same problems, keys and reward as Countdown (the last answer block, exact multiset, exact value); the prompt
-declares the tool to the chat template (tools=[...]), the episode is multi-turn (environment(): the Calculator),
+declares the tool to the chat template (tools=[...]), the episode is multi-turn (environment(): the calculator,
+or another registered environment named by the task option `environment`),
 and the warm-start traces use the tool in the template's format: check a candidate, and when the result misses
 the target (deliberately wrong first tries), correct it and check again. With `search=True` (two numbers) the
 traces check the problem's candidates in a fixed order (`candidates`) until the calculator's reply equals the
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import base, calculator, countdown
+from vcpo_jax.tasks import base, calculator, countdown, environment as environment_lib
 
 
 def compact(e: countdown.Expr) -> str:
@@ -22,16 +23,18 @@ def compact(e: countdown.Expr) -> str:
 
 @base.register_task
 class CountdownTools(countdown.Countdown):
-  """Countdown knobs, plus the calculator's (max_turns, max_result_chars), correction_rate: the fraction of
-  correct warm-start traces that first check a wrong candidate, see the miss, and correct it, and search: the
-  traces enumerate `candidates` instead (two numbers; correction_rate is then unused)."""
+  """Countdown knobs, plus max_turns (model turns per episode), the calculator's max_result_chars,
+  correction_rate: the fraction of correct warm-start traces that first check a wrong candidate, see the miss,
+  and correct it, search: the traces enumerate `candidates` instead (two numbers; correction_rate is then
+  unused), and environment: the registered environment whose tools the prompts declare and the episodes call
+  (the warm-start traces call the calculator: another environment answers them with its own replies)."""
 
   name = "countdown_tools"
 
   def __init__(self, min_numbers: int = 3, max_numbers: int = 4, min_number: int = 1, max_number: int = 99,
                max_target: int = 999, ops: str = countdown.ALL_OPS, num_numbers: int | None = None,
                eval_fraction: float = 0.1, max_turns: int = 4, max_result_chars: int = 24,
-               correction_rate: float = 0.5, search: bool = False):
+               correction_rate: float = 0.5, search: bool = False, environment: str = "calculator"):
     super().__init__(min_numbers=min_numbers, max_numbers=max_numbers, min_number=min_number,
                      max_number=max_number, max_target=max_target, ops=ops, num_numbers=num_numbers,
                      eval_fraction=eval_fraction)
@@ -47,7 +50,8 @@ class CountdownTools(countdown.Countdown):
       raise ValueError(f"search=True checks up to {len(self.ops)} candidates (one per op) and then answers: "
                        f"needs max_turns >= {len(self.ops) + 1}, got max_turns={max_turns}")
     self.search = search
-    self.calculator = calculator.Calculator(max_turns=max_turns, max_result_chars=max_result_chars)
+    options = {"max_result_chars": max_result_chars} if environment == "calculator" else {}
+    self.tools = environment_lib.make(environment, max_turns=max_turns, **options)
     self.use_chat_template(tokenizer_lib.TASK_CHAT)
 
   def use_chat_template(self, render_prompt) -> "CountdownTools":
@@ -56,18 +60,18 @@ class CountdownTools(countdown.Countdown):
     if not callable(getattr(render_prompt, "tool_reply", None)):
       raise ValueError(f"countdown_tools needs a chat format with tool support (Tokenizer.chat_prompt), got "
                        f"render_prompt={render_prompt!r}")
-    tools = self.calculator.declarations()
-    self.calculator.render_reply = render_prompt.tool_reply
+    tools = self.tools.declarations()
+    self.tools.render_reply = render_prompt.tool_reply
     self.render_prompt = lambda user_text: render_prompt(user_text, tools=tools)
     return self
 
-  def environment(self) -> calculator.Calculator:
-    return self.calculator
+  def environment(self) -> environment_lib.EnvironmentFactory:
+    return self.tools
 
   def _check(self, text: str) -> str:
-    """A call and the calculator's real reply to it, as an episode holds them."""
-    call = self.calculator.call(text)
-    return call + self.calculator.respond(call).text
+    """A calculator call and the environment's real reply to it, as an episode holds them."""
+    call = calculator.call(text)
+    return call + self.tools.respond(call).text
 
   def _miss(self, example: base.Example, expr: countdown.Expr, rng: np.random.Generator) -> countdown.Expr:
     """A wrong candidate with the problem's own numbers, each once, whose value misses the target: only the

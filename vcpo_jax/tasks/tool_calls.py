@@ -3,6 +3,7 @@
 A ToolEnvironment declares its tools to the chat template (`declarations()`, the `tools=[...]` JSON schemas),
 parses a turn's call, checks it against the called tool's schema and answers with the template's tool message
 (`render_reply`). Model-written garbage never raises: every failure is a fixed error reply, counted by kind.
+The tools are functions (`Tool.run`); tasks.environment derives them from an environment's typed methods.
 """
 from __future__ import annotations
 
@@ -25,7 +26,15 @@ ERROR_KINDS = {
     "unknown_tool": "error: unknown tool",            # + the declared names
     "bad_arguments": "error: bad arguments",          # + the expected parameters and types
     "tool": "error",                                  # the tool's own failure, e.g. "error: division by zero"
+    "timeout": "error: the tool did not answer in time",  # past the tools pool's per-call timeout
 }
+TOOL_FAILED = "error: tool failed"  # a tool that raised anything but ToolError (its message is never shown)
+
+
+class ToolError(Exception):
+  """Raised by a tool for a failure the model may read: the reply is "error: <message>" (kind 'tool'). Any
+  other exception is the fixed "error: tool failed". Build the message from fixed phrases, not the call's
+  arguments, or the model's text flows back into its context."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,20 +50,48 @@ class ToolReply:
 
 @dataclasses.dataclass(frozen=True)
 class Tool:
-  """One function: its declared JSON schema and run(arguments) -> (content, failed)."""
+  """One function: its declared JSON schema and run(**arguments) -> the reply's content (a str; any other value
+  is sent as JSON), raising ToolError for a failure the model may read. parameters: name -> JSON type;
+  required: the names a call must give (None: all); docs: name -> description; schema: an explicit
+  declaration's "function" object, declared as given (the checks still use parameters and required)."""
   name: str
   description: str
-  parameters: Mapping[str, str]  # parameter -> JSON type; all required, no others
-  run: Callable[..., tuple[str, bool]]
+  parameters: Mapping[str, str]
+  run: Optional[Callable[..., Any]] = None
+  required: Optional[tuple[str, ...]] = None
+  docs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  schema: Optional[Mapping[str, Any]] = None
+
+  def __post_init__(self):
+    unknown = sorted({t for t in self.parameters.values() if t not in _JSON_TYPES})
+    if unknown:
+      raise ValueError(f"tool {self.name!r}: parameter types {unknown} are not JSON types {sorted(_JSON_TYPES)}")
+
+  @property
+  def required_names(self) -> tuple[str, ...]:
+    return tuple(self.parameters) if self.required is None else tuple(self.required)
 
   def declaration(self) -> dict:
+    if self.schema is not None:
+      return {"type": "function", "function": {"name": self.name, **self.schema}}
+    props = {k: {"type": t, **({"description": self.docs[k]} if k in self.docs else {})}
+             for k, t in self.parameters.items()}
     return {"type": "function", "function": {
         "name": self.name, "description": self.description,
-        "parameters": {"type": "object", "properties": {k: {"type": t} for k, t in self.parameters.items()},
-                       "required": list(self.parameters)}}}
+        "parameters": {"type": "object", "properties": props, "required": list(self.required_names)}}}
 
   def signature(self) -> str:
-    return ", ".join(f"{k} ({t})" for k, t in self.parameters.items())
+    optional = set(self.parameters) - set(self.required_names)
+    return ", ".join(f"{k} ({t}{', optional' if k in optional else ''})" for k, t in self.parameters.items())
+
+  def accepts(self, args: Mapping[str, Any]) -> bool:
+    return (set(self.required_names) <= set(args) <= set(self.parameters)
+            and all(_is_type(v, self.parameters[k]) for k, v in args.items()))
+
+
+def call_text(name: str, **arguments) -> str:
+  """A call as the template renders one (what warm-start traces write; ends at the stop string)."""
+  return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 
 def find_call(turn_text: str) -> Optional[str]:
@@ -72,13 +109,21 @@ def _is_type(value: Any, json_type: str) -> bool:
   return isinstance(value, _JSON_TYPES[json_type]) and (json_type == "boolean" or not isinstance(value, bool))
 
 
+def _content(value: Any) -> str:
+  return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 class ToolEnvironment:
   """A turn whose text holds `</tool_call>` is a call (generation stops there: stop_strings); any other turn
   ends the episode. max_turns: model turns per episode (at most max_turns - 1 calls are answered);
   max_call_chars caps a call's body; render_reply(content) is the chat template's tool turn
-  (model.chat.ChatFormat.tool_reply), set by the task from the tokenizer it renders prompts with."""
+  (model.chat.ChatFormat.tool_reply), set by the task from the tokenizer it renders prompts with.
+  reward: an episode-level reward (completion text -> float) or None (the task's reward applies).
+  Its tools keep no state, so one object serves every episode (`start` returns it); an environment with
+  per-episode state is a tasks.environment.EnvironmentFactory, whose `start` makes one of these per episode."""
 
   stop_strings = (CALL_CLOSE,)
+  reward: Optional[Callable[[str], Optional[float]]] = None
 
   def __init__(self, tools: list[Tool], *, max_turns: int = 4, max_call_chars: int = 256,
                render_reply: Optional[Callable[[str], str]] = None):
@@ -93,13 +138,16 @@ class ToolEnvironment:
     self.max_turns, self.max_call_chars = max_turns, max_call_chars
     self.render_reply = render_reply or tokenizer_lib.TASK_CHAT.tool_reply
 
+  def start(self, example: Optional[dict] = None) -> "ToolEnvironment":
+    """The environment of one episode: this one (its tools keep no state)."""
+    return self
+
   def declarations(self) -> list[dict]:
     """The tools=[...] a chat template declares in the prompt."""
     return [t.declaration() for t in self.tools.values()]
 
   def call_text(self, name: str, **arguments) -> str:
-    """A call as the template renders one (what warm-start traces write; ends at the stop string)."""
-    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
+    return call_text(name, **arguments)
 
   def respond(self, turn_text: str) -> Optional[ToolReply]:
     """The reply to the turn's call, or None when the turn makes none (the episode ends)."""
@@ -121,13 +169,20 @@ class ToolEnvironment:
     if tool is None:
       return self._error("unknown_tool", f"; tools: {', '.join(self.tools)}")
     args = call["arguments"]
-    if set(args) != set(tool.parameters) or not all(_is_type(args[k], t) for k, t in tool.parameters.items()):
+    if not tool.accepts(args):
       return self._error("bad_arguments", f"; {tool.name} takes {tool.signature()}")
     try:
-      content, failed = tool.run(**args)
+      content, failed = _content(tool.run(**args)), False
+    except ToolError as e:
+      content, failed = f"error: {e}", True
     except Exception:  # noqa: BLE001 - a tool's bug must not stop the job; the model sees a fixed phrase
-      content, failed = "error: tool failed", True
+      content, failed = TOOL_FAILED, True
     return ToolReply(self.render_reply(content), failed, content, "tool" if failed else None)
+
+  def error_reply(self, kind: str) -> ToolReply:
+    """The fixed reply of a failure found outside the call's checks (kind 'timeout', or 'tool' for a crash)."""
+    return self._error(kind) if kind != "tool" else ToolReply(self.render_reply(TOOL_FAILED), True, TOOL_FAILED,
+                                                              "tool")
 
   def _error(self, kind: str, detail: str = "") -> ToolReply:
     content = ERROR_KINDS[kind] + detail

@@ -53,7 +53,7 @@ class RolloutScheduler:
   def __init__(self, generate_fn: GenerateFn, prompts: Iterator[dict], *, sampling_params: dict,
                group_size: int, batch_groups: int, max_lag: int,
                max_inflight_groups: Optional[int] = None,
-               on_complete: Optional[Callable[[Group], Any]] = None):
+               on_complete: Optional[Callable[[Group], Any]] = None, pass_example: bool = False):
     self.group_size = _positive_int("group_size", group_size)
     self.batch_groups = _positive_int("batch_groups", batch_groups)
     self.max_lag = _positive_int("max_lag", max_lag, minimum=0)
@@ -64,6 +64,9 @@ class RolloutScheduler:
     self._generate, self._prompts, self._params = generate_fn, iter(prompts), dict(sampling_params)
     self._max_inflight = max_inflight_groups
     self._on_complete = on_complete
+    # generate_fn also takes the group's prompt example (example=...): multi-turn episodes start their
+    # environments from it.
+    self._example_kw = (lambda group: {"example": group.example}) if pass_example else (lambda group: {})
     self._groups: dict[int, Group] = {}  # unconsumed (in flight or ready), by admission index
     self._ready: set[int] = set()
     self._tasks: dict[int, asyncio.Task] = {}
@@ -102,7 +105,8 @@ class RolloutScheduler:
 
   async def _run_group(self, group: Group) -> None:
     try:
-      samples = await self._generate(group.prompt_ids, self._group_params(group.index), n=self.group_size)
+      samples = await self._generate(group.prompt_ids, self._group_params(group.index), n=self.group_size,
+                                     **self._example_kw(group))
       if len(samples) != self.group_size:
         raise RuntimeError(f"generate returned {len(samples)} samples, group_size is {self.group_size}")
       group.samples = list(samples)

@@ -15,7 +15,7 @@ from vcpo_jax.rollout import backend, episodes, types
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib, ring_store
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
-# multi-turn episodes.Episode rows (tool tasks)
+# multi-turn episodes.Episode rows (tool tasks; their generate also takes each row's example: pass_examples)
 LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
 
 
@@ -26,13 +26,14 @@ class LagEmulator:
   versions (host memory: (k+1) x params)."""
 
   def __init__(self, generate: LocalGenerate, *, max_lag: int, group_size: int, seed: int,
-               lag_model: lag_model_lib.PipelineLagModel | None = None):
+               lag_model: lag_model_lib.PipelineLagModel | None = None, pass_examples: bool = False):
     if not isinstance(max_lag, int) or max_lag < 0:
       raise ValueError(f"max_lag must be an int >= 0, got {max_lag!r}")
     if not isinstance(group_size, int) or group_size < 1:
       raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     self.max_lag, self.group_size, self.seed = max_lag, group_size, seed
     self._generate, self.lag_model = generate, lag_model
+    self.pass_examples = pass_examples  # generate also takes each row's example (multi-turn environments)
     self._ring: collections.OrderedDict[int, object] = collections.OrderedDict()
 
   def push(self, version: int, params) -> None:
@@ -74,7 +75,10 @@ class LagEmulator:
     rows = [None] * len(prompts)
     for version in sorted(set(versions)):  # one generate call per policy version (one in 'fixed')
       at = [r for r in range(len(prompts)) if versions[r // self.group_size] == version]
-      for r, row in zip(at, self._generate(self._ring[version], [prompts[r] for r in at], [seeds[r] for r in at])):
+      args = [self._ring[version], [prompts[r] for r in at], [seeds[r] for r in at]]
+      if self.pass_examples:
+        args.append([examples[r // self.group_size] for r in at])
+      for r, row in zip(at, self._generate(*args)):
         rows[r] = row
     groups = []
     for gi, example in enumerate(examples):
@@ -140,15 +144,15 @@ class EmulatedBackend(backend.RolloutBackend):
           params, ctx.model_cfg, prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
           stop_token_ids=ctx.tokenizer.stop_ids, seeds=seeds)
     else:
-      generate = lambda params, prompts, seeds: runner.run_local(  # noqa: E731
-          params, ctx.model_cfg, prompts, seeds, temperature=cfg.temperature)
+      generate = lambda params, prompts, seeds, examples: runner.run_local(  # noqa: E731
+          params, ctx.model_cfg, prompts, seeds, temperature=cfg.temperature, examples=examples)
     em = cfg.emulation or {}
     options = {k: v for k, v in dict(em).items() if k != "lag_model"}
     lag_model = lag_model_lib.make_lag_model(em.get("lag_model", "fixed"), max_lag=cfg.max_lag,
                                              batch_groups=cfg.prompts_per_step, group_size=cfg.group_size,
                                              seed=cfg.seed, options=options)
     emulator = LagEmulator(generate, max_lag=cfg.max_lag, group_size=cfg.group_size, seed=cfg.seed,
-                           lag_model=lag_model)
+                           lag_model=lag_model, pass_examples=runner is not None)
     return cls(emulator, ctx, batch_groups=cfg.prompts_per_step)
 
   def state_dict(self) -> dict:
