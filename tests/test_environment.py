@@ -128,7 +128,7 @@ def test_explicit_schemas_failures_and_json_values():
     def boom(self, why: str) -> str:
       """Fails."""
       if why == "readable":
-        raise environment.ToolError("cannot do that")
+        raise tool_calls.ToolError("cannot do that")
       raise RuntimeError(f"secret {why}")  # never shown to the model
 
   env = environment.EnvironmentFactory(Tools).start({})

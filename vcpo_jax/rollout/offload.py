@@ -182,15 +182,17 @@ class _Worker:
     self.loaded: dict[bytes, int] = {}  # pickled function -> its number in this worker
 
   def request(self, message: tuple, timeout_s: float) -> Any:
-    """The worker's reply; None if it died or did not answer in time."""
+    """The worker's reply; None if it died (self.died is then set) or did not answer in time."""
+    deadline = time.monotonic() + timeout_s
+    self.died = False
     try:
       _write_frame(self.proc.stdin.fileno(), message)
-    except (BrokenPipeError, OSError):
-      return None
-    try:
-      return _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
-    except (pickle.UnpicklingError, EOFError, OSError):
-      return None
+      reply = _read_frame(self.proc.stdout.fileno(), deadline)
+    except (BrokenPipeError, pickle.UnpicklingError, EOFError, OSError):
+      reply = None
+    # No reply before the deadline: the pipe closed, so the worker is gone (it may not be reaped yet).
+    self.died = reply is None and time.monotonic() < deadline
+    return reply
 
   def kill(self) -> None:
     try:
@@ -267,7 +269,7 @@ class _Workers:
         return Outcome(error="exception", detail="a worker process could not load the function (not importable?)")
       reply = worker.request(("call", number, args), timeout_s)
       if reply is None:
-        died = worker.proc.poll() is not None
+        died = worker.died or worker.proc.poll() is not None
         self._retire(worker)
         worker = None
         if died:

@@ -5,12 +5,13 @@ import dataclasses
 
 # Each built-in task and environment module registers its class (base.register_task,
 # environment.register_environment) when imported here.
-from vcpo_jax.tasks import calculator  # noqa: F401 - the calculator environment
+from vcpo_jax.tasks.calculator import Calculator
 from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
-from vcpo_jax.tasks.environment import ENVIRONMENTS, Environment, ToolError, register_environment
+from vcpo_jax.tasks.environment import ENVIRONMENTS, Environment, register_environment
+from vcpo_jax.tasks.tool_calls import ToolError
 
 
 def get_task(name: str, *, render_prompt=None, **options) -> Task:
@@ -34,6 +35,6 @@ def reward(example: Example, completion: str) -> float:
   return get_task(example["task"]).reward(example, completion)
 
 
-__all__ = ["Arithmetic", "Countdown", "CountdownTools", "ENVIRONMENTS", "Environment", "Example", "SPLITS", "TASKS",
+__all__ = ["Arithmetic", "Calculator", "Countdown", "CountdownTools", "ENVIRONMENTS", "Environment", "Example", "SPLITS", "TASKS",
            "Task", "ToolError", "countdown_reward", "extract_answer", "get_task", "register_environment",
            "register_task", "reward", "sft_completion"]

@@ -5,7 +5,7 @@ Write one by subclassing `Environment` (the shape of TRL's environment_factory):
 - every public method defined on the subclass is a tool: its parameters must be annotated (str, int, float,
   bool, list, dict), its JSON schema is derived from the signature and the docstring (first paragraph: the
   description; an `Args:` section: the parameters' descriptions), or given as written in `tool_schemas`;
-  it returns the reply's content, or raises `ToolError` for a failure the model may read;
+  it returns the reply's content, or raises `tool_calls.ToolError` for a failure the model may read;
 - `reward(completion)` may return the episode's reward (None: the task's reward applies);
 - constructor keyword parameters (with defaults) are the environment's options.
 Register it with `@register_environment`; `make(name, ...)` gives the `EnvironmentFactory` a task and the
@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from vcpo_jax import registry
 from vcpo_jax.tasks import tool_calls
-from vcpo_jax.tasks.tool_calls import ToolError  # noqa: F401 - part of this module's interface
+
 
 _JSON_OF = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 # name -> Environment subclass; options are its constructor's keyword parameters.
