@@ -141,7 +141,8 @@ def summarise(per_batch: list[dict]) -> dict:
     ref = f"{form}/{weight}/group_mean"
     row = {m: float(np.mean([b[key][m] for b in per_batch])) for m in ("second_moment", "trace_cov", "mean_grad_sq")}
     for m, _ in METRICS:  # ratio of the batch means (a ratio of sums), not a mean of per-batch ratios
-      row[f"{m}_rel"] = row[m] / float(np.mean([b[ref][m] for b in per_batch]))
+      ref_m = float(np.mean([b[ref][m] for b in per_batch]))
+      row[f"{m}_rel"] = row[m] / ref_m if ref_m > 0 else float("nan")  # no group has reward variance: undefined
     out["rows"][key] = row
   return out
 

@@ -108,27 +108,60 @@ def test_opob_with_another_weight_need_not_minimise():
   assert m2["opob_reference"] > m2["opob_matched"] * 1.01
 
 
-@pytest.mark.slow
-def test_tool_runs_end_to_end_on_a_tiny_emulated_run(tmp_path):
-  """A real tiny lag-emulation run (k = 2, in process), then the tool on its checkpoints: tables, plot, json; and a
-  clear error once a sampler version is gone from the ring."""
+def _tiny_workdir(workdir, step=3, k=2):
+  """What a k = 2 lag-emulation run leaves at its checkpoint `step`: config.json, the orbax train state with the
+  prompt iterator's state, and the ring's past versions step-k..step-1 (perturbed params: log w != 0)."""
   from configs import tiny  # noqa: PLC0415
-  from vcpo_jax.job import train  # noqa: PLC0415
+  from vcpo_jax.job import checkpointing, data, warm_start  # noqa: PLC0415
+  from vcpo_jax.job.configuration import build_optimizer  # noqa: PLC0415
+  from vcpo_jax.learner import train_state  # noqa: PLC0415
+  from vcpo_jax.rollout import ring_store  # noqa: PLC0415
   c = tiny.get_config("emulate")
-  c.rl.max_lag, c.rl.steps, c.eval_every, c.sft.steps = 2, 3, 0, 2
-  workdir = str(tmp_path / "run")
-  train.train_and_evaluate(c, workdir)
-  out = str(tmp_path / "out")
-  variance.main([f"--workdir={workdir}", "--steps=2,3", "--batches=2", f"--out={out}", "--chunk=4"])
+  c.rl.max_lag, c.rl.prompts_per_step, c.rl.group_size = k, 2, 4
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  model_cfg, tok, task, _ = warm_start.starting_point(c)
+  state = train_state.create_train_state(model_cfg, build_optimizer(c), jax.random.PRNGKey(0))
+  store = ring_store.RingStore(os.path.join(workdir, "emulation_ring"))
+  for v in range(step - k, step):
+    keys = iter(jax.random.split(jax.random.PRNGKey(v), len(jax.tree.leaves(state.params))))
+    store.save(v, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), state.params))
+  prompts = data.make_prompt_iterator(task, seed=c.seed, tokenizer=tok, shard_index=0, shard_count=1)
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+  assert ckpt.save(step, state, {"data": prompts.get_state(), "step": step,
+                                 "rollout": {"ring_versions": list(range(step - k, step))}})
+  ckpt.close()
+
+
+@pytest.mark.slow
+def test_tool_runs_end_to_end_on_a_tiny_emulated_workdir(tmp_path, monkeypatch):
+  """The tool on a tiny run's checkpoint (built in process): tables, plot, json; a clear error once a sampler
+  version is gone from the ring. A random model scores 0 on Countdown, so the reward is the completion's length
+  parity here (groups with reward variance: every baseline differs)."""
+  workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
+  _tiny_workdir(workdir)
+  load_run = variance.load_run
+
+  def parity_rewards(w):
+    config, model_cfg, tok, task = load_run(w)
+    task.reward_function = lambda: (lambda example, text: float(len(text) % 2))
+    return config, model_cfg, tok, task
+  monkeypatch.setattr(variance, "load_run", parity_rewards)
+  variance.main([f"--workdir={workdir}", "--batches=2", f"--out={out}", "--chunk=4"])
   results = json.load(open(os.path.join(out, "variance.json")))
-  for s in ("2", "3"):
-    summary = results["steps"][s]["summary"]
-    assert 0.0 < summary["ess_ratio"] <= 1.0 and summary["mean_lag"] == 2.0
-    assert summary["rows"]["as_used/tis/group_mean"]["second_moment_rel"] == pytest.approx(1.0)
-    assert len(summary["rows"]) == len(em.FORMS) * len(em.WEIGHTS) * len(em.BASELINES) - len(em.WEIGHTS)
+  summary = results["steps"]["3"]["summary"]
+  assert 0.0 < summary["ess_ratio"] < 1.0 and summary["mean_lag"] == 2.0
+  rows = summary["rows"]
+  assert len(rows) == len(em.FORMS) * len(em.WEIGHTS) * len(em.BASELINES) - len(em.WEIGHTS)
+  assert rows["as_used/tis/group_mean"]["second_moment_rel"] == pytest.approx(1.0)
+  for weight in em.WEIGHTS:  # the matched baseline is the minimiser on real scores too
+    for b in ("none", "group_mean", "opob_raw", "opob_reference", "opob_truncated"):
+      assert rows[f"unnormalised/{weight}/opob_matched"]["second_moment"] <= \
+          rows[f"unnormalised/{weight}/{b}"]["second_moment"] * (1 + 1e-5)
   md = open(os.path.join(out, "variance.md")).read()
   assert "| opob_matched | tis |" in md and "s=3 E||x||^2" in md
   assert os.path.getsize(os.path.join(out, "variance.png")) > 0
-  os.remove(os.path.join(workdir, "emulation_ring", "v0.npz"))
-  with pytest.raises(LookupError, match=r"version\(s\) \[0\]"):
-    variance.main([f"--workdir={workdir}", "--steps=2", "--batches=1", f"--out={out}"])
+  os.remove(os.path.join(workdir, "emulation_ring", "v1.npz"))
+  with pytest.raises(LookupError, match=r"version\(s\) \[1\]"):
+    variance.main([f"--workdir={workdir}", "--steps=3", "--batches=1", f"--out={out}"])
