@@ -26,9 +26,10 @@ from vcpo_jax.model import transformer as M
 # normalised, since s_i is the gradient of the mean log-prob): the per-group minimiser of the second moment.
 BASELINES = ("none", "group_mean", "grpo", "opob_raw", "opob_reference", "opob_truncated", "opob_matched")
 WEIGHTS = ("no_is", "tis")
-# as_used: the advantage each estimator feeds the loss (std-normalised where it normalises); unnormalised:
-# A_i = R_i - b_g exactly as OPOB's derivation has it (GRPO's is then the group mean's, so it is left out).
-FORMS = ("as_used", "unnormalised")
+# normalised: the advantage as the study feeds the loss (OPOB's norm_by_std: (R - b_g) / population std of the group's
+# rewards; the group mean divided by that same std; GRPO as verl; none undivided); unnormalised: A_i = R_i - b_g
+# exactly as OPOB's derivation has it (GRPO's is then the group mean's, so it is left out).
+FORMS = ("normalised", "unnormalised")
 
 
 def _seq_mean_logp(params, cfg, tokens_T, mask_T):
@@ -82,8 +83,8 @@ def _group_mean_std(rewards_B: np.ndarray, group_B: np.ndarray):
 def advantages(rewards_B, group_B, lengths_B, sq_norms_B, logw_B, *, tau, opob_options: dict) -> dict:
   """{(form, weight, baseline): A_B}. sq_norms_B = ||s_i||^2 of the length-normalised score (G's diagonal);
   OPOB's own W uses ||grad sum_t log pi||^2 = L_i^2 ||s_i||^2, as the learner computes it. OPOB rows take the
-  run's options (scope, aggregation, normalize_by_length) with is_weight set by the row; as_used divides by
-  the group's population std (OPOB's norm_by_std) and the group-mean row uses that same std, so the two differ
+  run's options (scope, aggregation, normalize_by_length) with is_weight set by the row; normalised divides by
+  the group's population std (OPOB's norm_by_std, whatever the run sets) and the group-mean row uses that same std, so the two differ
   only in the baseline. GRPO is vcpo.grpo_advantages (unbiased std + 1e-6, as verl)."""
   r_B = np.asarray(rewards_B, np.float64)
   lengths_B = np.asarray(lengths_B, np.float32)
@@ -106,15 +107,15 @@ def advantages(rewards_B, group_B, lengths_B, sq_norms_B, logw_B, *, tau, opob_o
   matched = dict(scope="group", aggregation="mean", normalize_by_length=True)
   out = {}
   for weight, matched_is in (("no_is", "none"), ("tis", "truncated")):
-    out[("unnormalised", weight, "none")] = out[("as_used", weight, "none")] = r_B
+    out[("unnormalised", weight, "none")] = out[("normalised", weight, "none")] = r_B
     out[("unnormalised", weight, "group_mean")] = r_B - mean_B
-    out[("as_used", weight, "group_mean")] = (r_B - mean_B) * inv_std_B
-    out[("as_used", weight, "grpo")] = np.asarray(
+    out[("normalised", weight, "group_mean")] = (r_B - mean_B) * inv_std_B
+    out[("normalised", weight, "grpo")] = np.asarray(
         vcpo.grpo_advantages(jnp.asarray(r_B, jnp.float32), jnp.asarray(group_B)), np.float64)
     for is_weight in ("raw", "reference", "truncated"):
-      for form, norm in (("as_used", True), ("unnormalised", False)):
+      for form, norm in (("normalised", True), ("unnormalised", False)):
         out[(form, weight, f"opob_{is_weight}")] = opob(is_weight, norm)
-    for form, norm in (("as_used", True), ("unnormalised", False)):
+    for form, norm in (("normalised", True), ("unnormalised", False)):
       out[(form, weight, "opob_matched")] = opob(matched_is, norm, **matched)
   return out
 

@@ -157,7 +157,7 @@ def markdown(results: dict, command: str) -> str:
       x = r["summary"]
       lines.append(f"- step {s}: {r['batches']} batches, ESS ratio {x['ess_ratio']:.3f}, mean lag {x['mean_lag']:.2f}, "
                    f"mean reward {x['reward_mean']:.3f}; group-mean baseline, as used, TIS: E||x||^2 = "
-                   f"{x['rows']['as_used/tis/group_mean']['second_moment']:.4g}")
+                   f"{x['rows']['normalised/tis/group_mean']['second_moment']:.4g}")
   if not steps:
     return "\n".join(lines) + "\n"
   rows = list(results["steps"][steps[0]]["summary"]["rows"])

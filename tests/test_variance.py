@@ -89,7 +89,7 @@ def test_matched_opob_is_the_per_group_minimiser_of_the_second_moment(seed):
       assert f(b_B[at][0]) <= min(f(b) for b in grid) * (1 + 1e-6)
     for form in em.FORMS:
       best = em.moments(G, v * advs[(form, weight, "opob_matched")])["second_moment"]
-      # as_used: only the baselines scaled by the same per-group std (none is unscaled, GRPO's std is unbiased)
+      # normalised: only the baselines scaled by the same per-group std (none is unscaled, GRPO's std is unbiased)
       for baseline in em.BASELINES if form == "unnormalised" else ("group_mean", "opob_raw", "opob_reference",
                                                                        "opob_truncated"):
         if (form, weight, baseline) in advs:
@@ -154,7 +154,7 @@ def test_tool_runs_end_to_end_on_a_tiny_emulated_workdir(tmp_path, monkeypatch):
   assert 0.0 < summary["ess_ratio"] < 1.0 and summary["mean_lag"] == 2.0
   rows = summary["rows"]
   assert len(rows) == len(em.FORMS) * len(em.WEIGHTS) * len(em.BASELINES) - len(em.WEIGHTS)
-  assert rows["as_used/tis/group_mean"]["second_moment_rel"] == pytest.approx(1.0)
+  assert rows["normalised/tis/group_mean"]["second_moment_rel"] == pytest.approx(1.0)
   for weight in em.WEIGHTS:  # the matched baseline is the minimiser on real scores too
     for b in ("none", "group_mean", "opob_raw", "opob_reference", "opob_truncated"):
       assert rows[f"unnormalised/{weight}/opob_matched"]["second_moment"] <= \
