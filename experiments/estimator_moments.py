@@ -84,8 +84,8 @@ def advantages(rewards_B, group_B, lengths_B, sq_norms_B, logw_B, *, tau, opob_o
   """{(form, weight, baseline): A_B}. sq_norms_B = ||s_i||^2 of the length-normalised score (G's diagonal);
   OPOB's own W uses ||grad sum_t log pi||^2 = L_i^2 ||s_i||^2, as the learner computes it. OPOB rows take the
   run's options (scope, aggregation, normalize_by_length) with is_weight set by the row; normalised divides by
-  the group's population std (OPOB's norm_by_std, whatever the run sets) and the group-mean row uses that same std, so the two differ
-  only in the baseline. GRPO is vcpo.grpo_advantages (unbiased std + 1e-6, as verl)."""
+  the group's population std (OPOB's norm_by_std, whatever the run sets) and the group-mean row uses that same
+  std, so the two differ only in the baseline. GRPO is vcpo.grpo_advantages (unbiased std + 1e-6, as verl)."""
   r_B = np.asarray(rewards_B, np.float64)
   lengths_B = np.asarray(lengths_B, np.float32)
   mean_B, std_B = _group_mean_std(r_B, np.asarray(group_B))

@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments import estimator_moments as em
 
-METRICS = (("second_moment", "E||x||^2"), ("trace_cov", "tr Cov"))
+METRICS = (("second_moment", "2nd moment"), ("trace_cov", "tr Cov"))  # labels sit in markdown tables: no "|"
 
 
 def load_run(workdir: str):
@@ -155,9 +155,10 @@ def markdown(results: dict, command: str) -> str:
       lines.append(f"- step {s}: skipped: {r['error']}")
     else:
       x = r["summary"]
+      ref = ", ".join(f"{form} {weight} {x['rows'][f'{form}/{weight}/group_mean']['second_moment']:.4g}"
+                      for form in em.FORMS for weight in em.WEIGHTS)
       lines.append(f"- step {s}: {r['batches']} batches, ESS ratio {x['ess_ratio']:.3f}, mean lag {x['mean_lag']:.2f}, "
-                   f"mean reward {x['reward_mean']:.3f}; group-mean baseline, as used, TIS: E||x||^2 = "
-                   f"{x['rows']['normalised/tis/group_mean']['second_moment']:.4g}")
+                   f"mean reward {x['reward_mean']:.3f}; the group-mean baseline's second moment: {ref}")
   if not steps:
     return "\n".join(lines) + "\n"
   rows = list(results["steps"][steps[0]]["summary"]["rows"])

@@ -1,4 +1,4 @@
-"""experiments.variance: exact per-sequence scores, the estimator's moments, OPOB's second-moment minimum, end to end."""
+"""experiments.variance: exact per-sequence scores, the estimator's moments, OPOB's second-moment minimum, e2e."""
 import functools
 import json
 import os
@@ -160,7 +160,7 @@ def test_tool_runs_end_to_end_on_a_tiny_emulated_workdir(tmp_path, monkeypatch):
       assert rows[f"unnormalised/{weight}/opob_matched"]["second_moment"] <= \
           rows[f"unnormalised/{weight}/{b}"]["second_moment"] * (1 + 1e-5)
   md = open(os.path.join(out, "variance.md")).read()
-  assert "| opob_matched | tis |" in md and "s=3 E||x||^2" in md
+  assert "| opob_matched | tis |" in md and "s=3 2nd moment" in md
   assert os.path.getsize(os.path.join(out, "variance.png")) > 0
   os.remove(os.path.join(workdir, "emulation_ring", "v1.npz"))
   with pytest.raises(LookupError, match=r"version\(s\) \[1\]"):
