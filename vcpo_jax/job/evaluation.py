@@ -5,6 +5,7 @@ from typing import Callable
 
 import numpy as np
 
+from vcpo_jax.job import eval_metrics
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import episodes
@@ -21,7 +22,8 @@ def make_score_fn(task, tok) -> Callable[[dict, list[int]], tuple[float, str]]:
 def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, seed: int,
              samples: int = 1) -> dict[str, float]:
   """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process; the sampled one
-  averages `samples` draws per problem (one standard error shrinks with the draws, not only the problems)."""
+  averages `samples` draws per problem (one standard error shrinks with the draws, not only the problems).
+  Also greedy pass@1, avg@n and pass@k (n = samples), per data_source too (job/eval_metrics.py)."""
   if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
     raise ValueError(f"task.eval_samples must be an int >= 1, got {samples!r}")
   score = make_score_fn(task, tok)
@@ -38,4 +40,7 @@ def evaluate(params, model_cfg, tok, task, examples, *, max_new_tokens: int, see
       results = runner.run_local(params, model_cfg, prompts, seeds, temperature=temperature)
     rewards = [score(e, r.output_ids)[0] for e, r in zip(batch, results)]
     out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
+    # pass@k / avg@n, overall and per data_source (problem id: the position of a problem's draws in `batch`).
+    out.update(eval_metrics.aggregate(((e.get("data_source"), i // draws, r) for i, (e, r) in
+                                       enumerate(zip(batch, rewards))), greedy=name == "greedy"))
   return out

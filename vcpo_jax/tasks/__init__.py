@@ -1,4 +1,5 @@
-"""Verifiable tasks (Countdown, arithmetic, Countdown with a calculator tool) registered by name."""
+"""Verifiable tasks (Countdown, arithmetic, Countdown with a calculator tool, the user's files) registered by
+name."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,7 @@ from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
+from vcpo_jax.tasks.dataset import Dataset
 
 
 def get_task(name: str, *, render_prompt=None, **options) -> Task:
@@ -31,5 +33,5 @@ def reward(example: Example, completion: str) -> float:
   return get_task(example["task"]).reward(example, completion)
 
 
-__all__ = ["Arithmetic", "Countdown", "CountdownTools", "Example", "SPLITS", "TASKS", "Task", "countdown_reward",
+__all__ = ["Arithmetic", "Countdown", "CountdownTools", "Dataset", "Example", "SPLITS", "TASKS", "Task", "countdown_reward",
            "extract_answer", "get_task", "register_task", "reward", "sft_completion"]
