@@ -5,8 +5,8 @@
   python -m vcpo_jax.main --config=configs/dataset.py:demo --workdir=runs/word_problems
 
 `arg`: '' (your files, the CPU model of configs/countdown.py), 'demo' (word problems from
-experiments/make_word_problems.py, written to workdir/word_problems in this checkout on first use, read as
-parquet) or 'demo_jsonl' (the same rows read from the JSONL files). For a pretrained model use
+experiments/make_word_problems.py, written on first use to $VCPO_WORD_PROBLEMS or else workdir/word_problems
+in this checkout, read as parquet) or 'demo_jsonl' (the same rows read from the JSONL files). For a pretrained model use
 configs/qwen2_5.py with --config.task.name=dataset and the same task options (docs/data.md).
 """
 import os
@@ -15,7 +15,9 @@ import ml_collections
 
 from configs import countdown
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "workdir", "word_problems")
+# The demo's files ($VCPO_WORD_PROBLEMS, else workdir/word_problems in this checkout).
+DEMO_DIR = os.environ.get("VCPO_WORD_PROBLEMS") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), os.pardir, "workdir", "word_problems")
 VARIANTS = ("", "demo", "demo_jsonl")
 
 
