@@ -124,7 +124,7 @@ class Dataset(base.Task):
       skipped[f"dataset/skipped_{split}_rows"] = len(lengths) - len(self._keep[split])
       if not self._keep[split]:
         raise ValueError(f"{FIELD}.{split}_files: no row fits max_seq_len={max_seq_len} with "
-                         f"max_new_tokens={max_new_tokens} (longest prompt {max(lengths)} tokens)")
+                         f"max_new_tokens={max_new_tokens} (shortest prompt: {min(lengths)} tokens)")
       if split == "train":
         self._keep["sft"] = [i for i in self._keep["train"] if lengths[i] + SFT_MARGIN_TOKENS + 1 + len(
             tok.encode(self.reference_solution(self._all("train")[i]))) <= max_seq_len]
