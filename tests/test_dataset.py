@@ -109,10 +109,6 @@ def _batches(it, n):
   return [next(it) for _ in range(n)]
 
 
-def _strip(batch):
-  return [{k: v for k, v in e.items()} for e in batch]
-
-
 def test_jsonl_and_parquet_give_identical_batches(word_problems):
   from_parquet = _task(word_problems)
   from_jsonl = _task(word_problems, (word_problems["train.jsonl"], word_problems["test.jsonl"]))
