@@ -27,19 +27,19 @@ def _problem(rng: np.random.Generator) -> tuple[str, int, str]:
   item = str(rng.choice(ITEMS))
   kind = int(rng.integers(4))
   if kind == 0:
-    x, y = (int(v) for v in rng.integers(2, 30, size=2))
+    x, y = (int(v) for v in rng.integers(2, 20, size=2))
     return (f"{a} has {x} {item}. {a} finds {y} more. How many {item} does {a} have now?", x + y,
             f"{x} + {y} = {x + y}")
   if kind == 1:
-    x = int(rng.integers(10, 40))
+    x = int(rng.integers(5, 25))
     y = int(rng.integers(1, x))
     return (f"{a} has {x} {item} and gives {y} to {b}. How many {item} does {a} have left?", x - y,
             f"{x} - {y} = {x - y}")
   if kind == 2:
-    x, y = (int(v) for v in rng.integers(2, 10, size=2))
+    x, y = (int(v) for v in rng.integers(2, 7, size=2))
     return (f"{a} buys {x} bags with {y} {item} in each bag. How many {item} does {a} buy?", x * y,
             f"{x} * {y} = {x * y}")
-  x, y = (int(v) for v in rng.integers(2, 20, size=2))
+  x, y = (int(v) for v in rng.integers(2, 10, size=2))
   return (f"{a} has {x} {item}. {b} has {y} more than {a}. How many {item} do they have together?",
           2 * x + y, f"{x} + {y} = {x + y}\n{x} + {x + y} = {2 * x + y}")
 
