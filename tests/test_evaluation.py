@@ -28,7 +28,9 @@ def test_sampled_accuracy_averages_every_draw_of_every_problem(monkeypatch):
   monkeypatch.setattr(evaluation.sampling, "generate", generate)
   rewarder = rewards.inline(task.reward_function(), lambda ids: completion_text(tok, ids))
   got = evaluation.evaluate(None, None, tok, task, examples, rewarder=rewarder, max_new_tokens=8, seed=0, samples=4)
-  assert got == {"eval/greedy_accuracy": 1.0, "eval/sampled_accuracy": 0.5}
+  # Each problem: 2 of 4 draws right, so pass@2 = 1 - C(2, 2) / C(4, 2) = 5/6 (no data_source: overall only).
+  assert got == pytest.approx({"eval/greedy_accuracy": 1.0, "eval/sampled_accuracy": 0.5, "eval/greedy/pass@1": 1.0,
+                               "eval/avg@4": 0.5, "eval/pass@1": 0.5, "eval/pass@2": 5 / 6, "eval/pass@4": 1.0})
   (t0, greedy), (t1, sampled) = calls
   assert (t0, t1) == (0.0, 1.0) and len(greedy) == 3 and len(sampled) == 12
   want = [tok.encode(e["prompt"]) for e in examples for _ in range(4)]  # a problem's draws side by side

@@ -173,3 +173,28 @@ def test_rewarder_for_task_takes_the_reward_section_and_names_a_bad_field():
     rewards.Rewarder.for_task(task, tok, {"workerz": 2})
   with pytest.raises(ValueError, match=r"reward\.pool='process' needs a picklable reward function"):
     rewards.Rewarder(lambda e, t: 1.0, str, offload.CallPool("process", workers=1))
+
+
+@pytest.mark.integration
+def test_a_dataset_tasks_verifiers_score_in_worker_processes(tmp_path):
+  """The dataset task's reward is one picklable function: math-verify runs in a process pool's workers."""
+  import json
+  rows = [{"prompt": [{"role": "user", "content": "1/2 + 1/4?"}], "data_source": "m",
+           "reward_model": {"style": "rule", "ground_truth": "\\frac{3}{4}"}, "extra_info": {}},
+          {"prompt": [{"role": "user", "content": "2 + 2?"}], "data_source": "g",
+           "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {}}]
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  task = tasks.get_task("dataset", train_files=str(path), eval_files=str(path), verifier="math",
+                        verifier_by_source="g=gsm8k")
+  ex_m, ex_g = task.eval_set(2)
+  rewarder = rewards.Rewarder(task.reward_function(), "".join,
+                              offload.CallPool("process", workers=1, timeout_s=30,
+                                               initializer=task.reward_initializer()))
+  try:
+    got = rewarder.score_blocking([ex_m, ex_m, ex_g, ex_g],
+                                  ["so \\boxed{0.75}", "\\boxed{2/3}", "#### 4", "#### 5"])
+  finally:
+    rewarder.close()
+  assert got == [1.0, 0.0, 1.0, 0.0]
+  assert rewarder.stats()["reward/calls"] == 4 and rewarder.stats()["reward/errors/exception"] == 0

@@ -85,7 +85,8 @@ def make_prompt_iterator(task: tasks_base.Task, *, seed: int, split: str = "trai
   """Iterator over task examples (dicts with an 'index'; with 'prompt_ids' when a tokenizer is given).
 
   train: index space range(num_examples) (default 2**24), example i = task.sample((problem_seed, 1, i)),
-    shuffled by `seed` and reshuffled each epoch, repeated forever unless num_epochs is set.
+    shuffled by `seed` and reshuffled each epoch, repeated forever unless num_epochs is set. A file-backed
+    task (task.train_examples() is a list) gives its rows instead, 'index' = the row's position.
   eval: the fixed distinct set task.eval_set(num_examples, problem_seed) (default 256 problems), in order,
     one epoch unless num_epochs is set.
   batch_size: None yields single examples; else lists of batch_size examples (remainder dropped).
@@ -101,7 +102,11 @@ def make_prompt_iterator(task: tasks_base.Task, *, seed: int, split: str = "trai
   problem_seed = seed if problem_seed is None else problem_seed
   _check_seed("seed", seed)
   _check_seed("problem_seed", problem_seed)
-  if split == "train":
+  rows = task.train_examples() if split == "train" else None
+  if rows is not None:  # a file-backed task: its rows, shuffled by epoch
+    ds = grain.MapDataset.source([_with_ids({**e, "index": i}, tokenizer) for i, e in enumerate(rows)])
+    shuffle = True
+  elif split == "train":
     ds = grain.MapDataset.range(num_examples or DEFAULT_NUM_EXAMPLES).map(
         _PromptAt(task, problem_seed, tokenizer))
     shuffle = True
@@ -141,22 +146,33 @@ def encode_sft_example(tokenizer: Tokenizer, prompt: str, completion: str, seq_l
   return tokens_T, mask_T
 
 
-class _SftAt:
-  """index -> one encoded SFT row; a pure function of (knobs, seeds, index)."""
+class _SftRow:
+  """example (with its 'index') -> one encoded SFT row; a pure function of (knobs, seed, index, example)."""
 
-  def __init__(self, task, tokenizer, problem_seed, seed, seq_len, error_rate):
-    self.task, self.tokenizer = task, tokenizer
-    self.problem_seed, self.seed = problem_seed, seed
+  def __init__(self, task, tokenizer, seed, seq_len, error_rate):
+    self.task, self.tokenizer, self.seed = task, tokenizer, seed
     self.seq_len, self.error_rate = seq_len, error_rate
 
-  def __call__(self, index: int) -> dict:
-    example = self.task.sample([self.problem_seed, _STREAM_SFT, int(index)], 1, split="train")[0]
+  def __call__(self, example: dict, index: int | None = None) -> dict:
+    index = example["index"] if index is None else index
     rng = np.random.default_rng([self.seed, _STREAM_SFT_COMPLETION, int(index)])
     completion = self.task.sft_completion(example, rng, self.error_rate)
     tokens_T, mask_T = encode_sft_example(self.tokenizer, example["prompt"], completion, self.seq_len,
                                           env=self.task.environment(), example=example)
     return {"tokens": tokens_T, "mask": mask_T,
             "reward": np.float32(self.task.reward(example, completion))}
+
+
+class _SftAt(_SftRow):
+  """index -> one encoded SFT row of a generated task; a pure function of (knobs, seeds, index)."""
+
+  def __init__(self, task, tokenizer, problem_seed, seed, seq_len, error_rate):
+    super().__init__(task, tokenizer, seed, seq_len, error_rate)
+    self.problem_seed = problem_seed
+
+  def __call__(self, index: int) -> dict:
+    example = self.task.sample([self.problem_seed, _STREAM_SFT, int(index)], 1, split="train")[0]
+    return super().__call__(example, index)
 
 
 def _stack(rows: Sequence[dict]) -> dict:
@@ -169,7 +185,8 @@ def make_sft_iterator(task: tasks_base.Task, tokenizer: Tokenizer, *, seed: int,
                       problem_seed: int | None = None, prefetch: int = 8) -> grain.DatasetIterator:
   """Infinite iterator of SFT batches {'tokens': int32[B, T], 'mask': float32[B, T], 'reward': float32[B]}.
 
-  Problems come from the train split (a different seed stream from make_prompt_iterator's); with
+  Problems come from the train split (a different seed stream from make_prompt_iterator's; a file-backed task's
+  task.sft_examples(), shuffled by epoch); with
   probability error_rate a completion is a plausible wrong answer (its 'reward' is then 0). A tool task's
   traces have mask 0 on the tool's replies (encode_sft_example).
   positions are arange(T) (right padding), so none are returned.
@@ -182,8 +199,13 @@ def make_sft_iterator(task: tasks_base.Task, tokenizer: Tokenizer, *, seed: int,
   problem_seed = seed if problem_seed is None else problem_seed
   _check_seed("seed", seed)
   _check_seed("problem_seed", problem_seed)
-  ds = grain.MapDataset.range(num_examples or DEFAULT_NUM_EXAMPLES).map(
-      _SftAt(task, tokenizer, problem_seed, seed, seq_len, error_rate))
+  rows = task.sft_examples()
+  if rows is None:
+    ds = grain.MapDataset.range(num_examples or DEFAULT_NUM_EXAMPLES).map(
+        _SftAt(task, tokenizer, problem_seed, seed, seq_len, error_rate))
+  else:  # a file-backed task: its rows, shuffled by epoch
+    ds = grain.MapDataset.source([{**e, "index": i} for i, e in enumerate(rows)]).map(
+        _SftRow(task, tokenizer, seed, seq_len, error_rate))
   ds = _ordered(ds, seed=seed, shuffle=True, shard_index=shard_index, shard_count=shard_count,
                 num_epochs=None)
   return _to_iter(ds, batch_size, _stack, prefetch)

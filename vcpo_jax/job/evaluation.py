@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vcpo_jax.job import eval_metrics
 from vcpo_jax.model import sampling
 from vcpo_jax.rollout import episodes
 
@@ -10,7 +11,8 @@ from vcpo_jax.rollout import episodes
 def evaluate(params, model_cfg, tok, task, examples, *, rewarder, max_new_tokens: int, seed: int,
              samples: int = 1) -> dict[str, float]:
   """Greedy and sampled (temperature 1) accuracy on held-out examples, generated in-process; the sampled one
-  averages `samples` draws per problem (one standard error shrinks with the draws, not only the problems)."""
+  averages `samples` draws per problem (one standard error shrinks with the draws, not only the problems).
+  Also greedy pass@1, avg@n and pass@k (n = samples), per data_source too (job/eval_metrics.py)."""
   if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
     raise ValueError(f"task.eval_samples must be an int >= 1, got {samples!r}")
   runner = episodes.runner_for(task, tok, max_new_tokens=max_new_tokens)  # tool tasks: multi-turn episodes
@@ -27,4 +29,7 @@ def evaluate(params, model_cfg, tok, task, examples, *, rewarder, max_new_tokens
     rewards = rewarder.score_blocking(batch, [r.output_ids for r in results],
                                       [getattr(r, "env_reward", None) for r in results])
     out[f"eval/{name}_accuracy"] = float(np.mean(rewards))
+    # pass@k / avg@n, overall and per data_source (problem id: the position of a problem's draws in `batch`).
+    out.update(eval_metrics.aggregate(((e.get("data_source"), i // draws, r) for i, (e, r) in
+                                       enumerate(zip(batch, rewards))), greedy=name == "greedy"))
   return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Mapping
 
 import numpy as np
@@ -10,6 +11,9 @@ import tqdm
 from tensorboardX import SummaryWriter
 
 HIST_PREFIX = "hist/"
+# TensorBoard tags allow only these characters; others ('@' in eval/pass@k) become '_', here rather than in
+# tensorboardX, which logs a line for every such tag it writes.
+_TAG_CHARS = re.compile(r"[^-/\w.]")
 
 
 def split_metrics(metrics: Mapping) -> tuple[dict[str, float], dict[str, np.ndarray]]:
@@ -39,7 +43,7 @@ class MetricsWriter:
     scalars, hists = split_metrics(metrics)
     for key, value in scalars.items():
       if math.isfinite(value):
-        self._writer.add_scalar(prefix + key, value, step)
+        self._writer.add_scalar(_TAG_CHARS.sub("_", prefix + key), value, step)
     for key, arr in hists.items():
       arr = arr[np.isfinite(arr)]
       if arr.size:

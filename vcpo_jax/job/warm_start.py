@@ -20,11 +20,13 @@ from vcpo_jax.model import tokenizer as tokenizer_lib
 
 def starting_point(config):
   """(model_cfg, tokenizer, task, eval_examples) the job starts from: validated config; the pretrained
-  checkpoint's tokenizer with model.hf_path, else ours; prompts in that tokenizer's chat template. The job and
+  checkpoint's tokenizer with model.hf_path, else ours; prompts in that tokenizer's chat template (a file-backed
+  task's rows too long for the context dropped). The job and
   export_base both call this, so servers started on export_base's weights start on the job's own."""
   model_cfg = validate_config(config)
   tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
   task = build_task(config, render_prompt=tok.chat_prompt)
+  task.fit_context(tok, model_cfg.max_seq_len, config.rl.max_new_tokens)  # files: too-long rows skipped, logged
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
   return model_cfg, tok, task, eval_examples
 

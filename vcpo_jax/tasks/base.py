@@ -79,6 +79,8 @@ class Task(abc.ABC):
   """A verifiable task. Examples are JSON-serialisable dicts with at least 'task', 'key' and 'prompt'."""
 
   name: str = ""
+  # File-backed tasks (tasks/dataset.py) list their examples (train_examples) instead of drawing them.
+  from_files: bool = False
 
   def __init__(self, eval_fraction: float = 0.1):
     if not 0.0 < eval_fraction < 1.0:
@@ -122,6 +124,21 @@ class Task(abc.ABC):
     """The environment of a multi-turn task (a tasks.environment.EnvironmentFactory, e.g. the calculator's), or
     None: single turn."""
     return None
+
+  def train_examples(self) -> list[Example] | None:
+    """A file-backed task's train problems in order (job/data.py shuffles them by epoch); None: drawn by
+    sample() from an index."""
+    return None
+
+  def sft_examples(self) -> list[Example] | None:
+    """A file-backed task's warm-start problems (None: drawn by sample())."""
+    return self.train_examples()
+
+  def fit_context(self, tok, max_seq_len: int, max_new_tokens: int) -> dict[str, int]:
+    """Drops problems too long for the context and returns how many (file-backed tasks; generated ones fit by
+    their knobs)."""
+    del tok, max_seq_len, max_new_tokens
+    return {}
 
   def split_of(self, example: Example) -> str:
     return split_of_key(example["key"], self.eval_fraction)
