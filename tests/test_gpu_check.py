@@ -105,8 +105,8 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), (out / "gpu_check.log").read_text()
   figures = {f["key"]: f for f in results["figures"]}
   for key in ("gpu_matmul_peak", "grpo_mfu", "vcpo_book_keeping_over_grpo", "vcpo_bounded_over_grpo",
-              "peak_memory_grpo", "peak_memory_vcpo_bounded", "hbm_bandwidth", "decode_floor_fraction_b8",
-              "decode_engine_vs_hf_b4", "decode_engine_vs_hf_b8"):
+              "peak_memory_grpo", "peak_memory_vcpo_bounded", "hbm_bandwidth", "decode_floor_fraction_b4",
+              "decode_engine_vs_hf_b2", "decode_engine_vs_hf_b4"):
     assert key in figures and not figures[key]["error"], (key, figures.get(key))
   assert figures["peak_memory_grpo"]["details"]["xla_memory"]["peak_estimate_bytes"] > 0
   job = results["job"]
