@@ -54,6 +54,26 @@ def test_job_summary_accuracy_and_steady_rate(tmp_path):
   assert report.job_summary(str(tmp_path / "missing")) == {"finished": False, "steps_logged": 0}
 
 
+@pytest.mark.parametrize("scan_layers,tied", [(True, True), (False, True), (False, False)])
+def test_mfu_counts_every_kernel_with_or_without_scan(scan_layers, tied):
+  """The MFU's matmul parameters against the architecture's own count (stacked layer kernels included)."""
+  import dataclasses
+  import jax
+  from benchmarks import bench_flops
+  from benchmarks import model_choice
+  from vcpo_jax.model import transformer as model_lib
+  cfg = dataclasses.replace(model_choice.model_config("tiny"), num_layers=3, scan_layers=scan_layers,
+                            tie_word_embeddings=tied)
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+  expected = cfg.num_layers * per_layer + cfg.vocab_size * h  # the LM head, tied or not
+  assert bench_flops.matmul_params(cfg, params) == expected
+  tokens = 4 * 16
+  attention = 12 * cfg.num_layers * 16 ** 2 * cfg.num_heads * cfg.head_dim * 4
+  assert bench_flops.analytic_step_flops(cfg, params, 4, 16) == 6 * expected * tokens + attention
+
+
 def test_parts_have_a_command_and_fit_the_budget():
   ctx = gpu_check.Context(dry=False, work="/w", python="py", rl_steps=20)
   assert sum(p.limit_s for p in gpu_check.PARTS) + 10 <= gpu_check.BUDGET_S
@@ -92,11 +112,16 @@ def test_a_part_past_its_limit_is_stopped_with_its_children(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   out = tmp_path / "out"
   env = {k: v for k, v in os.environ.items() if k != "OUT"}
+  # Wide limits: this checks the code path, and a loaded 2-core machine can take minutes per part.
+  limits = [f"--limit={name}={seconds}" for name, seconds in
+            (("env", 120), ("steps", 300), ("decode", 300), ("job", 300), ("unit", 200))]
   proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out),
-                         "--budget-s", "900"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1000)
+                         "--budget-s", "1300"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=1400)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(os.listdir(out)) == ["details.tar.gz", "gpu_check.json", "gpu_check.log", "results-gpu.md"]
   results = json.loads((out / "gpu_check.json").read_text())
@@ -121,7 +146,8 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
                       "async k=2, learner and one embedded server on one device)", "## Unit tier", "## Details"]
   assert "python3 -m benchmarks.gpu_check --dry" in md and "backend: cpu" in md
   goal_rows = [line for line in md.split("## Goals")[1].split("##")[0].splitlines() if line.startswith("| ")]
-  assert len(goal_rows) == 2 + 4 and all("unverified on GPU" in row for row in goal_rows[2:])
+  assert len(goal_rows) == 2 + 4 and all("unverified on GPU" in row for row in goal_rows[2:5])
+  assert "not in this run" in goal_rows[5]  # the B=256 decode goal: the dry mode decodes at B=2 and 4
   with tarfile.open(out / "details.tar.gz") as tar:
     names = set(tar.getnames())
   assert {"unit.xml", "steps.json", "decode.json", "job/result.json", "job/metrics.jsonl", "env.log",
