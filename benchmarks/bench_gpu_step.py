@@ -28,6 +28,7 @@ VARIANTS = ("grpo", "vcpo_book_keeping", "vcpo_bounded")
 MFU_GOAL = ">= 0.45"
 RATIO_GOAL = "<= 1.1"
 PEAK_RESERVE_S = 20.0    # kept for the matmul peak at the end of the module's time limit
+MIN_CHILD_S = 30.0       # kept for each variant still to run after the current one
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -94,8 +95,9 @@ def run_variant(variant: str, quick: bool) -> dict:
 
 
 def child_limit(deadline: float, variants_left: int) -> float:
-  """An equal share of the time left (less the matmul peak's reserve) for each variant still to run."""
-  return max(10.0, (deadline - time.monotonic() - PEAK_RESERVE_S) / max(1, variants_left))
+  """The time left, less the matmul peak's reserve and MIN_CHILD_S for each variant after this one (a slow
+  compile may use more than an equal share; a hung one still leaves the others their minimum)."""
+  return max(10.0, deadline - time.monotonic() - PEAK_RESERVE_S - MIN_CHILD_S * (variants_left - 1))
 
 
 def run_children(quick: bool, limit_s: float) -> tuple[dict, dict]:
