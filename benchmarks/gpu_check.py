@@ -100,7 +100,8 @@ def base_env(ctx: Context, site: str | None) -> dict:
   shape (tiny when dry). The job and the tests place device memory themselves (launcher, conftest.py)."""
   path = [REPO_ROOT] + ([site] if site else []) + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
   env = dict(os.environ, PYTHONPATH=":".join(path), JAX_PLATFORMS="cpu" if ctx.dry else "cuda",
-             BENCH_MODEL="tiny" if ctx.dry else "qwen2.5-0.5b", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+             BENCH_MODEL="tiny" if ctx.dry else "qwen2.5-0.5b", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+             TRANSFORMERS_OFFLINE="1")
   if ctx.dry:  # one device, as on the GPU machine (not the test suite's 8 fake CPU devices)
     env.pop("XLA_FLAGS", None)
   return env
@@ -195,7 +196,11 @@ def main(argv=None) -> dict:
     raise ValueError(f"--parts must name some of {list(known)}, got {args.parts!r}")
   limits = parse_limits(args.limit, known)
   wheels = args.wheels or (None if args.dry else os.path.join(REPO_ROOT, ".gpu_wheels"))
-  site = install_wheels(wheels, log) if wheels else None
+  site = None
+  try:
+    site = install_wheels(wheels, log) if wheels else None
+  except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # the parts then say what is missing
+    log(f"wheels not installed: {e}")
   if site:
     sys.path.insert(0, site)  # this process too imports the project (the report, ending process trees)
   ctx = Context(dry=args.dry, work=work, python=sys.executable,

@@ -17,10 +17,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="2" tests="5">
 <testcase classname="tests.test_a" name="test_ok" time="0.1"/>
-<testcase classname="tests.test_a" name="test_bad" time="0.1"><failure message="assert 1 == 2">trace</failure></testcase>
-<testcase classname="tests.test_b" name="test_err" time="0.1"><error message="fixture boom">trace</error></testcase>
-<testcase classname="tests.test_b" name="test_s1" time="0"><skipped message="cpu_only on gpu: exact float64"/></testcase>
-<testcase classname="tests.test_b" name="test_s2" time="0"><skipped message="cpu_only on gpu: exact float64"/></testcase>
+<testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2">trace</failure></testcase>
+<testcase classname="tests.test_b" name="test_err"><error message="fixture boom">trace</error></testcase>
+<testcase classname="tests.test_b" name="test_s1"><skipped message="cpu_only on gpu: exact float64"/></testcase>
+<testcase classname="tests.test_b" name="test_s2"><skipped message="cpu_only on gpu: exact float64"/></testcase>
 </testsuite></testsuites>"""
 
 
@@ -34,7 +34,8 @@ def test_unit_summary_reads_junit(tmp_path):
 
 
 def test_unit_summary_falls_back_to_the_log(tmp_path):
-  (tmp_path / "unit.log").write_text("....F\n!!! KeyboardInterrupt !!!\n1 failed, 12 passed, 3 skipped, 2 errors in 80.1s\n")
+  (tmp_path / "unit.log").write_text("....F\n!!! KeyboardInterrupt !!!\n"
+                                     "1 failed, 12 passed, 3 skipped, 2 errors in 80.1s\n")
   assert report.unit_summary(str(tmp_path)) == {"junit": False, "failed": 1, "passed": 12, "skipped": 3,
                                                  "errors": 2}
 
