@@ -48,13 +48,16 @@ bench: $(VENV)/.dev
 	$(PY) -m benchmarks.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
 
 # The GPU check (benchmarks/gpu_check.py; docs/gpu.md): `make gpu-wheels` here (needs PyPI) downloads the wheels a
-# bare GPU machine lacks, at requirements.txt's versions (grain's own needs array-record and portpicker at the
-# versions the pins resolve to), for that machine's CPython 3.12 on x86-64; `make gpu-check` there (no network)
-# installs them into a folder of their own and runs the check with the machine's python3 and its JAX.
+# bare GPU machine lacks (GPU_MISSING, at requirements.txt's versions where it pins them; grain's own needs
+# array-record and portpicker at the versions the pins resolve to) for that machine's CPython 3.12 on x86-64;
+# `make gpu-check` there (no network) installs them into a folder of their own and runs the check with the
+# machine's python3 and its JAX.
 GPU_WHEELS ?= .gpu_wheels
 GPU_PYTHON_VERSION ?= 3.12
 GPU_PYTHON ?= python3
-GPU_WHEEL_PINS = $(shell grep -iE '^(grain|ml_collections|tensorboardX)==' requirements.txt) array-record==0.8.6 portpicker==1.6.0
+GPU_MISSING = grain ml_collections tensorboardX math-verify latex2sympy2_extended antlr4-python3-runtime
+GPU_WHEEL_PINS = $(shell grep -iE '^($(subst $() ,|,$(GPU_MISSING)))==' requirements.txt) array-record==0.8.6 \
+  portpicker==1.6.0
 GPU_CHECK_ARGS ?=
 
 gpu-wheels:
