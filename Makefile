@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-fast test-sglang bench install-gpu reproduce-quick clean-venv docs
+.PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-dry reproduce-quick clean-venv docs
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,33 @@ test-sglang: $(VENV)/.dev
 # make bench MODEL=qwen2.5-0.5b|countdown|tiny (default auto: countdown on CPU, the 0.5B shape on a GPU)
 bench: $(VENV)/.dev
 	$(PY) -m benchmarks.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
+
+# The GPU check (benchmarks/gpu_check.py; docs/gpu.md): `make gpu-wheels` here (needs PyPI) downloads the wheels a
+# bare GPU machine lacks (GPU_MISSING, at requirements.txt's versions where it pins them; grain's own needs
+# array-record and portpicker at the versions the pins resolve to) for that machine's CPython 3.12 on x86-64;
+# `make gpu-check` there (no network) installs them into a folder of their own and runs the check with the
+# machine's python3 and its JAX.
+GPU_WHEELS ?= .gpu_wheels
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PYTHON ?= python3
+GPU_MISSING = grain ml_collections tensorboardX math-verify latex2sympy2_extended antlr4-python3-runtime
+GPU_WHEEL_PINS = $(shell grep -iE '^($(subst $() ,|,$(GPU_MISSING)))==' requirements.txt) array-record==0.8.6 \
+  portpicker==1.6.0
+GPU_CHECK_ARGS ?=
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform any -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	du -ch $(GPU_WHEELS)/*.whl
+
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
+
+# The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
+gpu-check-dry: $(VENV)/.dev
+	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
 
 # The results pipeline end to end in <= 15 min on 2 cores (experiments/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.

@@ -106,11 +106,8 @@ def sampling_bucket(prompt_len: int) -> int:
 
 def forward_flops(cfg, params, batch: int, positions: int) -> float:
   """~2 * matmul params per processed token (prefill + decode); attention and the embedding lookup left out."""
-  import jax
-  matmul = sum(int(x.size) for x in jax.tree.leaves(params) if x.ndim == 2) - cfg.vocab_size * cfg.hidden_size
-  if cfg.tie_word_embeddings:
-    matmul += cfg.vocab_size * cfg.hidden_size
-  return 2.0 * matmul * batch * positions
+  from benchmarks import bench_flops
+  return 2.0 * bench_flops.matmul_params(cfg, params) * batch * positions
 
 
 def ours_greedy(params, cfg, prompts, new_tokens: int, use_cache: bool = True) -> np.ndarray:

@@ -114,16 +114,20 @@ def synthetic_batch(batch: int, seq_len: int, group_size: int, vocab: int, seed:
       lag_B=jnp.asarray(rng.integers(0, 3, size=batch).astype(np.int32)))
 
 
+def matmul_params(model_cfg, params) -> int:
+  """Parameters that multiply activations: every kernel (stacked on a layers axis under scan, or one per
+  layer), plus the embedding table when it is tied to the LM head (else it is a lookup: no FLOPs)."""
+  return sum(int(x.size) for path, x in _flat(params).items()
+             if path.endswith("kernel") or (path == "embed_tokens" and model_cfg.tie_word_embeddings))
+
+
 def analytic_step_flops(model_cfg, params, batch: int, seq_len: int) -> float:
   """Model FLOPs of one forward+backward: 6 * (matmul params) * tokens + causal-free attention 12*L*T^2*H*E*B.
 
-  The embedding table is a lookup (no FLOPs) unless tied to the head; per-sequence norms are not counted,
-  so this is the useful work (MFU convention).
+  Per-sequence norms are not counted, so this is the useful work (MFU convention).
   """
-  matmul_params = sum(int(x.size) for path, x in _flat(params).items()
-                      if x.ndim == 2 and ("embed" not in path or model_cfg.tie_word_embeddings))
   attention = 12.0 * model_cfg.num_layers * seq_len ** 2 * model_cfg.num_heads * model_cfg.head_dim * batch
-  return 6.0 * matmul_params * batch * seq_len + attention
+  return 6.0 * matmul_params(model_cfg, params) * batch * seq_len + attention
 
 
 def _flat(params) -> dict:

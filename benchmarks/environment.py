@@ -12,7 +12,8 @@ from typing import Sequence
 
 from benchmarks import model_choice
 
-VERSION_PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "flax", "optax", "torch", "transformers")
+VERSION_PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "optax", "orbax-checkpoint",
+                    "torch", "transformers")
 
 
 def cpu_model() -> str:

@@ -27,6 +27,17 @@ GOALS = (
 )
 
 
+# What the GPU check (benchmarks/gpu_check.py) reports as goal / measured / met, on the GPU it runs on.
+GPU_CHECK_GOALS = (
+    Goal("GRPO-step MFU >= 45% of the bf16 matmul peak measured in the same run (0.5B shape, B=64 x T=512)",
+         ("grpo_mfu",), "gpu"),
+    Goal("VCPO / GRPO step time <= 1.1x, book-keeping path (0.5B shape)", ("vcpo_book_keeping_over_grpo",), "gpu"),
+    Goal("VCPO / GRPO step time <= 1.1x, bounded path (0.5B shape)", ("vcpo_bounded_over_grpo",), "gpu"),
+    Goal("decode at B=256 >= 50% of the memory floor at the bandwidth measured in the same run (0.5B shape, bf16)",
+         ("decode_floor_fraction_b256",), "gpu"),
+)
+
+
 def goal_met(value: float | None, goal: str | None) -> bool | None:
   """Checks a value against a goal written as '<= x', '< x', '>= x' or '> x'; None if not checkable."""
   if value is None or not goal or not math.isfinite(value):

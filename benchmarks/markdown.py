@@ -37,10 +37,12 @@ def _cell(text: str) -> str:
   return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(results: Mapping[str, Any]) -> str:
-  """The results table (headline figures) followed by per-figure details, as markdown."""
+def render_markdown(results: Mapping[str, Any], goals: Sequence[goals_lib.Goal] = goals_lib.GOALS,
+                    title: str = "vcpo_jax benchmark results", sections: Sequence[str] = ()) -> str:
+  """The results table (headline figures), the goals table (the goals any figure measures), any further
+  markdown `sections` and per-figure details, as markdown."""
   env = results.get("environment", {})
-  lines = ["# vcpo_jax benchmark results", ""]
+  lines = [f"# {title}", ""]
   if env:
     versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
     lines += [f"- date: {env.get('date_utc')}",
@@ -67,8 +69,10 @@ def render_markdown(results: Mapping[str, Any]) -> str:
       value, note = fmt(fig.get("value"), unit), fig.get("note", "")
     lines.append("| " + " | ".join(_cell(c) for c in (
         fig["title"], value, rng, st["n"] if st else "-", _fmt_goal(fig.get("goal"), unit), met, note)) + " |")
-  if any(k in {f["key"] for f in results.get("figures", [])} for g in goals_lib.GOALS for k in g.keys):
-    lines += goals_table(results)
+  if any(k in {f["key"] for f in results.get("figures", [])} for g in goals for k in g.keys):
+    lines += goals_table(results, goals)
+  for section in sections:
+    lines += ["", section.rstrip("\n")]
   details = [f for f in results.get("figures", []) if f.get("details")]
   if details:
     lines += ["", "## Details", ""]
@@ -99,10 +103,10 @@ def goal_row(goal: goals_lib.Goal, figures: Sequence[Mapping[str, Any]],
   return goal.text, lands, where
 
 
-def goals_table(results: Mapping[str, Any]) -> list[str]:
+def goals_table(results: Mapping[str, Any], goals: Sequence[goals_lib.Goal] = goals_lib.GOALS) -> list[str]:
   figures = results.get("figures", [])
   env = results.get("environment", {})
   lines = ["", "## Goals", "", "| goal | where it lands | measured on |", "| --- | --- | --- |"]
-  for goal in goals_lib.GOALS:
+  for goal in goals:
     lines.append("| " + " | ".join(_cell(c) for c in goal_row(goal, figures, env)) + " |")
   return lines

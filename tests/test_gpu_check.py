@@ -1,0 +1,157 @@
+"""The GPU check (benchmarks/gpu_check.py): its report's readers on hand-written files, a part stopped at its
+time limit, and the dry mode end to end on the CPU (every part, small shapes)."""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+
+from benchmarks import gpu_check
+from benchmarks import gpu_check_report as report
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="2" tests="5">
+<testcase classname="tests.test_a" name="test_ok" time="0.1"/>
+<testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2">trace</failure></testcase>
+<testcase classname="tests.test_b" name="test_err"><error message="fixture boom">trace</error></testcase>
+<testcase classname="tests.test_b" name="test_s1"><skipped message="cpu_only on gpu: exact float64"/></testcase>
+<testcase classname="tests.test_b" name="test_s2"><skipped message="cpu_only on gpu: exact float64"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_unit_summary_reads_junit(tmp_path):
+  (tmp_path / "unit.xml").write_text(JUNIT)
+  s = report.unit_summary(str(tmp_path))
+  assert (s["tests"], s["passed"], s["failed"], s["errors"], s["skipped"]) == (5, 1, 1, 1, 2)
+  assert [f["test"] for f in s["failures"]] == ["tests.test_a::test_bad", "tests.test_b::test_err"]
+  assert s["failures"][0]["message"] == "assert 1 == 2"
+  assert s["skip_reasons"] == {"cpu_only on gpu: exact float64": 2}
+
+
+def test_unit_summary_falls_back_to_the_log(tmp_path):
+  (tmp_path / "unit.log").write_text("....F\n!!! KeyboardInterrupt !!!\n"
+                                     "1 failed, 12 passed, 3 skipped, 2 errors in 80.1s\n")
+  assert report.unit_summary(str(tmp_path)) == {"junit": False, "failed": 1, "passed": 12, "skipped": 3,
+                                                 "errors": 2}
+
+
+def test_job_summary_accuracy_and_steady_rate(tmp_path):
+  (tmp_path / "result.json").write_text(json.dumps({
+      "base": {"eval/greedy_accuracy": 0.25, "eval/sampled_accuracy": 0.2},
+      "final": {"eval/greedy_accuracy": 0.5, "eval/sampled_accuracy": 0.4}, "steps": 6}))
+  seconds = [9.0, 3.0, 1.0, 2.0, 1.0, 4.0]
+  lines = [json.dumps({"step": i + 1, "throughput/step_seconds": s}) for i, s in enumerate(seconds)]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 7, "thr')  # a torn last line
+  s = report.job_summary(str(tmp_path))
+  assert s["finished"] and s["steps_logged"] == 6
+  assert (s["base_greedy_accuracy"], s["final_greedy_accuracy"], s["final_sampled_accuracy"]) == (0.25, 0.5, 0.4)
+  assert s["steady_steps"] == 4 and s["steps_per_s"] == pytest.approx(4 / 8.0)
+  assert s["all_steps_per_s"] == pytest.approx(6 / 20.0) and s["median_step_s"] == pytest.approx(1.5)
+  assert report.job_summary(str(tmp_path / "missing")) == {"finished": False, "steps_logged": 0}
+
+
+@pytest.mark.parametrize("scan_layers,tied", [(True, True), (False, True), (False, False)])
+def test_mfu_counts_every_kernel_with_or_without_scan(scan_layers, tied):
+  """The MFU's matmul parameters against the architecture's own count (stacked layer kernels included)."""
+  import dataclasses
+  import jax
+  from benchmarks import bench_flops
+  from benchmarks import model_choice
+  from vcpo_jax.model import transformer as model_lib
+  cfg = dataclasses.replace(model_choice.model_config("tiny"), num_layers=3, scan_layers=scan_layers,
+                            tie_word_embeddings=tied)
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+  expected = cfg.num_layers * per_layer + cfg.vocab_size * h  # the LM head, tied or not
+  assert bench_flops.matmul_params(cfg, params) == expected
+  tokens = 4 * 16
+  attention = 12 * cfg.num_layers * 16 ** 2 * cfg.num_heads * cfg.head_dim * 4
+  assert bench_flops.analytic_step_flops(cfg, params, 4, 16) == 6 * expected * tokens + attention
+
+
+def test_parts_have_a_command_and_fit_the_budget():
+  ctx = gpu_check.Context(dry=False, work="/w", python="py", rl_steps=20)
+  assert sum(p.limit_s for p in gpu_check.PARTS) + 10 <= gpu_check.BUDGET_S
+  job, extra = gpu_check.part_command("job", ctx)
+  assert "--config=configs/countdown.py" in job and "--config.rl.steps=20" in job and "--config.rl.max_lag=2" in job
+  unit, extra = gpu_check.part_command("unit", ctx)
+  assert extra == {"VCPO_TEST_TIER": "unit"} and "not slow and not integration" in unit and "tests" in unit
+  env = gpu_check.base_env(ctx, "/site")
+  assert env["JAX_PLATFORMS"] == "cuda" and env["PYTHONPATH"].split(":")[:2] == [gpu_check.REPO_ROOT, "/site"]
+  with pytest.raises(ValueError, match="unknown part"):
+    gpu_check.part_command("nope", ctx)
+
+
+@pytest.mark.integration
+def test_a_part_past_its_limit_is_stopped_with_its_children(tmp_path):
+  """A part that outlives its limit gets SIGINT, then is killed with its child (which ignores SIGINT)."""
+  pid_file = tmp_path / "child.pid"
+  code = ("import signal, subprocess, sys, time\n"
+          f"c = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGINT, "
+          f"signal.SIG_IGN); time.sleep(60)'], start_new_session=True)\n"
+          f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)\n")
+  start = time.monotonic()
+  result = gpu_check.run_part("slow", [sys.executable, "-c", code], dict(os.environ), gpu_check.STOP_GRACE_S + 3,
+                              str(tmp_path / "slow.log"))
+  assert result["status"] == "timed out" and time.monotonic() - start < 30
+  child = int(pid_file.read_text())
+  from vcpo_jax.rollout.servers import launcher
+  deadline = time.monotonic() + 5
+  while launcher.is_alive(child) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not launcher.is_alive(child)
+  assert "started" in (tmp_path / "slow.log").read_text()
+  ok = gpu_check.run_part("ok", [sys.executable, "-c", "print('hi')"], dict(os.environ), 30, str(tmp_path / "ok.log"))
+  assert (ok["status"], ok["returncode"]) == ("ok", 0)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
+  out = tmp_path / "out"
+  env = {k: v for k, v in os.environ.items() if k != "OUT"}
+  # Wide limits: this checks the code path, and a loaded 2-core machine can take minutes per part.
+  limits = [f"--limit={name}={seconds}" for name, seconds in
+            (("env", 120), ("steps", 300), ("decode", 300), ("job", 300), ("unit", 200))]
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out),
+                         "--budget-s", "1300"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=1400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert sorted(os.listdir(out)) == ["details.tar.gz", "gpu_check.json", "gpu_check.log", "results-gpu.md"]
+  results = json.loads((out / "gpu_check.json").read_text())
+  parts = {p["part"]: p for p in results["parts"]}
+  assert list(parts) == ["env", "steps", "decode", "job", "unit"]
+  assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), (out / "gpu_check.log").read_text()
+  figures = {f["key"]: f for f in results["figures"]}
+  for key in ("gpu_matmul_peak", "grpo_mfu", "vcpo_book_keeping_over_grpo", "vcpo_bounded_over_grpo",
+              "peak_memory_grpo", "peak_memory_vcpo_bounded", "hbm_bandwidth", "decode_floor_fraction_b4",
+              "decode_engine_vs_hf_b2", "decode_engine_vs_hf_b4"):
+    assert key in figures and not figures[key]["error"], (key, figures.get(key))
+  assert figures["peak_memory_grpo"]["details"]["xla_memory"]["peak_estimate_bytes"] > 0
+  job = results["job"]
+  assert job["finished"] and job["steps_logged"] == 2 and 0 <= job["final_greedy_accuracy"] <= 1
+  assert job["steps_per_s"] > 0
+  unit = results["unit"]
+  assert unit["junit"] and unit["passed"] > 0 and unit["failed"] == unit["errors"] == 0
+  assert results["environment"]["backend"] == "cpu" and results["mode"].startswith("dry")
+  md = (out / "results-gpu.md").read_text()
+  headings = [line for line in md.splitlines() if line.startswith("#")]
+  assert headings == ["# vcpo_jax GPU check", "## Parts", "## Goals", "## Main job, shortened (warm start + RL, "
+                      "async k=2, learner and one embedded server on one device)", "## Unit tier", "## Details"]
+  assert "python3 -m benchmarks.gpu_check --dry" in md and "backend: cpu" in md
+  goal_rows = [line for line in md.split("## Goals")[1].split("##")[0].splitlines() if line.startswith("| ")]
+  assert len(goal_rows) == 2 + 4 and all("unverified on GPU" in row for row in goal_rows[2:5])
+  assert "not in this run" in goal_rows[5]  # the B=256 decode goal: the dry mode decodes at B=2 and 4
+  with tarfile.open(out / "details.tar.gz") as tar:
+    names = set(tar.getnames())
+  assert {"unit.xml", "steps.json", "decode.json", "job/result.json", "job/metrics.jsonl", "env.log",
+          "job.log"} <= names
+  assert not os.path.exists(os.path.join(REPO_ROOT, "benchmarks", "results-gpu.md")) or "dry" not in open(
+      os.path.join(REPO_ROOT, "benchmarks", "results-gpu.md")).read()
