@@ -29,6 +29,10 @@ from vcpo_jax.rollout.rewards import Rewarder
 from vcpo_jax.rollout.servers.publisher import PublishError
 
 
+# Metrics that are NaN by definition on some steps (no group with reward variance has an OPOB ratio).
+UNDEFINED_OK = ("opob/moment_ratio",)
+
+
 # ------------------------------------------------------------------------------------------ RL loop
 def due(step: int, every: int, last_step: int) -> bool:
   """Whether a periodic action (eval_every, checkpoint_every, log_every) runs after `step`: every `every`
@@ -139,7 +143,7 @@ class RLRun:
                **extra, **self.rewarder.stats()}
     for key, value in step_metrics.items():
       arr = np.asarray(value)
-      if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/"):
+      if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/") and key not in UNDEFINED_OK:
         logging.warning("step %d: metric %s is not finite (%s)", self.step, key, arr)
     if eval_now:
       self.last_eval = evaluate_as_job(self.config, self.host_params("eval"), self.model_cfg, self.tok, self.task,
