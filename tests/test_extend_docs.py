@@ -89,11 +89,12 @@ def test_policy_loss_example(run_page):
   for g in np.unique(batch.group_B):  # GRPO: unbiased std (verl)
     rows = batch.group_B == g
     adv[rows] = (r[rows] - r[rows].mean()) / (r[rows].std(ddof=1) + vcpo.GRPO_EPS)
-  w = np.minimum(np.exp(logp - mu), 1.05)
+  cap = ns["capped_cfg"].loss_options().cap   # the page's choice
+  w = np.minimum(np.exp(logp - mu), cap)
   want = np.mean(np.sum(-w * adv[:, None] * logp * m, axis=1) / m.sum(axis=1))   # seq-mean-token-mean
   metrics = ns["metrics"]
   np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
-  np.testing.assert_allclose(metrics["loss/capped_frac"], np.sum((w >= 1.05) * m) / m.sum(), rtol=1e-6)
+  np.testing.assert_allclose(metrics["loss/capped_frac"], np.sum((w >= cap) * m) / m.sum(), rtol=1e-6)
   assert 0 < metrics["loss/capped_frac"] < 1 and metrics["update_applied"] == 1
   # What the page says about the facts and the options.
   assert grad_path.choose(config.LearnerConfig(policy_loss="example_capped_is"), ns["MODEL"], 8, 12)[0] == "bounded"
@@ -106,7 +107,8 @@ def test_advantage_estimator_example(run_page):
   ns = run_page(SETUP, ESTIMATOR)
   batch = ns["toy_batch"]()
   r, lengths = np.asarray(batch.rewards_B, np.float64), np.asarray(batch.mask_BxT, np.float64).sum(axis=1)
-  shaped = r - 0.05 * lengths
+  penalty = ns["length_cfg"].estimator_options().penalty   # the page's choice
+  shaped = r - penalty * lengths
   adv = shaped - np.array([shaped[batch.group_B == g].mean() for g in batch.group_B])
   np.testing.assert_allclose(ns["metrics"]["adv/abs_mean"], np.abs(adv).mean(), rtol=1e-5)
   np.testing.assert_allclose(ns["metrics"]["shaped_reward"], shaped.mean(), rtol=1e-5)
@@ -116,7 +118,7 @@ def test_advantage_estimator_example(run_page):
   valid[3] = False
   inputs = advantages.AdvantageInputs(rewards_B=batch.rewards_B, group_B=batch.group_B, lengths_B=lengths,
                                       valid_B=valid)
-  got, _ = losses.compute_advantages("example_length_penalty", inputs, {"penalty": 0.05})
+  got, _ = losses.compute_advantages("example_length_penalty", inputs, {"penalty": penalty})
   first = np.arange(8) < 4
   want = np.where(first & valid, shaped - shaped[first & valid].mean(), adv) * valid
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
