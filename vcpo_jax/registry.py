@@ -115,6 +115,11 @@ class Registry:
     """`name` is another name for a registered choice (same function, options and facts)."""
     self._entries[name] = dataclasses.replace(self.get(existing), name=name)
 
+  def unregister(self, name: str) -> None:
+    """Removes a choice (a test or a notebook that registered one for a while); unknown names are errors."""
+    self.get(name)
+    del self._entries[name]
+
   def get(self, name: str) -> Entry:
     if name not in self._entries:
       raise ValueError(f"unknown {self.kind} name={name!r}; known names: {sorted(self._entries)}")
