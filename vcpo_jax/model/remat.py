@@ -50,12 +50,12 @@ def activation_bytes(cfg, policy: str, rows: int, seq_len: int) -> dict:
 
 
 def state_bytes_per_device(state, grad_copies: int = 1) -> float:
-  """Bytes per device of the train state (params, optimizer state, reference) plus `grad_copies` gradients
-  (param-sized; 2 with a micro-batch accumulator), sharded over the current mesh's fsdp x tensor axes."""
+  """Bytes per device of the train state (params, optimizer state, reference), `grad_copies` gradients (2 with
+  a micro-batch accumulator) and the update's new parameters, sharded over the mesh's fsdp x tensor axes."""
   leaves = jax.tree.leaves(state)
   total = sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves)
   params = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  return (total + grad_copies * params) / param_shards()
+  return (total + (grad_copies + 1) * params) / param_shards()
 
 
 def param_shards() -> int:
