@@ -96,6 +96,18 @@ def test_auto_picks_the_least_recompute_that_fits_and_full_when_nothing_does():
   assert remat.resolve(dataclasses.replace(cfg, remat="dots"), 4, 64, 0.0).remat == "dots"  # explicit: kept
 
 
+def test_the_rl_step_resolves_auto_and_logs_why(caplog):
+  """A tiny model whose every estimate is over a tiny budget: the step compiles with full and warns."""
+  from vcpo_jax.learner import config as learner_config, optimizer as optimizer_lib
+  cfg = model_config.ModelConfig(remat="auto", remat_budget_gb=1e-9, scan_layers=True, max_seq_len=16)
+  mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=1), devices=jax.devices()[:2])
+  with caplog.at_level(logging.INFO):
+    _, chosen, _ = _compile(cfg, learner_config.LearnerConfig(), optimizer_lib.build_optimizer(learning_rate=1e-3),
+                            mesh, 4, 16)
+  assert chosen == "full"
+  assert any("model.remat=auto -> 'full' (no policy fits" in r.getMessage() for r in caplog.records)
+
+
 def test_full_remat_keeps_one_hidden_state_per_layer_and_token():
   """Independent truth for the residual count: under full remat a layer keeps only its input [rows, T, D]."""
   cfg = model_config.ModelConfig(remat="full", dtype="bfloat16", max_seq_len=32)
