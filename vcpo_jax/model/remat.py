@@ -1,4 +1,4 @@
-"""model.remat='auto': the cheapest per-layer remat policy whose estimated learner-step memory fits the device."""
+"""model.remat='auto': the remat policy of least recomputation whose estimated step memory fits the device."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +6,10 @@ import functools
 import logging
 
 import flax.linen as nn
-
 import jax
 import jax.numpy as jnp
+
+from vcpo_jax.model import transformer as M
 
 # Least recomputation first (and most memory): none keeps every intermediate; dots keeps every dot's output;
 # dots_no_batch only the weight matmuls' (attention's batched dots are recomputed); full keeps each layer's
@@ -23,7 +24,6 @@ _logged: set = set()
 def residual_bytes(cfg, layers: int, rows: int, seq_len: int) -> int:
   """Bytes the learner's forward (token log-probs, `layers` layers unrolled) keeps for its backward: jax's
   own residuals of its vjp on abstract shapes (nothing is computed), parameters themselves not counted."""
-  from vcpo_jax.model import transformer as M  # transformer imports model.config, which imports nothing here
   c = dataclasses.replace(cfg, num_layers=layers, scan_layers=False, max_seq_len=max(cfg.max_seq_len, seq_len))
   params = jax.eval_shape(lambda: M.init_params(c, jax.random.PRNGKey(0)))
 
