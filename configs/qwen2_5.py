@@ -22,6 +22,13 @@ SHAPES = {
                num_kv_heads=4, head_dim=128, tie_word_embeddings=False),
 }
 
+# The device each size is documented to fit at its own rows (rl.max_new_tokens + the prompt, one group of 8 rows
+# per learner micro-batch): (GPUs, GB each). At the paper's long-response rows (8 rows of 8,192 tokens) every
+# size is documented on LONG_ROWS_DEVICES, fsdp over all of them. tests/test_remat_auto.py checks both with XLA's
+# memory analysis of the compiled step.
+DEVICES = {"0.5b": (1, 80.0), "1.5b": (1, 80.0), "7b": (8, 80.0)}
+LONG_ROWS_DEVICES = (8, 80.0)
+
 
 def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
   size, _, variant = (arg or "0.5b").partition(",")
@@ -39,7 +46,11 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
       dtype="bfloat16" if size == "7b" else "float32",
       matmul_precision="default" if size == "7b" else "highest",
       scan_layers=True,            # one compiled layer: the step compiles in the same time at any depth
-      remat="none",                # none | full | dots | dots_no_batch (jax.checkpoint policy per layer)
+      # none | full | dots | dots_no_batch (jax.checkpoint policy per layer) | auto: the least recomputation
+      # whose estimated step memory fits remat_budget_gb per device (0: the device's memory); choice and
+      # estimates are logged when the step is first traced (vcpo_jax/model/remat.py).
+      remat="auto",
+      remat_budget_gb=0.0,
       attention="auto",            # cuDNN flash attention on GPU with bf16/fp16, else jax.nn's XLA path
       hf_path="",                  # a local Hugging Face Qwen2/Qwen2.5 directory; "" = random init
   ))

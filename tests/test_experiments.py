@@ -158,6 +158,7 @@ def test_run_units_bounds_parallelism_and_waits_for_the_warm_start_donor(tmp_pat
   assert order[0] == (units[0].name, False) and all(has for _, has in order[1:])  # copied before start
 
 
+@pytest.mark.integration  # the launcher records the git commit (a git process)
 def test_warm_starts_from_another_root_are_donors_with_the_same_key(tmp_path):
   """A unit of another sweep's root with a cached warm start (and its unit.json) donates to units of this
   sweep whose warm-start inputs are equal (here: same seed, other lag), not to another seed's."""

@@ -117,4 +117,4 @@ def test_bounded_takes_any_registered_loss_kl_included():
   assert float(m0["kl/mean"]) > 1e-7
   for key in ("loss", "kl/mean", "baseline", "grad_norm", "seq_grad_norm/p50"):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5, err_msg=key)
-  TL._assert_tree_close(s1.params, s0.params, 1e-5, "kl bounded vs two_pass")
+  TL._assert_tree_close(s1.params, s0.params, 2e-5, "kl bounded vs two_pass")  # float32 vs float32

@@ -31,6 +31,7 @@ def _unit(root, name, lag, lr=1e-4, steps=40, seed=0):
   return unit
 
 
+@pytest.mark.integration  # the launcher records the git commit (a git process)
 def test_pilot_rows_and_table(tmp_path):
   root = tmp_path / "pilot"
   _unit(root, "sync", 0)

@@ -17,6 +17,7 @@ from vcpo_jax.learner.batch import RLBatch, check_batch
 from vcpo_jax.learner.config import LearnerConfig, check_chunks, chunk_order
 from vcpo_jax.learner.train_state import TrainState, apply_update, batch_rows, jit_step
 from vcpo_jax.model import config as model_config
+from vcpo_jax.model import remat as remat_lib
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import sharding
 
@@ -199,6 +200,9 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: model_config.ModelC
   path = grad_path.log_choice(lc, model_cfg, micro or mask_BxT.shape[0], mask_BxT.shape[1], row_shards)
   if path in ("book_keeping", "bounded"):
     lc = dataclasses.replace(lc, grad_path=path)
+  # model.remat='auto' likewise: the cheapest policy whose estimate (state, a micro-batch accumulator) fits.
+  model_cfg = remat_lib.resolve(model_cfg, -(-(micro or mask_BxT.shape[0]) // row_shards), mask_BxT.shape[1],
+                                remat_lib.state_bytes_per_device(state, grad_copies=2 if micro else 1))
   if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0]:
     loss, grads, stats, ent_BxT, sq_B, aux = _chunked_loss_and_grads(
         state.params, batch, mask_BxT, valid_B, model_cfg, lc, row_shards, state.ref_params, max_len)

@@ -12,6 +12,7 @@ import optax
 
 from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
+from vcpo_jax.model import remat as remat_lib
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import sharding
 
@@ -79,6 +80,8 @@ def sft_step(state: TrainState, tokens_BxT, mask_BxT, *, model_cfg: model_config
              optimizer: optax.GradientTransformationExtraArgs):
   """Masked next-token NLL (token mean) for the warm start; ESS arguments are neutral (ratio 1)."""
   mask_BxT = mask_BxT.astype(jnp.float32)
+  model_cfg = remat_lib.resolve(model_cfg, -(-tokens_BxT.shape[0] // remat_lib.row_shards()), tokens_BxT.shape[1],
+                                remat_lib.state_bytes_per_device(state))
 
   def loss_fn(p):
     logp_BxT = M.token_logprobs(p, model_cfg, tokens_BxT.astype(jnp.int32), mask_BxT)

@@ -18,6 +18,9 @@ PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HI
 REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.checkpoint_dots,
                   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# "auto": the learner's steps pick the cheapest policy whose estimated memory fits (vcpo_jax.model.remat);
+# a forward alone (sampler, evaluation) keeps nothing for a backward, so there it is "none".
+REMAT_CHOICES = tuple(REMAT_POLICIES) + ("auto",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,9 @@ class ModelConfig:
   # Layers under nn.scan: params (and the KV cache) stacked on a leading "layers" axis; compile time does not
   # grow with depth. False = layers_0 .. layers_{L-1}, the layout of checkpoints written before scan.
   scan_layers: bool = False
-  remat: str = "none"          # a REMAT_POLICIES name, applied to every layer
+  remat: str = "none"          # a REMAT_CHOICES name, applied to every layer
+  # remat="auto": GB per device the learner step may use; 0 = the device's own memory limit.
+  remat_budget_gb: float = 0.0
   attention: str = "auto"      # attention.IMPLEMENTATIONS: auto | xla | cudnn | einsum
   # Vocabulary columns per LM-head chunk (vcpo_jax.model.lm_head): [tokens, vocab] float32 logits never exist at
   # once in the learner; 0 = the plain full-logits path.
@@ -68,8 +73,12 @@ class ModelConfig:
       raise ValueError(f"model.scan_layers must be a bool, got {self.scan_layers!r}")
     if isinstance(self.logits_chunk, bool) or not isinstance(self.logits_chunk, int) or self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be an int >= 0 (0: full logits), got {self.logits_chunk!r}")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+    if self.remat not in REMAT_CHOICES:
+      raise ValueError(f"model.remat must be one of {sorted(REMAT_CHOICES)}, got {self.remat!r}")
+    if isinstance(self.remat_budget_gb, bool) or not isinstance(self.remat_budget_gb, (int, float)) or not (
+        self.remat_budget_gb >= 0):
+      raise ValueError(f"model.remat_budget_gb must be a number >= 0 (0: the device's memory), "
+                       f"got {self.remat_budget_gb!r}")
     if self.attention not in attention_lib.IMPLEMENTATIONS:
       raise ValueError(f"model.attention must be one of {attention_lib.IMPLEMENTATIONS}, "
                        f"got {self.attention!r}")

@@ -214,7 +214,8 @@ def read_config(model_dir: str) -> dict[str, Any]:
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "tie_word_embeddings")
 # Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
-_RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "attention")
+_RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "remat_budget_gb",
+               "attention")
 
 
 def model_config(section) -> config_lib.ModelConfig:

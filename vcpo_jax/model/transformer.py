@@ -38,7 +38,7 @@ class Block(nn.Module):
 def _layer_stack(cfg: ModelConfig, capture: bool):
   """The module running all layers: Block unrolled (one per layer), or one Block under nn.scan."""
   block = Block
-  if REMAT_POLICIES[cfg.remat] is not None:
+  if REMAT_POLICIES.get(cfg.remat) is not None:  # "auto" unresolved: a forward alone, nothing to keep
     # Under scan the loop already stops XLA from merging the recomputation with the forward (prevent_cse off).
     block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
   if not cfg.scan_layers:
