@@ -157,7 +157,7 @@ def test_code_tools_config_rows_fit_the_longest_trace():
     ("raise SystemExit('</tool_response>')", "error: nonzero_exit", "tool/nonzero_exit"),
 ])
 def test_sandboxed_calls_reply_with_stdout_or_the_error_kind(code, content, kind):
-  reply = _env(wall_seconds=10.0).respond(python_tool.call(code))  # a loaded machine's start-up: no timeout
+  reply = _env(wall_seconds=10.0).respond(python_tool.call(code))  # no timeout from a loaded machine's start-up
   assert (reply.content, reply.kind, reply.error) == (content, kind, kind is not None)
   assert TOK.decode(TOK.encode(reply.text)) == reply.text
 
@@ -167,7 +167,7 @@ def test_exact_prints_agree_with_the_sandbox():
   rng = random.Random(1)
   for _ in range(4):
     code = f"print({_random_expression(rng)})"
-    assert _env(exact_prints=False).respond(python_tool.call(code)).content == \
+    assert _env(exact_prints=False, wall_seconds=10.0).respond(python_tool.call(code)).content == \
         _env(exact_prints=True).respond(python_tool.call(code)).content
 
 
@@ -187,7 +187,7 @@ class ScriptedPolicy:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_an_episode_runs_the_warm_start_trace_with_the_real_sandbox():
-  task = tasks.get_task("arithmetic_code", exact_prints=False, render_prompt=TOK.chat_prompt)
+  task = tasks.get_task("arithmetic_code", exact_prints=False, wall_seconds=10.0, render_prompt=TOK.chat_prompt)
   ex = task.sample(3, 1)[0]
   trace = task.reference_solution(ex)
   turns = [text for text, is_tool in episodes.trace_segments(task.environment(), trace, ex) if not is_tool]
