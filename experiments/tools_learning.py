@@ -1,12 +1,13 @@
-"""Does RL improve tool use? Seeds of the countdown_tools job, then held-out accuracy and tool metrics over seeds.
+"""Does RL improve tool use? Seeds of a tool job, then held-out accuracy and tool metrics over seeds.
 
     python -m experiments.tools_learning --root=runs/tools --seeds=0,1,2 --out=docs/results/tools \
-        [--config=configs/countdown_tools.py:search] [-- --config.x=y]
+        [--config=configs/countdown_tools.py:search | --config=configs/code_tools.py] [-- --config.x=y]
 
 Runs `vcpo_jax.main --config=<config>` (default configs/countdown_tools.py) once per seed, one at a time (a
 finished seed, one whose workdir holds result.json, is not rerun), timing each whole job (warm start
-included). Then writes to --out: results.json (per seed: base and final held-out greedy/sampled accuracy, the gain, minutes, tool
-metrics at the start and end of the run; over seeds: mean and 95% Student-t interval of each), README.md
+included). Then writes to --out: results.json (per seed: base and final held-out greedy/sampled accuracy, the
+gain, minutes, tool metrics and failed calls per episode by kind at the start and end of the run, and
+`along`: those at ALONG points of the run; over seeds: mean and 95% Student-t interval of each), README.md
 (those numbers as tables, with the command) and curve.png (held-out accuracy, calls/episode, error rate and
 turns/episode per RL step, mean over seeds with the 95% band).
 """
@@ -32,6 +33,9 @@ TOOLS = {"calls_per_episode": "tools/calls_per_episode", "error_rate": "tools/er
          "turns_per_episode": "tools/turns_per_episode", "rollout_reward": "reward/mean"}
 # The run's start and end for the per-step tool metrics: the mean over this many steps (one step is noisy).
 WINDOW = 10
+# Points along the run (evenly spaced RL steps, first and last included) where the tool metrics are reported.
+ALONG = 5
+ERRORS = "tools/errors/"  # + kind: failed calls of that kind per episode (a tool's own kinds: tool/<kind>)
 CURVES = (("eval/greedy_accuracy", "held-out greedy accuracy", False, (0.0, 1.0)),
           ("eval/sampled_accuracy", "held-out sampled accuracy (T = 1)", False, (0.0, 1.0)),
           ("tools/calls_per_episode", "calls / episode (rollouts)", False, (0.0, 8.0)),
@@ -78,14 +82,38 @@ def load_run(workdir: str) -> types.SimpleNamespace:
   return types.SimpleNamespace(series=series, result=result, minutes=minutes)
 
 
-def window_mean(values: dict, first: bool) -> float:
-  steps = sorted(values)
+def window_mean(values: dict, first: bool, steps=None) -> float:
+  """The mean over the first (or last) WINDOW of `steps` (default: the series' own); a step the series lacks
+  counts 0 (a tool's own error kind is logged only in steps that saw one)."""
+  steps = sorted(values if steps is None else steps)
   steps = steps[:WINDOW] if first else steps[-WINDOW:]
-  return float(np.mean([values[s] for s in steps])) if steps else math.nan
+  return float(np.mean([values.get(s, 0.0) for s in steps])) if steps else math.nan
+
+
+def error_kinds(runs: dict) -> list[str]:
+  """Every failure kind some run logged (tools/errors/<kind>), in name order."""
+  return sorted({k[len(ERRORS):] for run in runs.values() for k in run.series if k.startswith(ERRORS)})
+
+
+def along(run: types.SimpleNamespace, kinds: list[str]) -> dict:
+  """RL step -> the tool metrics (TOOLS, and errors/<kind>) averaged over the WINDOW steps up to it, at ALONG
+  evenly spaced steps of the run."""
+  steps = sorted(run.series.get(TOOLS["calls_per_episode"], {}))
+  if not steps:
+    return {}
+  points = sorted({steps[int(round(i * (len(steps) - 1) / max(ALONG - 1, 1)))] for i in range(ALONG)})
+  out = {}
+  for point in points:
+    window = [s for s in steps if s <= point][-WINDOW:]
+    row = {name: float(np.mean([run.series.get(k, {}).get(s, 0.0) for s in window])) for name, k in TOOLS.items()}
+    row.update({f"errors/{kind}": float(np.mean([run.series.get(ERRORS + kind, {}).get(s, 0.0) for s in window]))
+                for kind in kinds})
+    out[str(point)] = row
+  return out
 
 
 def summarize(runs: dict[int, types.SimpleNamespace]) -> dict:
-  per_seed = {}
+  per_seed, kinds, alongs = {}, error_kinds(runs), {}
   for seed, run in runs.items():
     row = {"minutes": run.minutes, "rl_steps": int(run.result["steps"])}
     for k in ACCURACY:
@@ -95,13 +123,22 @@ def summarize(runs: dict[int, types.SimpleNamespace]) -> dict:
     for name, k in TOOLS.items():
       row[f"start_{name}"] = window_mean(run.series.get(k, {}), first=True)
       row[f"end_{name}"] = window_mean(run.series.get(k, {}), first=False)
+    steps = run.series.get(TOOLS["calls_per_episode"], {})
+    for kind in kinds:
+      row[f"start_errors/{kind}"] = window_mean(run.series.get(ERRORS + kind, {}), True, steps)
+      row[f"end_errors/{kind}"] = window_mean(run.series.get(ERRORS + kind, {}), False, steps)
     per_seed[str(seed)] = row
+    alongs[str(seed)] = along(run, kinds)
   keys = next(iter(per_seed.values())).keys()
   over = {}
   for k in keys:
     mean, low, high = analysis.interval([r[k] for r in per_seed.values()])
     over[k] = {"mean": mean, "ci95": [low, high]}
-  return {"seeds": per_seed, "over_seeds": over}
+  # Along the run: the mean over seeds at each point all seeds have (seeds of one config share their steps).
+  points = set.intersection(*(set(a) for a in alongs.values())) if alongs else set()
+  over_along = {p: {k: float(np.mean([alongs[s][p][k] for s in alongs])) for k in next(iter(alongs.values()))[p]}
+                for p in sorted(points, key=int)}
+  return {"seeds": per_seed, "over_seeds": over, "error_kinds": kinds, "along": over_along}
 
 
 def _pct(x: float) -> str:
@@ -135,6 +172,19 @@ def readme(summary: dict, cmd: str, eval_size: int) -> str:
             "| | first steps | last steps |", "| --- | --- | --- |"]
   for name, k in TOOLS.items():
     lines.append(f"| `{k}` | {ci('start_' + name, 1.0, '{:.3f}')} | {ci('end_' + name, 1.0, '{:.3f}')} |")
+  kinds = [k for k in summary.get("error_kinds", [])
+           if any(over[f"{when}_errors/{k}"]["mean"] > 0 for when in ("start", "end"))]
+  if kinds:
+    lines += ["", "Failed calls per episode by kind (`tools/errors/<kind>`; `tool` counts every failure of the "
+              "tool itself, `tool/<kind>` the tool's own kinds), first and last steps:", "",
+              "| kind | first steps | last steps |", "| --- | --- | --- |"]
+    lines += [f"| `{k}` | {ci('start_errors/' + k, 1.0, '{:.3f}')} | {ci('end_errors/' + k, 1.0, '{:.3f}')} |"
+              for k in kinds]
+  if summary.get("along"):
+    cols = list(TOOLS) + [f"errors/{k}" for k in kinds]
+    lines += ["", f"Along the run (mean over seeds of the {WINDOW} RL steps up to each step):", "",
+              "| step | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
+    lines += [f"| {p} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |" for p, row in summary["along"].items()]
   lines += ["", f"Minutes per run (whole job, warm start included): {ci('minutes', 1.0)}.", "",
             "![learning curve](curve.png)", ""]
   return "\n".join(lines)
@@ -172,8 +222,10 @@ def main(argv=None) -> None:
     json.dump(summary, f, indent=2)
   with open(os.path.join(args.out, "README.md"), "w") as f:
     f.write(readme(summary, cmd, eval_size))
+  with open(os.path.join(args.root, f"seed{seeds[0]}", "config.json")) as f:
+    task_name = json.load(f)["task"].get("name", "countdown_tools")
   plots.curves_figure({"async VCPO, k = 2": list(runs.values())}, CURVES,
-                      f"countdown_tools: {len(runs)} seeds, 95% bands", os.path.join(args.out, "curve.png"))
+                      f"{task_name}: {len(runs)} seeds, 95% bands", os.path.join(args.out, "curve.png"))
   print(json.dumps(summary["over_seeds"], indent=1))
 
 

@@ -14,7 +14,9 @@ def _fake_run(workdir, base, final, calls):
       "base": {"eval/greedy_accuracy": base, "eval/sampled_accuracy": base / 2},
       "final": {"eval/greedy_accuracy": final, "eval/sampled_accuracy": final / 2}, "steps": 4}))
   rows = [{"step": s, "reward/mean": 0.1 * s, "tools/calls_per_episode": calls + s,
-           "tools/error_rate": 0.1, "tools/turns_per_episode": 2.0} for s in range(1, 5)]
+           "tools/error_rate": 0.1, "tools/turns_per_episode": 2.0, "tools/errors/json": 0.0,
+           "tools/errors/tool": 0.5} for s in range(1, 5)]
+  rows[0]["tools/errors/tool/syntax_error"] = 0.5  # a tool's own kind, logged only where seen
   rows[-1].update({"eval/greedy_accuracy": final, "eval/sampled_accuracy": final / 2})
   (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   (workdir / "config.json").write_text(json.dumps({"task": {"eval_size": 256}}))
@@ -38,6 +40,12 @@ def test_report_from_finished_runs(tmp_path, monkeypatch):
   page = (out / "README.md").read_text()
   assert "-- --config.rl.steps=4" in page and "| 1 | 30.0 | 40.0 | +10.0 |" in page
   assert (out / "curve.png").stat().st_size > 0
+  assert summary["error_kinds"] == ["json", "tool", "tool/syntax_error"]
+  assert summary["seeds"]["0"]["start_errors/tool/syntax_error"] == pytest.approx(0.25)  # steps 1-2, 0 at 2
+  assert summary["seeds"]["0"]["end_errors/tool/syntax_error"] == 0.0
+  assert summary["along"]["1"]["calls_per_episode"] == pytest.approx(2.0)
+  assert summary["along"]["4"]["calls_per_episode"] == pytest.approx(4.5)  # the WINDOW steps up to 4
+  assert "| `tool/syntax_error` | 0.250" in page and "| `json` |" not in page
 
 
 def test_tool_behaviour_counts_search_episodes():

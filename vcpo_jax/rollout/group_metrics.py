@@ -34,6 +34,9 @@ def episode_metrics(groups: Sequence[types.Group]) -> dict[str, float]:
   calls = np.asarray([s.tool_calls for s in samples], np.float64)
   errors = np.asarray([s.tool_errors for s in samples], np.float64)
   tool_tokens = [float(np.sum(np.asarray(s.output_mask) == 0)) for s in samples]
+  # The fixed kinds every step, and a tool's own kinds (e.g. tools/errors/tool/syntax_error) in steps that saw one.
+  own = sorted({k for s in samples for k in (s.tool_error_kinds or {}) if k.startswith("tool/")})
+  kinds = (*tool_calls.ERROR_KINDS, "reward", *own)
   return {"tools/calls_per_episode": float(calls.mean()),
           "tools/errors_per_episode": float(errors.mean()),
           "tools/error_rate": float(errors.sum() / max(calls.sum(), 1.0)),
@@ -41,8 +44,12 @@ def episode_metrics(groups: Sequence[types.Group]) -> dict[str, float]:
           "tools/max_turns": float(max(s.num_turns for s in samples)),
           "tools/turn_capped_fraction": float(np.mean([s.turn_capped for s in samples])),
           "tools/tool_tokens_per_episode": float(np.mean(tool_tokens)),
-          **{f"tools/errors/{kind}": float(np.mean([(s.tool_error_kinds or {}).get(kind, 0) for s in samples]))
-             for kind in (*tool_calls.ERROR_KINDS, "reward")}}
+          **{f"tools/errors/{kind}": float(np.mean([_count(s, kind) for s in samples])) for kind in kinds}}
+
+
+def _count(sample, kind: str) -> int:
+  """Failed calls of `kind` in the episode; 'tool' includes the tools' own kinds ('tool/<kind>')."""
+  return sum(n for k, n in (sample.tool_error_kinds or {}).items() if k == kind or k.startswith(kind + "/"))
 
 
 def lag_histogram(lags: Sequence[int], max_lag: int) -> np.ndarray:

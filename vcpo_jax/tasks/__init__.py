@@ -1,5 +1,5 @@
-"""Verifiable tasks (Countdown, arithmetic, Countdown with tools, the user's files) and tool environments,
-registered by name."""
+"""Verifiable tasks (Countdown, arithmetic, both with tools, the user's files) and tool environments, registered
+by name."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +8,13 @@ import dataclasses
 # environment.register_environment) when imported here.
 from vcpo_jax.tasks.calculator import Calculator
 from vcpo_jax.tasks.arithmetic import Arithmetic
+from vcpo_jax.tasks.arithmetic_code import ArithmeticCode
 from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
 from vcpo_jax.tasks.dataset import Dataset
 from vcpo_jax.tasks.environment import ENVIRONMENTS, Environment, register_environment
+from vcpo_jax.tasks.python_tool import PythonTool
 from vcpo_jax.tasks.tool_calls import ToolError
 
 
@@ -37,6 +39,6 @@ def reward(example: Example, completion: str) -> float:
   return get_task(example["task"]).reward(example, completion)
 
 
-__all__ = ["Arithmetic", "Calculator", "Countdown", "CountdownTools", "Dataset", "ENVIRONMENTS", "Environment",
-           "Example", "SPLITS", "TASKS", "Task", "ToolError", "countdown_reward", "extract_answer", "get_task",
-           "register_environment", "register_task", "reward", "sft_completion"]
+__all__ = ["Arithmetic", "ArithmeticCode", "Calculator", "Countdown", "CountdownTools", "Dataset", "ENVIRONMENTS",
+           "Environment", "Example", "PythonTool", "SPLITS", "TASKS", "Task", "ToolError", "countdown_reward",
+           "extract_answer", "get_task", "register_environment", "register_task", "reward", "sft_completion"]

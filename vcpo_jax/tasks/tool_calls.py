@@ -32,16 +32,21 @@ TOOL_FAILED = "error: tool failed"  # a tool that raised anything but ToolError 
 
 
 class ToolError(Exception):
-  """Raised by a tool for a failure the model may read: the reply is "error: <message>" (kind 'tool'). Any
+  """Raised by a tool for a failure the model may read: the reply is "error: <message>" (kind 'tool', or
+  'tool/<kind>' when the tool names its own failure kind, e.g. the code sandbox's 'syntax_error'). Any
   other exception is the fixed "error: tool failed". Build the message from fixed phrases, not the call's
   arguments, or the model's text flows back into its context."""
+
+  def __init__(self, message: str = "", kind: Optional[str] = None):
+    super().__init__(message)
+    self.kind = kind
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolReply:
   """What the environment appends after a call (as tokens with mask 0). content: what the tool message holds;
   text: the template's rendering (end of the call's turn, tool message, next generation prompt); kind: the
-  failure kind (an ERROR_KINDS key) or None for an answered call."""
+  failure kind (an ERROR_KINDS key, or 'tool/<the tool's own kind>') or None for an answered call."""
   text: str
   error: bool
   content: str = ""
@@ -174,10 +179,10 @@ class ToolEnvironment:
     try:
       content, failed = _content(tool.run(**args)), False
     except ToolError as e:
-      content, failed = f"error: {e}", True
+      content, failed, kind = f"error: {e}", True, "tool" if e.kind is None else f"tool/{e.kind}"
     except Exception:  # noqa: BLE001 - a tool's bug must not stop the job; the model sees a fixed phrase
-      content, failed = TOOL_FAILED, True
-    return ToolReply(self.render_reply(content), failed, content, "tool" if failed else None)
+      content, failed, kind = TOOL_FAILED, True, "tool"
+    return ToolReply(self.render_reply(content), failed, content, kind if failed else None)
 
   def error_reply(self, kind: str) -> ToolReply:
     """The fixed reply of a failure found outside the call's checks (kind 'timeout', or 'tool' for a crash)."""

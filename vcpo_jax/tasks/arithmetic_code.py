@@ -1,0 +1,89 @@
+"""Arithmetic with a Python tool: products too large to compute unaided, where `print(a*b)` in a `python` call is easy.
+
+Same problems, keys and reward as Arithmetic (the exact integer in the last answer block), with larger operands
+(4-6 digits) and the `python` environment (tasks.python_tool) declared to the chat template. Warm-start traces
+call the tool in the template's format, read its reply and answer it: `<tool_call>{"name": "python",
+"arguments": {"code": "print(1234*56789)"}}</tool_call>`, the tool message `70077626`, `<answer>70077626</answer>`.
+Wrong traces (sft.error_rate) are the mistakes RL can remove: an operand miscopied into the code (the reply
+is then a wrong product, answered faithfully), the reply misread (one digit of the answer changed), or no call
+and a guess (the leading digits right).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.tasks import arithmetic, base, environment as environment_lib, python_tool
+
+# Kinds of wrong warm-start traces and their shares.
+WRONG_KINDS = (("miscopy", 0.5), ("misread", 0.25), ("guess", 0.25))
+
+
+def _change_digit(n: int, rng: np.random.Generator, keep_leading: int = 1) -> int:
+  """n with one digit (not among its first keep_leading) replaced by another: a different number, same length."""
+  digits = list(str(abs(n)))
+  if len(digits) <= keep_leading:
+    return n + 1
+  i = int(rng.integers(keep_leading, len(digits)))
+  digits[i] = str((int(digits[i]) + int(rng.integers(1, 10))) % 10)
+  return int("".join(digits)) * (-1 if n < 0 else 1)
+
+
+@base.register_task
+class ArithmeticCode(arithmetic.Arithmetic):
+  """Arithmetic knobs (operand digits, ops), max_turns (model turns per episode, so max_turns - 1 calls),
+  and the python environment's options: wall_seconds, cpu_seconds, memory_mb per call, exact_prints
+  (tasks.python_tool.PythonTool)."""
+
+  name = "arithmetic_code"
+
+  def __init__(self, min_digits: int = 4, max_digits: int = 6, ops: str = "*", eval_fraction: float = 0.1,
+               max_turns: int = 3, wall_seconds: float = 2.0, cpu_seconds: int = 1, memory_mb: int = 256,
+               exact_prints: bool = False):
+    super().__init__(min_digits=min_digits, max_digits=max_digits, ops=ops, eval_fraction=eval_fraction)
+    self.tools = environment_lib.make("python", max_turns=max_turns, wall_seconds=wall_seconds,
+                                      cpu_seconds=cpu_seconds, memory_mb=memory_mb, exact_prints=exact_prints)
+    self.use_chat_template(tokenizer_lib.TASK_CHAT)
+
+  def use_chat_template(self, render_prompt) -> "ArithmeticCode":
+    """Prompts declare the python tool to the template and replies are its tool messages (render_prompt: a
+    Tokenizer.chat_prompt, model.chat.ChatFormat)."""
+    if not callable(getattr(render_prompt, "tool_reply", None)):
+      raise ValueError(f"arithmetic_code needs a chat format with tool support (Tokenizer.chat_prompt), got "
+                       f"render_prompt={render_prompt!r}")
+    tools = self.tools.declarations()
+    self.tools.render_reply = render_prompt.tool_reply
+    self.render_prompt = lambda user_text: render_prompt(user_text, tools=tools)
+    return self
+
+  def environment(self) -> environment_lib.EnvironmentFactory:
+    return self.tools
+
+  def _run(self, a: int, op: str, b: int) -> tuple[str, int]:
+    """A call printing `a op b` and the tool's reply to it, as an episode holds them; and the printed value.
+    The reply is what the python tool answers (the episodes' rule, episodes.trace_segments, checks it)."""
+    value = arithmetic._apply(a, op, b)
+    content = python_tool.stdout_content(f"{value}\n", 1 << 20)
+    return python_tool.call(f"print({a}{op}{b})") + self.tools.render_reply(content), value
+
+  def reference_solution(self, example: base.Example, rng: base.RngLike | None = None) -> str:
+    del rng  # one correct trace
+    text, value = self._run(example["a"], example["op"], example["b"])
+    return f"{text}<answer>{value}</answer>"
+
+  def wrong_completion(self, example: base.Example, rng: np.random.Generator) -> str:
+    a, op, b = example["a"], example["op"], example["b"]
+    truth = arithmetic._apply(a, op, b)
+    kind = WRONG_KINDS[int(rng.choice(len(WRONG_KINDS), p=[p for _, p in WRONG_KINDS]))][0]
+    if kind == "miscopy":
+      for _ in range(100):
+        a2, b2 = (_change_digit(a, rng), b) if rng.random() < 0.5 else (a, _change_digit(b, rng))
+        text, value = self._run(a2, op, b2)
+        if value != truth:
+          return f"{text}<answer>{value}</answer>"
+      kind = "misread"  # every miscopy gives the same value (e.g. a zero operand)
+    if kind == "misread":
+      text, _ = self._run(a, op, b)
+      return f"{text}<answer>{_change_digit(truth, rng)}</answer>"
+    guess = _change_digit(_change_digit(truth, rng, keep_leading=2), rng, keep_leading=2)
+    return f"<answer>{guess if guess != truth else truth + 1}</answer>"
