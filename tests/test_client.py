@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests import fake_sglang
+from tests import waits
 from vcpo_jax.rollout import protocol
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import launcher
@@ -456,16 +457,17 @@ def test_generation_aborted_for_a_weight_update_resumes_on_the_new_weights(embed
       try:
         task = asyncio.create_task(client.generate([4, 5, 6], sampling, n=2))
         # Both requests must be inside the servers' engines (else the pause finds nothing to abort).
-        while True:
+        async def both_in_engines():
+          assert not task.done(), "the generations ended before both were seen in the servers' engines"
           infos = await asyncio.gather(*(client.request_json(u, "GET", "/get_model_info") for u in urls))
-          if sum(info["num_in_flight"] for _, info in infos) >= 2:
-            break
-          await asyncio.sleep(0.002)
+          return sum(info["num_in_flight"] for _, info in infos) >= 2
+
+        await waits.async_wait_until(both_in_engines, 300, "both requests in the servers' engines")
         await asyncio.sleep(0.02)
         await asyncio.gather(*(client.request_json(u, "POST", "/pause_generation", {"mode": "abort"})
                                for u in urls))
         await pub.publish(params[1], 1)  # pause(in_place) -> update -> continue: the resumed part runs on v1
-        return await task, client.stats
+        return await waits.wait_for(task, 300, "the aborted generations to finish on the new weights"), client.stats
       finally:
         await pub.close()
 
@@ -495,17 +497,17 @@ def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair
     async with client_lib.RolloutClient([victim.url, survivor.url], vocab_size=vocab,
                                         backoff_base=0.01) as client:
       tasks = [asyncio.create_task(client.generate(p, sampling, n=2)) for p in prompts]
-      while client.stats["outstanding"][victim.url] < 6:
-        await asyncio.sleep(0.001)
+      await waits.async_wait_until(lambda: client.stats["outstanding"][victim.url] >= 6, 300,
+                                   "6 requests outstanding at the victim server", interval_s=0.001)
       os.kill(victim.proc.pid, signal.SIGKILL)
-      groups = await asyncio.gather(*tasks)
+      groups = await waits.wait_for(asyncio.gather(*tasks), 300, "every group to finish on the survivor")
       return groups, client.stats
 
   # Earlier tests may have published newer weights; by convention version v runs tiny_params(v).
   info = json.loads(urllib.request.urlopen(survivor.url + "/get_model_info", timeout=10).read())
   version = protocol.version_from_wire(info["weight_version"])
   groups, stats = asyncio.run(run())
-  victim.proc.wait()
+  waits.wait_process(victim.proc, 60, "the SIGKILLed server to exit")
   assert stats["connection_errors"] >= 1 and stats["marked_down"] >= 1
   assert stats["available"][victim.url] is False
   # Every sample completed exactly once, all of those cut off were redone on the survivor.

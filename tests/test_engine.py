@@ -4,6 +4,7 @@ import asyncio
 import jax
 import pytest
 
+from tests import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
 from vcpo_jax.model import transformer as M
@@ -36,13 +37,13 @@ def test_loop_survives_a_failure_and_pause_still_returns():
     eng._settle = failing_once
     first = _row("a")
     eng.submit([first])
-    await asyncio.wait_for(first.done.wait(), 120)
+    await waits.wait_for(first.done.wait(), 120, "the first row, aborted by the failing loop")
     assert first.finish_reason == "abort" and calls["n"] >= 3
     second = _row("b")
     eng.submit([second])
-    await asyncio.wait_for(second.done.wait(), 120)
+    await waits.wait_for(second.done.wait(), 120, "the second row on the restarted loop")
     assert second.finish_reason == "length" and len(second.output_ids) == 6
-    assert await asyncio.wait_for(eng.pause("abort"), 30) == 0  # a dead loop would never park
+    assert await waits.wait_for(eng.pause("abort"), 30, "the loop to park on pause") == 0  # a dead loop would never park
     eng.resume()
     await eng.stop()
 

@@ -30,6 +30,16 @@ def perturbed_params(cfg):
   return init(jax.random.PRNGKey(0))
 
 
+def assert_per_token_close(got, want, what=""):
+  """Per-token log-probs (or entropies) along two float32 paths: logits are dots over the hidden size and the
+  log-sum-exp sums V terms, each in its own order, so they differ by ~ u (sqrt(D) + sqrt(V)) ~ 10 u of the
+  largest |value| (u = 2^-24; these params give |log-prob| up to ~10, where one ulp is 1e-6). 16 u of it;
+  a log-prob off by 0.1% is ~60x that."""
+  want = np.asarray(want, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=16 * 2.0**-24 * max(float(np.max(np.abs(want))), 1.0),
+                             err_msg=what)
+
+
 def padded_rows(b: int, t: int):
   """tokens_BxT (few ids: many repeats), response mask_BxT and key_mask_BxT: prompts of unequal length,
   unequal ends, one empty response, pad id 0 after each end."""
@@ -89,7 +99,7 @@ def test_norms_match_vmap_grad_per_leaf(tied, mode):
     assert np.all(want[name][:3] > 0), name
     np.testing.assert_allclose(got[name][:3], want[name][:3], rtol=1e-5, err_msg=name)
   want_logp = jax.jit(functools.partial(M.token_logprobs, cfg=cfg))(params, tokens_BxT=tokens, mask_BxT=mask)
-  np.testing.assert_allclose(aux["logp_BxT"], want_logp, atol=1e-6)
+  assert_per_token_close(aux["logp_BxT"], want_logp, "logp_BxT")
 
 
 def test_explicit_norms_one_sequence_at_a_time(monkeypatch):

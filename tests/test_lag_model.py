@@ -2,6 +2,7 @@
 the lag histogram metrics; the emulator sampling each group from its own version; the real http backend."""
 import asyncio
 import heapq
+import time
 
 import numpy as np
 import pytest
@@ -69,26 +70,36 @@ def test_pipeline_model_matches_the_real_scheduler_driven_by_the_same_durations(
       return [type("S", (), {"token_versions": np.full(3, version, np.int64), "output_mask": None})()] * n
 
     async def ticker():
-      while True:
+      # Bounded in real time (the loop's own clock is virtual here, so asyncio timeouts cannot bound it).
+      deadline = time.monotonic() + 300
+      while time.monotonic() < deadline:
         await asyncio.sleep(0)
         for _ in range(50):
           await asyncio.sleep(0)
         if timers:
           clock["now"], _, fut = heapq.heappop(timers)
           fut.set_result(None)
+      raise AssertionError(f"timed out after 300 s (real time) waiting for {steps} batches from the scheduler")
+
+    async def learner():
+      got = []
+      for v in range(steps):
+        clock["published"] = v
+        batch = await sched.next_batch(v)
+        got.append([g.sample_lags[0] for g in batch])
+        await vsleep(1.0)   # the learner step
+      return got
 
     prompts = ({"prompt_ids": [1, 2]} for _ in range(10_000))
     sched = RolloutScheduler(generate, prompts, sampling_params={}, group_size=n, batch_groups=B, max_lag=k)
-    tick = asyncio.create_task(ticker())
-    got = []
-    for v in range(steps):
-      clock["published"] = v
-      batch = await sched.next_batch(v)
-      got.append([g.sample_lags[0] for g in batch])
-      await vsleep(1.0)   # the learner step
+    tick, body = asyncio.create_task(ticker()), asyncio.create_task(learner())
+    done, _ = await asyncio.wait({tick, body}, return_when=asyncio.FIRST_COMPLETED)
+    if body not in done:
+      body.cancel()
+      tick.result()  # the ticker's timeout
     tick.cancel()
     await sched.close()
-    return got
+    return body.result()
 
   got = asyncio.run(main())
   assert [sorted(x) for x in got] == [sorted(x) for x in want]

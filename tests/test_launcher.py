@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout.servers import launcher
 
@@ -44,7 +45,7 @@ def test_server_exits_when_its_parent_is_killed(tmp_path):
   server_pid = int(parent.stdout.readline())
   os.kill(server_pid, 0)  # healthy and running
   parent.kill()
-  parent.wait()
+  waits.wait_process(parent, 60, "the killed parent to exit")
   deadline = time.time() + 60
   while time.time() < deadline:
     try:

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests import multihost_worker as worker
+from tests import waits
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
@@ -198,11 +199,10 @@ def test_two_processes_async_with_one_embedded_server(tmp_path, reference):
 
 
 def _wait_for(path, procs, timeout=300):
-  t0 = time.time()
-  while not os.path.exists(path):
-    assert all(p.poll() is None for p in procs), "a process ended early"
-    assert time.time() - t0 < timeout, f"{path} did not appear"
-    time.sleep(0.2)
+  def appeared():
+    assert all(p.poll() is None for p in procs), f"a process ended before {path} appeared"
+    return os.path.exists(path)
+  waits.wait_until(appeared, timeout, f"{path} to appear", interval_s=0.2)
 
 
 @pytest.mark.slow
@@ -215,7 +215,7 @@ def test_sigkill_both_then_restart_keeps_the_data_order(tmp_path, reference):
   for p in procs:
     p.send_signal(signal.SIGKILL)
   for p in procs:
-    p.wait()
+    waits.wait_process(p, 60, "a SIGKILLed process to exit")
   _run(workdir)
   assert "resumed from checkpoint at step" in _log(workdir, 0)
   assert [r["indices"] for r in _lines(workdir, "consumed.jsonl")] == \

@@ -2,12 +2,12 @@
 import asyncio
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 
 from tests import fake_sglang
+from tests import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import publisher as publisher_lib
@@ -105,14 +105,14 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
   async def attempt(client, pub, version, delay):
     """Publishes `version` while a long generation made with version - 1 is in flight."""
     long = asyncio.create_task(_generate(client, [7, 8, 9], max_new=240))
-    while sum(client.stats["outstanding"].values()) < 2:
-      await asyncio.sleep(0.001)
+    await waits.async_wait_until(lambda: sum(client.stats["outstanding"].values()) >= 2, 120,
+                                 "the long generation's 2 requests outstanding", interval_s=0.001)
     await asyncio.sleep(delay)
     # Freeze generation now (the export below takes longer than the whole generation would).
     await asyncio.gather(*(client.request_json(u, "POST", "/pause_generation", {"mode": "in_place"})
                            for u in urls))
     await pub.publish(_params(version), version)
-    return await long
+    return await waits.wait_for(long, 300, "the long generation to finish after the update")
 
   async def run():
     async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
@@ -272,7 +272,7 @@ def test_failed_server_leaves_rotation_and_is_resynced(cluster):
       try:
         await pub.publish(_params(8), 8)
         os.kill(b.proc.pid, signal.SIGKILL)
-        b.proc.wait()
+        waits.wait_process(b.proc, 60, "the SIGKILLed server to exit")
         assert await pub.publish(_params(9), 9) == {a.url: True, b.url: False}
         assert client.available_urls == [a.url] and b.url in pub.out_of_sync
         while_down = await asyncio.gather(*(_generate(client, [1, 2, i + 1]) for i in range(3)))
@@ -281,9 +281,8 @@ def test_failed_server_leaves_rotation_and_is_resynced(cluster):
                                                cluster["logs"], port=b.port)
         cluster["servers"][1] = restarted
         await asyncio.to_thread(restarted.wait_healthy, 180)
-        deadline = time.monotonic() + 60
-        while client.available_urls != [a.url, b.url] and time.monotonic() < deadline:
-          await asyncio.sleep(0.1)
+        await waits.async_wait_until(lambda: client.available_urls == [a.url, b.url], 60,
+                                     "the restarted server back in rotation", interval_s=0.1)
         _, info = await client.request_json(b.url, "GET", "/get_model_info")
         after = await asyncio.gather(*(_generate(client, [2, 3, i + 1]) for i in range(4)))
         return while_down, after, info, dict(pub.stats), client.available_urls
@@ -333,9 +332,8 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
         _fake_update_mode(urls[1], "not_flushed")
         result = await pub.publish(None, 3)
         out_of_rotation = client.available_urls
-        deadline = time.monotonic() + 30
-        while len(client.available_urls) < 2 and time.monotonic() < deadline:
-          await asyncio.sleep(0.05)
+        await waits.async_wait_until(lambda: len(client.available_urls) >= 2, 30,
+                                     "both servers back in rotation after the resync", interval_s=0.05)
         infos = [(await client.request_json(u, "GET", "/get_model_info"))[1] for u in urls]
         return result, out_of_rotation, client.available_urls, infos, dict(pub.stats), client.stats
       finally:

@@ -111,8 +111,11 @@ def test_stop_ids_max_new_and_ignore_eos(params):
           sampling.RowSpec(prompt=tuple(PROMPTS[0]), max_new_tokens=10, temperature=0.0,
                            stop_token_ids=(stop_id,), min_new_tokens=first + 2)]
   batch = sampling.start_batch(params, CFG, rows)
-  while not bool(jnp.all(batch.state.done_B)):
-    sampling.decode_chunk(params, batch, 64)  # generate()'s chunk size: no extra compile
+  for _ in range(2):  # at most 10 new tokens: one chunk of 64 (generate()'s size, no extra compile) ends every row
+    if bool(jnp.all(batch.state.done_B)):
+      break
+    sampling.decode_chunk(params, batch, 64)
+  assert bool(jnp.all(batch.state.done_B)), "rows of at most 10 new tokens not done after 2 chunks of 64"
   stopped, ignored, short, delayed = sampling.results(batch)
   assert stopped.output_ids == free[0].output_ids[:first + 1]
   assert stopped.finish_reason == "stop" and stopped.matched_token == stop_id

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer
@@ -89,26 +90,27 @@ def server(tmp_path_factory):
   with open(log_path, "w") as log:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
   srv = Server(f"http://127.0.0.1:{port}", proc, dirs, log_path)
-  deadline = time.time() + 120
-  while True:
+
+  def healthy():
     if proc.poll() is not None:
       pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
     try:
-      if srv.call("GET", "/health", timeout=2)[0] == 200:
-        break
+      return srv.call("GET", "/health", timeout=2)[0] == 200
     except OSError:
-      pass
-    if time.time() > deadline:
-      proc.kill()
-      pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-    time.sleep(0.2)
+      return False
+
+  try:
+    waits.wait_until(healthy, 120, "the server's /health", interval_s=0.2)
+  except AssertionError as e:
+    proc.kill()
+    pytest.fail(f"{e}:\n{log_path.read_text()}")
   yield srv
   proc.terminate()
   try:
     proc.wait(timeout=20)
   except subprocess.TimeoutExpired:
     proc.kill()
-    proc.wait()
+    waits.wait_process(proc, 30, "the killed server to exit")
 
 
 @jax.jit
@@ -141,10 +143,12 @@ def _long_request(srv, rid, seed=5):
   fut = pool.submit(srv.generate, body)
   pool.shutdown(wait=False)
   start = srv.info()["num_generated_tokens"]
-  deadline = time.time() + 60
-  while srv.info()["num_generated_tokens"] - start < 1:  # running: its first token is out
-    assert not fut.done() and time.time() < deadline, "long request finished or never started"
-    time.sleep(0.005)
+
+  def first_token_out():
+    assert not fut.done(), "the long request finished before its first token was seen"
+    return srv.info()["num_generated_tokens"] - start >= 1
+
+  waits.wait_until(first_token_out, 60, "the long request's first token", interval_s=0.005)
   return fut
 
 
@@ -403,7 +407,7 @@ def test_concurrent_requests_share_one_batch(server):
   barrier = threading.Barrier(len(bodies))
 
   def send(body):
-    barrier.wait()
+    barrier.wait(timeout=120)  # BrokenBarrierError, not a hang, if a sender never starts
     return server.generate(body)
 
   with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
@@ -446,11 +450,13 @@ def test_rollout_client_against_embedded_server(server):
       start = (await asyncio.to_thread(server.info))["num_generated_tokens"]
       task = asyncio.create_task(
           c.generate(PROMPT, {"max_new_tokens": LONG, "sampling_seed": 4, "ignore_eos": True}))
-      while (await asyncio.to_thread(server.info))["num_generated_tokens"] - start < 1:
-        assert not task.done()
-        await asyncio.sleep(0.005)
+      async def first_token_out():
+        assert not task.done(), "the long request finished before its first token was seen"
+        return (await asyncio.to_thread(server.info))["num_generated_tokens"] - start >= 1
+
+      await waits.async_wait_until(first_token_out, 60, "the long request's first token", interval_s=0.005)
       assert (await asyncio.to_thread(server.call, "POST", "/abort_request", {"abort_all": True}))[0] == 200
-      return short, (await task)[0]
+      return short, (await waits.wait_for(task, 120, "the aborted request to resume and finish"))[0]
 
   short, resumed = asyncio.run(run())
   params = server.params["m0"]

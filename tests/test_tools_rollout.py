@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import fake_sglang
+import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import build_tokenizer
@@ -115,19 +116,33 @@ def test_http_episodes_span_an_abort_and_a_weight_update(embedded):
       # Undisturbed: turn 0 is the plain generation up to the marker, where the server stopped it.
       (calm,) = await runner.generate(client.generate, PROMPT, dict(sp, ignore_eos=True), n=1)
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, weights, client)
+      turns = []
+
+      async def held_second_turn(input_ids, params, n=1):
+        # The second turn is sent to an engine paused in place, so it waits there until the abort below: a
+        # turn that ends before a poll could see it in flight would leave the abort nothing to cut.
+        turns.append(len(input_ids))
+        if len(turns) == 2:
+          await client.request_json(server.url, "POST", "/pause_generation", {"mode": "in_place"})
+        return await client.generate(input_ids, params, n=n)
+
       try:
         before = client.stats["requests"]
-        task = asyncio.create_task(runner.generate(client.generate, PROMPT, dict(sp, ignore_eos=True,
-                                                                                 sampling_seed=31), n=1))
-        while True:  # abort once the episode is past its first turn and a request is in the engine
+        task = asyncio.create_task(runner.generate(held_second_turn, PROMPT, dict(sp, ignore_eos=True,
+                                                                                  sampling_seed=31), n=1))
+
+        async def second_turn_in_engine():
+          if task.done():
+            raise AssertionError(f"the episode ended after {len(turns)} turn(s), before its second was held")
           _, info = await client.request_json(server.url, "GET", "/get_model_info")
-          if info["num_in_flight"] >= 1 and client.stats["requests"] >= before + 2:
-            break
-          await asyncio.sleep(0.002)
+          return info["num_in_flight"] >= 1 and client.stats["requests"] >= before + 2
+
+        await waits.async_wait_until(second_turn_in_engine, 300, "the episode's second turn in the engine")
         await client.request_json(server.url, "POST", "/pause_generation", {"mode": "abort"})
         await pub.publish(params[1], 1)
-        (stormy,) = await task
+        (stormy,) = await waits.wait_for(task, 300, "the episode to finish after the abort and the update")
       finally:
+        await client.request_json(server.url, "POST", "/continue_generation", {})  # never leave it held
         await pub.close()
       return plain, marker, runner, calm, stormy
 

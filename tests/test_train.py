@@ -14,6 +14,7 @@ import asyncio
 import numpy as np
 import pytest
 
+import waits
 from configs import tiny
 from vcpo_jax import tasks
 from vcpo_jax.job import train
@@ -79,16 +80,20 @@ def test_resume_after_sigkill_continues_steps_and_data_order(tmp_path):
   assert proc.returncode == 0, out[-3000:]
 
   proc = _run_main(killed)
-  deadline = time.time() + 600
   ckpt = killed / "checkpoints"
+
+  def first_checkpoint():
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    return ckpt.exists() and "2" in os.listdir(ckpt)
+
   # With the compiles cached by the first run a step takes milliseconds: watch closely and freeze the job
   # (SIGSTOP) as soon as its first checkpoint is committed, so it cannot run to the end before the kill.
-  while time.time() < deadline and not (ckpt.exists() and "2" in os.listdir(ckpt)):
-    assert proc.poll() is None, proc.stdout.read()[-3000:]
-    time.sleep(0.005)
-  os.kill(proc.pid, signal.SIGSTOP)
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
+  try:
+    waits.wait_until(first_checkpoint, 600, "the killed run's checkpoint of step 2", interval_s=0.005)
+  finally:
+    os.kill(proc.pid, signal.SIGSTOP)
+    os.kill(proc.pid, signal.SIGKILL)
+    waits.wait_process(proc, 60, "the SIGKILLed job to exit")
   steps_before = max(_consumed_by_step(killed))
   assert steps_before < 8, "the run finished before it could be killed"
   proc = _run_main(killed)
@@ -138,10 +143,16 @@ def test_ctrl_c_stops_the_servers(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   finally:
     signal.signal(signal.SIGINT, previous)
-  deadline = time.time() + 600
-  while time.time() < deadline and not (workdir / "metrics.jsonl").exists():
+
+  def first_metrics():
     assert proc.poll() is None, proc.stdout.read()[-3000:]
-    time.sleep(0.5)
+    return (workdir / "metrics.jsonl").exists()
+
+  try:
+    waits.wait_until(first_metrics, 600, "the job's first metrics.jsonl line", interval_s=0.5)
+  except AssertionError:
+    proc.kill()
+    raise
   assert _server_pids(workdir), "the job should be running an embedded server"
   proc.send_signal(signal.SIGINT)
   proc.communicate(timeout=120)
