@@ -64,7 +64,7 @@ def restore(workdir: str, config, model_cfg, step: int):
 
 def sampler_versions(config, step: int, lag: str) -> list[int]:
   """The past versions the batch of the step after checkpoint `step` samples from (the run's lag model, or s-k)."""
-  from vcpo_jax.rollout import emulation, lag_model  # noqa: PLC0415
+  from vcpo_jax.rollout.emulation import emulator as emulation, lag_model  # noqa: PLC0415
   rl, k = config.rl, int(config.rl.max_lag)
   options = {n: v for n, v in dict(rl.emulation).items() if n != "lag_model"}
   model = None if lag == "max" else lag_model.make_lag_model(
@@ -79,7 +79,9 @@ def sampler_versions(config, step: int, lag: str) -> list[int]:
 def draw_batches(workdir, config, model_cfg, tok, task, params, host, step: int, batches: int, lag: str):
   """`batches` scored RLBatches drawn as the run's emulator draws the steps after `step` (numpy rows)."""
   from vcpo_jax.job import data  # noqa: PLC0415
-  from vcpo_jax.rollout import backend, batching, emulation, ring_store  # noqa: PLC0415
+  from vcpo_jax.job import batching  # noqa: PLC0415
+  from vcpo_jax.rollout import backend  # noqa: PLC0415
+  from vcpo_jax.rollout.emulation import emulator as emulation, ring_store  # noqa: PLC0415
   from vcpo_jax.rollout.rewards import Rewarder  # noqa: PLC0415
   k = int(config.rl.max_lag)
   store = ring_store.RingStore(os.path.join(workdir, "emulation_ring"))

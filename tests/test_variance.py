@@ -115,7 +115,7 @@ def _tiny_workdir(workdir, step=3, k=2):
   from vcpo_jax.job import checkpointing, data, warm_start  # noqa: PLC0415
   from vcpo_jax.job.configuration import build_optimizer  # noqa: PLC0415
   from vcpo_jax.learner import train_state  # noqa: PLC0415
-  from vcpo_jax.rollout import ring_store  # noqa: PLC0415
+  from vcpo_jax.rollout.emulation import ring_store  # noqa: PLC0415
   c = tiny.get_config("emulate")
   c.rl.max_lag, c.rl.prompts_per_step, c.rl.group_size = k, 2, 4
   os.makedirs(workdir)
