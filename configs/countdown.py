@@ -152,7 +152,8 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   # The task's reward as rollouts and evaluations compute it: off the rollout event loop, in a pool (thread:
   # in-process, for trusted fast rewards; process: worker processes, killable, for slow or untrusted verifiers).
-  # A reward that raises, times out or is not a finite number scores 0 and is counted (reward/errors/<kind>).
+  # A reward that raises, times out or is not a finite number scores 0 and is counted (reward/errors/<kind>,
+  # per step with reward/calls).
   c.reward = ml_collections.ConfigDict(dict(
       pool="thread",           # inline | thread | process
       workers=2,               # concurrent reward calls

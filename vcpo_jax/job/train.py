@@ -47,6 +47,7 @@ class RLRun:
                rewarder: Rewarder):
     self.config, self.workdir, self.model_cfg = config, workdir, model_cfg
     self.rewarder = rewarder  # the task's reward and its pool: rollouts and evaluations score with it
+    self._reward_counts = rewarder.stats()  # logged per step: the calls and errors since the previous step
     self.tok, self.task, self.eval_examples, self.base_info = tok, task, eval_examples, base_info
     rl = config.rl
     # Many hosts: process 0 (the leader) alone drives rollouts, data, evaluation and files (multihost.py).
@@ -140,7 +141,7 @@ class RLRun:
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
     scalars = {**step_metrics, **group_metrics.step_metrics(groups, seconds=seconds, max_lag=rl.get("max_lag")),
-               **extra, **self.rewarder.stats()}
+               **extra, **self._reward_counts_since_last_step()}
     for key, value in step_metrics.items():
       arr = np.asarray(value)
       if arr.ndim == 0 and not np.isfinite(arr) and not key.startswith("hist/") and key not in UNDEFINED_OK:
@@ -160,6 +161,13 @@ class RLRun:
       host = {"data": self.prompts.get_state(), "step": self.step, "rollout": rollout_state_fn()}
       if not self.ckpt.save(self.step, self.state, host):
         self.writer.write(self.step, {"checkpoint/failed_saves": self.ckpt.failed_saves})
+
+  def _reward_counts_since_last_step(self) -> dict[str, float]:
+    """reward/calls and reward/errors/<kind> of this step (its rollouts and the evaluation before it)."""
+    now = self.rewarder.stats()
+    out = {k: v - self._reward_counts.get(k, 0.0) for k, v in now.items()}
+    self._reward_counts = now
+    return out
 
   def close(self):
     self.progress.close()
