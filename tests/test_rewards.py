@@ -56,6 +56,22 @@ def bad_values(example, text):
   return {"nan": float("nan"), "str": "1.0", "inf": math.inf, "ok": 0.5}[text]
 
 
+async def _gather_while_ticking(*calls):
+  """The calls' outcomes and how often a 10 ms ticker on the same event loop ran meanwhile."""
+  ticks = 0
+
+  async def ticker():
+    nonlocal ticks
+    while True:
+      await asyncio.sleep(0.01)
+      ticks += 1
+
+  t = asyncio.create_task(ticker())
+  outcomes = await asyncio.gather(*calls)
+  t.cancel()
+  return outcomes, ticks
+
+
 def test_inline_and_thread_pools_return_values_and_count_exceptions():
   for kind in ("inline", "thread"):
     pool = offload.CallPool(kind, workers=2, timeout_s=5)
@@ -70,21 +86,7 @@ def test_inline_and_thread_pools_return_values_and_count_exceptions():
 def test_a_thread_call_past_its_timeout_is_a_counted_timeout_and_the_loop_runs_on():
   pool = offload.CallPool("thread", workers=2, timeout_s=0.3)
 
-  async def main():
-    ticks = 0
-
-    async def ticker():
-      nonlocal ticks
-      while True:
-        await asyncio.sleep(0.01)
-        ticks += 1
-
-    t = asyncio.create_task(ticker())
-    slow, fast = await asyncio.gather(pool.call(sleep_then, 1, 1.0), pool.call(double, 5))
-    t.cancel()
-    return slow, fast, ticks
-
-  slow, fast, ticks = asyncio.run(main())
+  (slow, fast), ticks = asyncio.run(_gather_while_ticking(pool.call(sleep_then, 1, 1.0), pool.call(double, 5)))
   assert slow.error == "timeout" and fast.value == 10
   assert ticks >= 5  # a call computed on the event loop would have held every tick for its whole duration
   assert pool.stats["errors/timeout"] == 1
@@ -122,22 +124,8 @@ def test_process_pool_contains_hangs_crashes_and_exceptions_and_replaces_workers
 def test_process_pool_keeps_the_event_loop_free_while_a_call_hangs():
   pool = offload.CallPool("process", workers=2, timeout_s=1.0)
 
-  async def main():
-    ticks = 0
-
-    async def ticker():
-      nonlocal ticks
-      while True:
-        await asyncio.sleep(0.01)
-        ticks += 1
-
-    t = asyncio.create_task(ticker())
-    hung, fine = await asyncio.gather(pool.call(spin, 0), pool.call(sleep_then, 7, 0.2))
-    t.cancel()
-    return hung, fine, ticks
-
   try:
-    hung, fine, ticks = asyncio.run(main())
+    (hung, fine), ticks = asyncio.run(_gather_while_ticking(pool.call(spin, 0), pool.call(sleep_then, 7, 0.2)))
   finally:
     pool.close()
   assert hung.error == "timeout" and fine.value == 7 and ticks >= 5
