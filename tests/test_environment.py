@@ -316,3 +316,9 @@ def test_the_scheduler_and_the_emulator_hand_each_episode_its_groups_example():
   emu.push(0, None)
   out = emu.rollout(0, [{"prompt_ids": PROMPT, "key": "a"}, {"prompt_ids": PROMPT, "key": "b"}])
   assert [s.server_url for g in out for s in g.samples] == ["a", "a", "b", "b"]
+
+
+@pytest.mark.parametrize("name", ["countdown_tools", "arithmetic_code"])
+def test_a_tool_task_refuses_a_chat_format_without_tool_replies(name):
+  with pytest.raises(ValueError, match=f"{name} needs a chat format with tool support"):
+    tasks.get_task(name).use_chat_template(lambda user_text: user_text)

@@ -48,12 +48,7 @@ class ArithmeticCode(arithmetic.Arithmetic):
   def use_chat_template(self, render_prompt) -> "ArithmeticCode":
     """Prompts declare the python tool to the template and replies are its tool messages (render_prompt: a
     Tokenizer.chat_prompt, model.chat.ChatFormat)."""
-    if not callable(getattr(render_prompt, "tool_reply", None)):
-      raise ValueError(f"arithmetic_code needs a chat format with tool support (Tokenizer.chat_prompt), got "
-                       f"render_prompt={render_prompt!r}")
-    tools = self.tools.declarations()
-    self.tools.render_reply = render_prompt.tool_reply
-    self.render_prompt = lambda user_text: render_prompt(user_text, tools=tools)
+    self.render_prompt = environment_lib.tool_prompt("arithmetic_code", self.tools, render_prompt)
     return self
 
   def environment(self) -> environment_lib.EnvironmentFactory:

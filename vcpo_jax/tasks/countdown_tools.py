@@ -57,12 +57,7 @@ class CountdownTools(countdown.Countdown):
   def use_chat_template(self, render_prompt) -> "CountdownTools":
     """Prompts declare the calculator to the template and replies are its tool messages: render_prompt is a
     Tokenizer.chat_prompt (model.chat.ChatFormat: called with tools=[...], with a tool_reply)."""
-    if not callable(getattr(render_prompt, "tool_reply", None)):
-      raise ValueError(f"countdown_tools needs a chat format with tool support (Tokenizer.chat_prompt), got "
-                       f"render_prompt={render_prompt!r}")
-    tools = self.tools.declarations()
-    self.tools.render_reply = render_prompt.tool_reply
-    self.render_prompt = lambda user_text: render_prompt(user_text, tools=tools)
+    self.render_prompt = environment_lib.tool_prompt("countdown_tools", self.tools, render_prompt)
     return self
 
   def environment(self) -> environment_lib.EnvironmentFactory:

@@ -169,3 +169,14 @@ def make(name: str, *, max_turns: int = 4, max_call_chars: int = 256,
   return EnvironmentFactory(entry.fn, dataclasses.asdict(entry.make_options(options)), max_turns=max_turns,
                             max_call_chars=max_call_chars, render_reply=render_reply)
 
+
+def tool_prompt(task_name: str, tools: "EnvironmentFactory", render_prompt: Callable) -> Callable[[str], str]:
+  """user text -> a prompt that declares `tools` to the chat template, whose tool messages then become the tools'
+  replies. render_prompt is a Tokenizer.chat_prompt (model.chat.ChatFormat: called with tools=[...], with a
+  tool_reply); anything else is an error naming the task."""
+  if not callable(getattr(render_prompt, "tool_reply", None)):
+    raise ValueError(f"{task_name} needs a chat format with tool support (Tokenizer.chat_prompt), got "
+                     f"render_prompt={render_prompt!r}")
+  declared = tools.declarations()
+  tools.render_reply = render_prompt.tool_reply
+  return lambda user_text: render_prompt(user_text, tools=declared)
