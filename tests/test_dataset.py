@@ -179,6 +179,9 @@ def test_warm_start_targets_right_and_wrong(word_problems):
     assert task.reward(ex, task.reference_solution(ex)) == 1.0
     wrong = task.wrong_completion(ex, rng)
     assert task.reward(ex, wrong) == 0.0 and "\\boxed{" in wrong
+    # One systematic slip: the last step's result is one more, in the work and in the box alike.
+    slip = str(int(ex["ground_truth"]) + 1)
+    assert wrong.endswith(f"= {slip}\n\\boxed{{{slip}}}") and wrong == task.wrong_completion(ex, rng)
 
 
 def test_prompt_the_task_tokenizer_cannot_encode_is_an_error(tmp_path):

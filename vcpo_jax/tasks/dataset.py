@@ -167,20 +167,30 @@ class Dataset(base.Task):
     return example.get("solution") or f"The final answer is \\boxed{{{example['ground_truth']}}}."
 
   def wrong_completion(self, example: base.Example, rng: np.random.Generator) -> str:
-    """The reference with its final answer changed (a nearby number), checked to score 0."""
+    """The reference with its final result miscalculated (one more, else a nearby number) wherever the last step
+    writes it (`= N` and the boxed answer), checked to score 0. One systematic slip, as countdown's off-by-one
+    literal: at sft.error_rate >= 0.5 the warm start's greedy answer follows it, and RL has a habit to unlearn;
+    random nearby numbers only spread the sampled mass and leave the greedy answer right."""
+    del rng  # the slip is the same for every draw
     reference, truth = self.reference_solution(example), example["ground_truth"]
     value = verifiers.parse_number(truth)
     if value is not None:
-      candidates = [_number_text(value + d) for d in rng.permutation([1, -1, 2, -2, 10, -10])]
+      candidates = [_number_text(value + d) for d in (1, -1, 2, 10)]
     else:
       candidates = [f"{truth} + 1", f"2 {truth}"]
     for candidate in candidates:
-      at = reference.rfind(truth)
-      wrong = (reference[:at] + candidate + reference[at + len(truth):] if at >= 0
+      wrong = _replace_last(reference, f"= {truth}", f"= {candidate}")
+      at = wrong.rfind(truth)
+      wrong = (wrong[:at] + candidate + wrong[at + len(truth):] if at >= 0
                else f"{reference}\nThe final answer is \\boxed{{{candidate}}}.")
       if self.reward(example, wrong) == 0.0:
         return wrong
     return "I cannot solve this."
+
+
+def _replace_last(text: str, old: str, new: str) -> str:
+  at = text.rfind(old)
+  return text if at < 0 else text[:at] + new + text[at + len(old):]
 
 
 def _number_text(value: Any) -> str:
