@@ -48,6 +48,23 @@ def test_report_from_finished_runs(tmp_path, monkeypatch):
   assert "| `tool/syntax_error` | 0.250" in page and "| `json` |" not in page
 
 
+def test_report_of_a_job_without_tools(tmp_path, monkeypatch):
+  """A dataset job logs no tools/* metrics: the page has the reward row, no NaN rows, and the given title."""
+  monkeypatch.setattr(tools_learning, "WINDOW", 2)
+  for seed, (base, final) in enumerate([(0.2, 0.4), (0.3, 0.4), (0.25, 0.5)]):
+    _fake_run(tmp_path / "runs" / f"seed{seed}", base, final, calls=1.0)
+    path = tmp_path / "runs" / f"seed{seed}" / "metrics.jsonl"
+    rows = [{k: v for k, v in json.loads(line).items() if not k.startswith("tools/")}
+            for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "out"
+  tools_learning.main([f"--root={tmp_path / 'runs'}", "--seeds=0,1,2", f"--out={out}", "--report_only",
+                       "--title=Word problems: does RL help?"])
+  page = (out / "README.md").read_text()
+  assert page.startswith("# Word problems: does RL help?") and "--title='Word problems: does RL help?'" in page
+  assert "nan" not in page and "| `reward/mean` |" in page and "tools/calls_per_episode" not in page
+
+
 def test_tool_behaviour_counts_search_episodes():
   """experiments.tool_behaviour.count on the task's own search traces and on a hand-written one."""
   import numpy as np

@@ -1,9 +1,11 @@
 """Tool use against a real SGLang 0.5.23 server (CPU, float32): multi-turn episodes (a `stop` string
-per turn, the growing input as input_ids) and the countdown_tools job at k = 2 in the chat template's tool format
-(>= 1 answered call per episode on average), every token checked against the weights its version tag names."""
+per turn, the growing input as input_ids), the countdown_tools job at k = 2 in the chat template's tool format
+(>= 1 answered call per episode on average) and the code_tools job whose sandboxed python calls straddle weight
+updates, every token checked against the weights its version tag names."""
 import asyncio
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -22,11 +24,11 @@ SMALL = ["--config.rl.prompts_per_step=4", "--config.rl.group_size=4", "--config
          "--config.checkpoint_every=1000", "--config.rl.max_lag=2", "--config.rollout.keep_versions=100"]
 
 
-def _run(module, workdir, *flags, timeout=1800):
+def _run(module, workdir, *flags, timeout=1800, config=CONFIG):
   import subprocess
   import sys
   from tests.sglang.conftest import REPO
-  argv = [sys.executable, "-m", module, f"--config={CONFIG}", f"--workdir={workdir}", *SMALL, *flags]
+  argv = [sys.executable, "-m", module, f"--config={config}", f"--workdir={workdir}", *SMALL, *flags]
   with open(str(workdir) + ".log", "w") as log:
     rc = subprocess.run(argv, cwd=REPO, env=_env(str(workdir)), stdout=log, stderr=subprocess.STDOUT,
                         timeout=timeout).returncode
@@ -108,3 +110,51 @@ def test_tools_job_k2_on_a_real_server(tools_server):
   print(f"\ntools job: {calls} calls/episode, {[r['tools/error_rate'] for r in rows]} error rate, tags {tags}")
   assert tags["worst"] < 1e-4
   assert np.mean(calls) >= 1.0  # the warm-started model calls the tool in the template's format
+
+
+# The code tool's job: every python call runs in the sandbox (no exact_prints shortcut), so a call takes a sandbox
+# start-up (~65 ms) while the learner steps and publishes.
+CODE = ("configs/code_tools.py", "--config.task.options.arithmetic_code.exact_prints=False", "--config.task.eval_size=8")
+
+
+def turn_pairs(samples: list[dict]) -> list[tuple[dict, dict]]:
+  """(turn, next turn) of the same episode from the sample log: the next turn's input is the turn's input and
+  output followed by the tool's reply."""
+  by_prefix = {tuple(s["prompt_ids"] + s["output_ids"]): s for s in samples}
+  pairs = []
+  for s in samples:
+    for n in range(len(s["prompt_ids"]) - 1, 0, -1):
+      prev = by_prefix.get(tuple(s["prompt_ids"][:n]))
+      if prev is not None and n > len(prev["prompt_ids"]):
+        pairs.append((prev, s))
+        break
+  return pairs
+
+
+def test_code_tool_call_straddles_a_weight_update(tmp_path):
+  from vcpo_jax.model import tokenizer
+  config, *flags = CODE
+  work = tmp_path / "w"
+  _run("vcpo_jax.job.export_base", work, *flags, config=config)
+  (server,) = start_servers(str(work / "base"), str(tmp_path), 1)
+  try:
+    _run("vcpo_jax.main", work, *flags, "--config.rl.steps=6", f"--config.rollout.server_urls={server.url}",
+         config=config)
+  finally:
+    server.stop()
+  rows = _metrics(str(work))
+  assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["lag/max"] <= 2 for r in rows)
+  assert np.mean([r["tools/calls_per_episode"] for r in rows]) >= 0.5
+  log = os.path.join(work, "samples.jsonl")
+  with open(log) as f:
+    samples = [json.loads(line) for line in f if line.strip()]
+  tok = tokenizer.build_tokenizer()
+  # A straddle: the turn that made the call ran under older weights than every token of the turn after the reply.
+  straddles = [(a, b) for a, b in turn_pairs(samples) if max(a["versions"]) < min(b["versions"])]
+  tags = verify_tags.worst_gap(log, os.path.join(work, "weights"))
+  print(f"\ncode tool job: {len(straddles)} tool calls straddle a weight update; tags {tags}")
+  assert straddles
+  # Some straddling call's reply is the sandbox's printed number (not an error reply) in the template's tool turn.
+  replies = [tok.decode(b["prompt_ids"][len(a["prompt_ids"]) + len(a["output_ids"]):]) for a, b in straddles]
+  assert any(re.search(r"\d{4,}", r) and "error" not in r for r in replies), replies[:5]
+  assert tags["worst"] < 1e-4  # every token of every turn, straddling ones included, under its tag's weights
