@@ -12,7 +12,7 @@ import pytest
 
 from vcpo_jax.job import configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.rollout import episodes, types
+from vcpo_jax.rollout import episodes, multiturn, types
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "countdown_tools_golden.json"
 TOK = build_tokenizer()
@@ -68,7 +68,7 @@ def _variant(variant: str) -> dict:
       rec["rows"].append({"tokens": tokens_T[:n].tolist(), "mask": "".join(str(int(m)) for m in mask_T[:n]),
                           "reward": task.reward(ex, completion)})
       # The trace's own turns, played back by a scripted policy through the episode runner.
-      turns = [t for t, is_tool in episodes.trace_segments(env, completion, ex) if not is_tool]
+      turns = [t for t, is_tool in multiturn.trace_segments(env, completion, ex) if not is_tool]
       turns[-1] += END
       rec["episodes"].append(_episode(runner, prompt_ids, turns, ex))
     calls_per_episode = env.max_turns - 1

@@ -12,7 +12,7 @@ import pytest
 
 from vcpo_jax import tasks
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.rollout import episodes, group_metrics, offload, rewards, types
+from vcpo_jax.rollout import episodes, group_metrics, multiturn, offload, rewards, types
 from vcpo_jax.tasks import calculator, environment, tool_calls
 
 TOK = build_tokenizer()
@@ -311,7 +311,7 @@ def test_the_scheduler_and_the_emulator_hand_each_episode_its_groups_example():
   assert sorted(seen) == sorted(g.example["key"] for g in groups)
   # The lag emulator hands its generate each row's example (run_local(..., examples=...) starts from them).
   local = lambda params, prompts, seeds, examples: [  # noqa: E731
-      episodes.Episode(server_url=e["key"]) for e in examples]
+      multiturn.Episode(server_url=e["key"]) for e in examples]
   emu = emulator.LagEmulator(local, max_lag=0, group_size=2, seed=0, pass_examples=True)
   emu.push(0, None)
   out = emu.rollout(0, [{"prompt_ids": PROMPT, "key": "a"}, {"prompt_ids": PROMPT, "key": "b"}])

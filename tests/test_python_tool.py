@@ -9,7 +9,7 @@ import pytest
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.rollout import episodes, group_metrics, offload, types
+from vcpo_jax.rollout import episodes, group_metrics, multiturn, offload, types
 from vcpo_jax.tasks import arithmetic_code, environment, python_tool, tool_calls
 
 TOK = build_tokenizer()
@@ -120,7 +120,7 @@ def test_traces_call_the_tool_read_its_reply_and_are_scored_exactly():
     assert task.reward(ex, wrong) == 0.0
     kinds["call" if "<tool_call>" in wrong else "no_call"] += 1
     for trace in (ref, wrong):
-      segments = episodes.trace_segments(env, trace, ex)  # the episodes' own cut, the tool's real replies
+      segments = multiturn.trace_segments(env, trace, ex)  # the episodes' own cut, the tool's real replies
       assert "".join(text for text, _ in segments) == trace
       replies = [text for text, is_tool in segments if is_tool]
       assert len(replies) == trace.count("<tool_call>") and TOK.decode(TOK.encode(trace)) == trace
@@ -190,7 +190,7 @@ def test_an_episode_runs_the_warm_start_trace_with_the_real_sandbox():
   task = tasks.get_task("arithmetic_code", exact_prints=False, wall_seconds=10.0, render_prompt=TOK.chat_prompt)
   ex = task.sample(3, 1)[0]
   trace = task.reference_solution(ex)
-  turns = [text for text, is_tool in episodes.trace_segments(task.environment(), trace, ex) if not is_tool]
+  turns = [text for text, is_tool in multiturn.trace_segments(task.environment(), trace, ex) if not is_tool]
   bad = python_tool.call(f"print({ex['a']}*{ex['b']}")  # a call that fails, then the right one
   pool = offload.CallPool("thread", workers=2, timeout_s=10.0, name="tools")
   runner = episodes.EpisodeRunner(task.environment(), encode=TOK.encode,

@@ -12,7 +12,7 @@ from vcpo_jax import tasks
 from vcpo_jax.job import batching, configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import episodes, group_metrics, rewards, types
+from vcpo_jax.rollout import episodes, group_metrics, multiturn, rewards, types
 from vcpo_jax.tasks import calculator, tool_calls
 
 TOK = build_tokenizer()
@@ -230,9 +230,9 @@ def test_a_marker_split_by_an_abort_resume_is_still_cut():
 
 def test_first_stop_finds_the_fewest_tokens():
   ids = TOK.encode("ab</tool_call>cd</tool_call>")
-  assert episodes.first_stop(ids, TOK.decode, ["</tool_call>"]) == 14
-  assert episodes.first_stop(TOK.encode(C("1") + "x"), TOK.decode, ["</tool_call>"]) == 3  # inside a piece
-  assert episodes.first_stop(ids, TOK.decode, ["zz"]) is None
+  assert multiturn.first_stop(ids, TOK.decode, ["</tool_call>"]) == 14
+  assert multiturn.first_stop(TOK.encode(C("1") + "x"), TOK.decode, ["</tool_call>"]) == 3  # inside a piece
+  assert multiturn.first_stop(ids, TOK.decode, ["zz"]) is None
 
 
 # --- warm start: the SFT row of a trace is the episode's row, tool replies are not targets -----------------

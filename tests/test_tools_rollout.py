@@ -15,7 +15,7 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import episodes, types
+from vcpo_jax.rollout import episodes, multiturn, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as sched_lib
 from vcpo_jax.tasks import calculator, tool_calls
 
@@ -76,7 +76,7 @@ def test_local_episodes_continue_after_tool_outputs_with_the_learners_logprobs()
   marker = _marker(first.output_ids, 8)
   runner = _runner(marker)
   (ep,) = runner.run_local(params, cfg, [PROMPT], [17], temperature=1.0)
-  cut = episodes.first_stop(first.output_ids, runner.decode, (marker,))
+  cut = multiturn.first_stop(first.output_ids, runner.decode, (marker,))
   assert ep.output_ids[:cut] == first.output_ids[:cut]  # turn 0 is the plain generation, cut at the marker
   assert ep.output_ids[cut:cut + len(TOK.encode(REPLY))] == TOK.encode(REPLY)
   _check_episode(ep.to_sample(PROMPT), {0: params})
@@ -147,7 +147,7 @@ def test_http_episodes_span_an_abort_and_a_weight_update(embedded):
       return plain, marker, runner, calm, stormy
 
   plain, marker, runner, calm, stormy = asyncio.run(run())
-  cut = episodes.first_stop(plain.output_ids, runner.decode, (marker,))
+  cut = multiturn.first_stop(plain.output_ids, runner.decode, (marker,))
   assert calm.output_ids[:cut] == plain.output_ids[:cut]
   _check_episode(calm, {0: params[0]})
   assert set(stormy.token_versions.tolist()) == {-1, 0, 1}  # both versions among the generated tokens

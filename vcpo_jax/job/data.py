@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from vcpo_jax.model.tokenizer import Tokenizer
-from vcpo_jax.rollout import episodes
+from vcpo_jax.rollout import multiturn
 from vcpo_jax.tasks import base as tasks_base
 
 DEFAULT_NUM_EXAMPLES = 1 << 24
@@ -121,14 +121,14 @@ def make_prompt_iterator(task: tasks_base.Task, *, seed: int, split: str = "trai
 
 
 def encode_sft_example(tokenizer: Tokenizer, prompt: str, completion: str, seq_len: int,
-                       env: episodes.Environment | None = None,
+                       env: multiturn.Environment | None = None,
                        example: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Right-padded [prompt | completion <|im_end|> | pad] and its mask: 1 exactly on the completion's generated
   tokens + stop. With a tool environment (task.environment()) the completion is a multi-turn trace, cut and
-  encoded segment by segment as episodes are (episodes.trace_segments): tool replies get mask 0, since the
+  encoded segment by segment as episodes are (multiturn.trace_segments): tool replies get mask 0, since the
   model never generates them (the replies of an episode's environment started from `example`)."""
   prompt_ids = tokenizer.encode(prompt)
-  segments = [(completion, False)] if env is None else episodes.trace_segments(env, completion, example)
+  segments = [(completion, False)] if env is None else multiturn.trace_segments(env, completion, example)
   response_ids, response_mask = [], []
   for text, is_tool in segments:
     ids = tokenizer.encode(text)

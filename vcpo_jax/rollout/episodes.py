@@ -13,117 +13,15 @@ and publishes weights: a call past the timeout is the error reply of kind 'timeo
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import offload, protocol, types
+from vcpo_jax.rollout import multiturn, offload, protocol, types
 from vcpo_jax.tasks import tool_calls
-
-
-class Environment(Protocol):
-  """What a multi-turn environment offers (tasks.environment.EnvironmentFactory, e.g. the calculator's, or a
-  stateless tasks.tool_calls.ToolEnvironment): the call marker, the turn cap, and each episode's environment."""
-  stop_strings: tuple[str, ...]
-  max_turns: int
-
-  def start(self, example: Optional[dict]) -> Any:
-    """The environment of one episode: respond(turn_text) -> a reply (.text, .error, optional .kind) to the
-    turn's call, or None when the turn makes none; error_reply(kind) -> the reply of a call that failed outside
-    it ('timeout', 'tool'); optional reward(completion_text) -> the episode's reward or None (the task's)."""
-
-
-@dataclasses.dataclass
-class Episode:
-  """An episode under construction: the response tokens after the prompt, with per-token bookkeeping."""
-  output_ids: list = dataclasses.field(default_factory=list)
-  logprobs: list = dataclasses.field(default_factory=list)
-  versions: list = dataclasses.field(default_factory=list)
-  mask: list = dataclasses.field(default_factory=list)
-  turns: int = 0
-  tool_calls: int = 0
-  tool_errors: int = 0
-  error_kinds: dict = dataclasses.field(default_factory=dict)  # failure kind -> count
-  turn_capped: bool = False
-  finish_reason: str = "length"
-  num_resumes: int = 0
-  server_url: str = ""
-  env_reward: Optional[float] = None  # the environment's episode reward (None: the task's reward applies)
-
-  def add_generated(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
-    if not len(ids) == len(logprobs) == len(versions):
-      raise ValueError(f"turn has {len(ids)} ids, {len(logprobs)} log-probs and {len(versions)} versions")
-    self.output_ids += [int(t) for t in ids]
-    self.logprobs += [float(x) for x in logprobs]
-    self.versions += [int(v) for v in versions]
-    self.mask += [1.0] * len(ids)
-
-  def add_tool(self, ids: Sequence[int]) -> None:
-    self.output_ids += [int(t) for t in ids]
-    self.logprobs += [0.0] * len(ids)
-    self.versions += [-1] * len(ids)
-    self.mask += [0.0] * len(ids)
-
-  def to_sample(self, prompt_ids: Sequence[int]) -> types.Sample:
-    return types.Sample(
-        prompt_ids=[int(t) for t in prompt_ids], output_ids=list(self.output_ids),
-        output_logprobs=np.asarray(self.logprobs, np.float32), token_versions=np.asarray(self.versions, np.int64),
-        finish_reason=self.finish_reason, server_url=self.server_url, num_resumes=self.num_resumes,
-        output_mask=np.asarray(self.mask, np.float32), num_turns=self.turns, tool_calls=self.tool_calls,
-        tool_errors=self.tool_errors, turn_capped=self.turn_capped, tool_error_kinds=dict(self.error_kinds),
-        env_reward=self.env_reward)
-
-
-def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
-  """A fresh seed per turn (turn 0 keeps the sample's): later turns must not replay turn 0's random draws."""
-  if seed is None or turn == 0:
-    return seed
-  return int(np.random.default_rng([int(seed) % 2**63, int(turn)]).integers(2**31 - 1))
-
-
-def first_stop(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> Optional[int]:
-  """The fewest leading tokens whose text contains a stop string, or None (no stop string in the text)."""
-  if not stops or not any(s in decode(ids) for s in stops):
-    return None
-  lo, hi = 1, len(ids)
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if any(s in decode(ids[:mid]) for s in stops):
-      hi = mid
-    else:
-      lo = mid + 1
-  return lo
-
-
-def trace_segments(env: Environment, text: str, example: Optional[dict] = None) -> list[tuple[str, bool]]:
-  """A written episode (turns and tool replies as one text, e.g. a warm-start trace) cut the way episodes are
-  built: a turn ends at its first stop string (first_stop, characters as tokens) and the environment's reply
-  to its call follows as a tool segment. Returns (text, is_tool) pairs in order; ValueError for a text no
-  episode could hold (text after a turn without a call or after the max_turns-th turn, or after a call but
-  other than its reply). The replies are those of one episode's environment, started from `example`."""
-  episode_env = env.start(example)
-  segments, rest, turns = [], text, 0
-  while rest:
-    cut = first_stop(rest, str, env.stop_strings)
-    turn, rest = (rest, "") if cut is None else (rest[:cut], rest[cut:])
-    segments.append((turn, False))
-    turns += 1
-    if not rest:  # the last turn (it may end at a call: the reply would follow)
-      break
-    reply = episode_env.respond(turn)
-    if reply is None or turns >= env.max_turns:
-      raise ValueError(f"trace goes on after turn {turns} (max_turns={env.max_turns}), where an episode ends: "
-                       f"{text!r}")
-    if not rest.startswith(reply.text):
-      raise ValueError(f"trace turn {turns} calls the tool, but what follows is not its reply "
-                       f"{reply.text!r}: {rest[:len(reply.text) + 16]!r}")
-    segments.append((reply.text, True))
-    rest = rest[len(reply.text):]
-  return segments
 
 
 def _as_reward(outcome: offload.Outcome) -> tuple[Optional[float], bool]:
@@ -144,7 +42,7 @@ class EpisodeRunner:
   so episodes fit the rows single-turn samples use; context_length (the servers') caps every turn's input.
   pool: where starts, tool calls and episode rewards run (default: inline, on the calling thread)."""
 
-  def __init__(self, env: Environment, *, encode: Callable[[str], list[int]],
+  def __init__(self, env: multiturn.Environment, *, encode: Callable[[str], list[int]],
                decode: Callable[[Sequence[int]], str], stop_ids: Sequence[int], max_new_tokens: int,
                context_length: Optional[int] = None, pool: Optional[offload.CallPool] = None):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -154,18 +52,18 @@ class EpisodeRunner:
     self.max_new_tokens, self.context_length = max_new_tokens, context_length
     self.pool = pool if pool is not None else offload.CallPool("inline", name="tools")
 
-  def room(self, prompt_len: int, ep: Episode) -> int:
+  def room(self, prompt_len: int, ep: multiturn.Episode) -> int:
     """Tokens the next turn may generate (0: the episode cannot continue)."""
     room = self.max_new_tokens - len(ep.output_ids)
     if self.context_length is not None:
       room = protocol.fit_max_new_tokens(prompt_len + len(ep.output_ids), room, self.context_length)
     return max(room, 0)
 
-  def record_turn(self, ep: Episode, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+  def record_turn(self, ep: multiturn.Episode, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
                   finish_reason: str) -> Optional[str]:
     """Records one turn; its text when it made a call the environment is to answer, else None (it ends)."""
     ids = list(ids)
-    cut = first_stop(ids, self.decode, self.env.stop_strings)
+    cut = multiturn.first_stop(ids, self.decode, self.env.stop_strings)
     if cut is not None:  # also when a resumed request ran past a marker split by the abort
       ids, logprobs, versions = ids[:cut], list(logprobs)[:cut], list(versions)[:cut]
     ep.add_generated(ids, logprobs, versions)
@@ -179,12 +77,12 @@ class EpisodeRunner:
       return None
     return self.decode(ids)
 
-  def add_reply(self, ep: Episode, reply: Any, prompt_len: int) -> bool:
+  def add_reply(self, ep: multiturn.Episode, reply: Any, prompt_len: int) -> bool:
     """Appends the environment's reply to the call; True when the episode goes on."""
     if reply is None:  # the environment found no call in the turn
       return False
     tool_ids = self.encode(reply.text)
-    if self.room(prompt_len, Episode(output_ids=ep.output_ids + tool_ids)) < 1:
+    if self.room(prompt_len, multiturn.Episode(output_ids=ep.output_ids + tool_ids)) < 1:
       return False  # no room to read the reply and answer: the episode ends at the call
     ep.add_tool(tool_ids)
     ep.tool_calls += 1
@@ -208,17 +106,17 @@ class EpisodeRunner:
                          f"for example {str(example)[:200]}")
     return outcome.value
 
-  def _rewarded(self, ep: Episode, outcome: offload.Outcome) -> None:
+  def _rewarded(self, ep: multiturn.Episode, outcome: offload.Outcome) -> None:
     ep.env_reward, failed = _as_reward(outcome)
     if failed:
       ep.error_kinds["reward"] = ep.error_kinds.get("reward", 0) + 1
 
   # -- over HTTP (or any per-sample generate) ----------------------------------------------------------
   async def run(self, generate_one: Callable[..., Awaitable[Sequence[types.Sample]]], prompt_ids: Sequence[int],
-                params: dict, example: Optional[dict] = None) -> Episode:
+                params: dict, example: Optional[dict] = None) -> multiturn.Episode:
     """One episode; generate_one(input_ids, sampling_params, n=1) is e.g. RolloutClient.generate. The
     environment's start, calls and reward are awaited in the pool: the event loop runs on meanwhile."""
-    ep, prompt_ids = Episode(), [int(t) for t in prompt_ids]
+    ep, prompt_ids = multiturn.Episode(), [int(t) for t in prompt_ids]
     episode_env = self._started(await self.pool.call(self.env.start, example), example)
     stops = list(dict.fromkeys(list(params.get("stop", [])) + list(self.env.stop_strings)))
     while True:
@@ -227,7 +125,7 @@ class EpisodeRunner:
         ep.finish_reason = "length"
         break
       turn_params = dict(params, max_new_tokens=room, stop=stops)
-      seed = turn_seed(params.get("sampling_seed"), ep.turns)
+      seed = multiturn.turn_seed(params.get("sampling_seed"), ep.turns)
       if seed is not None:
         turn_params["sampling_seed"] = seed
       (s,) = await generate_one(prompt_ids + ep.output_ids, turn_params, n=1)
@@ -255,11 +153,11 @@ class EpisodeRunner:
     return [ep.to_sample(prompt_ids) for ep in episodes]
 
   # -- in process (lag emulation, evaluation) --------------------------------------------------------
-  def run_local(self, params, cfg, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
-                temperature: float, version: int = 0, examples: Optional[Sequence[dict]] = None) -> list[Episode]:
+  def run_local(self, params, cfg, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, temperature: float,
+                version: int = 0, examples: Optional[Sequence[dict]] = None) -> list[multiturn.Episode]:
     """Episodes for every prompt with the in-process sampler: one batch of rows per turn; each turn's calls
     run in the pool side by side (examples: each prompt's example, its environment's start)."""
-    eps = [Episode(server_url="in-process") for _ in prompts]
+    eps = [multiturn.Episode(server_url="in-process") for _ in prompts]
     starts = self.pool.map_blocking(self.env.start, [(None if examples is None else examples[i],)
                                                      for i in range(len(prompts))])
     envs = [self._started(o, None if examples is None else examples[i]) for i, o in enumerate(starts)]
@@ -271,7 +169,7 @@ class EpisodeRunner:
       rows = [sampling.RowSpec(prompt=tuple(int(t) for t in prompts[i]) + tuple(eps[i].output_ids),
                                max_new_tokens=room(i), temperature=temperature,
                                stop_token_ids=tuple(sorted(self.stop_ids)),
-                               seed=turn_seed(int(seeds[i]), eps[i].turns)) for i in active]
+                               seed=multiturn.turn_seed(int(seeds[i]), eps[i].turns)) for i in active]
       batch = sampling.start_batch(params, cfg, rows)
       while not bool(jnp.all(batch.state.done_B)):
         sampling.decode_chunk(params, batch, 64)

@@ -56,7 +56,7 @@ class ArithmeticCode(arithmetic.Arithmetic):
 
   def _run(self, a: int, op: str, b: int) -> tuple[str, int]:
     """A call printing `a op b` and the tool's reply to it, as an episode holds them; and the printed value.
-    The reply is what the python tool answers (the episodes' rule, episodes.trace_segments, checks it)."""
+    The reply is what the python tool answers (the episodes' rule, rollout.multiturn.trace_segments, checks it)."""
     value = arithmetic._apply(a, op, b)
     content = python_tool.stdout_content(f"{value}\n", 1 << 20)
     return python_tool.call(f"print({a}{op}{b})") + self.tools.render_reply(content), value

@@ -11,11 +11,11 @@ import ml_collections
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.rollout import backend, episodes, types
+from vcpo_jax.rollout import backend, episodes, multiturn, types
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib, ring_store
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
-# multi-turn episodes.Episode rows (tool tasks; their generate also takes each row's example: pass_examples)
+# multiturn.Episode rows (tool tasks; their generate also takes each row's example: pass_examples)
 LocalGenerate = Callable[[object, list[list[int]], list[int]], Sequence]
 
 
@@ -86,7 +86,7 @@ class LagEmulator:
       samples = []
       for s in range(self.group_size):
         row = rows[gi * self.group_size + s]
-        if isinstance(row, episodes.Episode):  # a multi-turn episode: tool tokens keep mask 0, version -1
+        if isinstance(row, multiturn.Episode):  # a multi-turn episode: tool tokens keep mask 0, version -1
           sample = row.to_sample(prompts[gi * self.group_size])
           sample.token_versions = np.where(sample.output_mask > 0, version, -1).astype(np.int64)
           samples.append(sample)
