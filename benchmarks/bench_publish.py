@@ -148,7 +148,8 @@ async def publish_rounds(params_by_version, export_fn, root: str, url: str, refe
         rounds.append({"version": version, "export_s": export_fn.seconds[-1], "publish_s": publish_s,
                        "update_s": sum(s for p, s in calls if p == "/update_weights_from_disk"),
                        "update_calls": sum(p == "/update_weights_from_disk" for p, _ in calls),
-                       "pause_s": pub.pause_seconds[-1], "served_weight_version": info.get("weight_version")})
+                       "pause_s": pub.pause_seconds[-1], "served_weight_version": info.get("weight_version"),
+                       "admin_calls": [[path, round(s, 4)] for path, s in calls]})
     finally:
       await pub.close()
     after = await prompt_logprobs(session, url, probe_ids)
@@ -252,11 +253,12 @@ def estimates_section(rows: list[dict], shape: str) -> str:
 
 def rounds_section(m: dict) -> str:
   lines = ["## Publishes", "", f"Server ready in {m['server_ready_s']:.1f} s on the exported v0.", "",
-           "| version | export s | update s | pause s | publish s | served weight_version |",
-           "| --- | --- | --- | --- | --- | --- |"]
+           "| version | export s | update s | pause s | publish s | served weight_version | each admin call, s |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
   for r in m["rounds"]:
+    calls = ", ".join(f"{path.lstrip('/')} {s:.2f}" for path, s in r.get("admin_calls", []))
     lines.append(f"| v{r['version']} | {r['export_s']:.2f} | {r['update_s']:.2f} | {r['pause_s']:.2f} | "
-                 f"{r['publish_s']:.2f} | {r['served_weight_version']} |")
+                 f"{r['publish_s']:.2f} | {r['served_weight_version']} | {calls} |")
   before, after = m["probe"]["logprobs_before"], m["probe"]["logprobs_after"]
   diff = max(abs(a - b) for a, b in zip(before, after))
   lines += ["", f"Served weights changed: a {len(m['probe']['ids'])}-token probe's prompt log-probs moved by up "
