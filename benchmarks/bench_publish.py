@@ -113,12 +113,12 @@ async def prompt_logprobs(session: aiohttp.ClientSession, url: str, ids: list[in
 
 # -- the measurement -------------------------------------------------------------------------------------
 async def publish_rounds(params_by_version, export_fn, root: str, url: str, reference_dir: str,
-                         probe_ids: list[int]) -> dict:
-  """Publishes each version in turn through the job's WeightPublisher; the parts of each publish timed."""
+                         probe_ids: list[int], keep_last: int) -> dict:
+  """Publishes each version in turn through the job's WeightPublisher (which deletes all but the newest
+  keep_last directories, as in the job); the parts of each publish timed."""
   from vcpo_jax.rollout.servers import publisher as publisher_lib
   versions = sorted(params_by_version)
-  pub = publisher_lib.WeightPublisher(export_fn, root, [url], keep_last=len(versions) + 1,
-                                      reference_dir=reference_dir)
+  pub = publisher_lib.WeightPublisher(export_fn, root, [url], keep_last=keep_last, reference_dir=reference_dir)
   calls: list[tuple[str, float]] = []
   admin_call = pub._admin.call
 
@@ -193,8 +193,8 @@ def measure(args, workdir: str) -> dict:
                       dtype=model_cfg.param_dtype)
   try:
     ready_s = wait_ready(proc, url, log_path, args.server_timeout)
-    out = asyncio.run(publish_rounds({v: inits[(v - 1) % 2] for v in range(1, args.repeats + 1)}, export_fn, root, url,
-                                     v0_dir, tok.encode(PROBE_TEXT)))
+    out = asyncio.run(publish_rounds({v: inits[(v - 1) % 2] for v in range(1, args.repeats + 1)}, export_fn,
+                                     root, url, v0_dir, tok.encode(PROBE_TEXT), config.rollout.keep_versions))
   finally:
     launcher.end_process_tree(proc, grace_s=10.0)
   count, param_bytes = param_count_and_bytes(model_cfg)
@@ -214,7 +214,8 @@ def figures(m: dict) -> list[dict]:
       ("export_s", "learner export (hf.export_hf: host copy + model.safetensors)", "the publisher's export_fn"),
       ("update_s", "SGLang /update_weights_from_disk", "the call alone"),
       ("pause_s", "server out of routing (pause -> update -> confirm -> continue)", "publisher.pause_seconds"),
-      ("publish_s", "whole publish (export, check, rename, update, confirm)", "WeightPublisher.publish")):
+      ("publish_s", "whole publish (export, check, rename, update, confirm, old ones deleted)",
+       "WeightPublisher.publish")):
     seconds = [r[key] for r in m["rounds"]]
     out.append(records.figure(f"publish_{key}", f"{title}, s", stats=summary.summarize(seconds), unit="s",
                               note=f"{common}; {note}"))

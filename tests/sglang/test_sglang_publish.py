@@ -12,7 +12,7 @@ from tests.sglang.conftest import REPO, SGLANG_PYTHON, requires_sglang
 
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.slow,
               pytest.mark.timeout(1200)]
-REPEATS = 2
+REPEATS = 2  # with the job's keep_versions=3, v0 .. v2 stay on disk for the recompute
 PARTS = ("export_s", "update_s", "pause_s", "publish_s")
 
 
