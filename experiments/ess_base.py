@@ -132,12 +132,12 @@ def readme(summary: dict, cmd: str) -> str:
            f"{SFT_STEPS['study']} steps).", "",
            "ESS ratio of the step (`ess_ratio`) over RL steps, and the step scale of the sqrt rule with "
            "base 1.0, sqrt(min(1, ratio)):", "",
-           "| run | steps | median | p10 | min | steps < "
-           f"{summary['threshold']} | scale (base 1.0) median | min | minutes |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           f"| run | steps | median | p10 | min | 1 - median | 1 - min | steps < {summary['threshold']} | "
+           "scale (base 1.0) median | min | minutes |", "|" + " --- |" * 11]
   for name, r in runs.items():
     e, s = r["ess_ratio"], r["scale_base1"]
     lines.append(f"| {name} | {r['rl_steps']} | {_f(e['median'])} | {_f(e['p10'])} | {_f(e['min'])} | "
+                 f"{_f(1 - e['median'], '{:.1e}')} | {_f(1 - e['min'], '{:.1e}')} | "
                  f"{r['steps_below_threshold']} | {_f(s['median'])} | {_f(s['min'])} | "
                  f"{_f(r['minutes'], '{:.1f}')} |")
   lines += ["", "Lag-0 mismatch (`mismatch/lag0/*`, per step; median over steps [max]): per-sequence |log w| "

@@ -36,7 +36,7 @@ def test_report_from_finished_runs(tmp_path):
   assert summary["median_below_threshold"] == []
   page = (out / "README.md").read_text()
   assert f"python -m experiments.ess_base --root={root} --out={out}" in page.split("\n", 8)[5]
-  assert "| study_bfloat16 | 5 | 0.9600 | 0.9120 | 0.9000 | 2 |" in page
+  assert "| study_bfloat16 | 5 | 0.9600 | 0.9120 | 0.9000 | 4.0e-02 | 1.0e-01 | 2 |" in page
   assert ("No setting has a median lag-0 ratio below 0.95. The largest shrink from numerics alone: "
           "study_bfloat16") in page
   assert "2 of 8 steps have a ratio below 0.95." in page
