@@ -39,7 +39,7 @@ def test_report_from_finished_runs(tmp_path):
   assert "| study_bfloat16 | 5 | 0.9600 | 0.9120 | 0.9000 | 4.0e-02 | 1.0e-01 | 2 |" in page
   assert ("No setting has a median lag-0 ratio below 0.95. The largest shrink from numerics alone: "
           "study_bfloat16") in page
-  assert "2 of 8 steps have a ratio below 0.95." in page
+  assert "2 of 8 steps have a ratio below 0.95." in page and f"factor 1 / {math.sqrt(0.9):.4f}," in page
   assert json.loads((out / "results.json").read_text())["runs"]["main_float32"]["ess_ratio"]["min"] == 0.9999
 
 
