@@ -1,7 +1,7 @@
 """Tool use against a real SGLang 0.5.23 server (CPU, float32): multi-turn episodes (a `stop` string
 per turn, the growing input as input_ids), the countdown_tools job at k = 2 in the chat template's tool format
-(>= 1 answered call per episode on average) and the code_tools job whose sandboxed python calls straddle weight
-updates, every token checked against the weights its version tag names."""
+(>= 1 answered call per episode on average) and the code_tools model's episodes whose sandboxed python calls
+straddle a weight update, every token checked against the weights its version tag names."""
 import asyncio
 import json
 import os
@@ -112,49 +112,106 @@ def test_tools_job_k2_on_a_real_server(tools_server):
   assert np.mean(calls) >= 1.0  # the warm-started model calls the tool in the template's format
 
 
-# The code tool's job: every python call runs in the sandbox (no exact_prints shortcut), so a call takes a sandbox
-# start-up (~65 ms) while the learner steps and publishes.
-CODE = ("configs/code_tools.py", "--config.task.options.arithmetic_code.exact_prints=False", "--config.task.eval_size=8")
+# The code tool: every python call runs in the sandbox (no exact_prints shortcut).
+CODE = ("configs/code_tools.py", "--config.task.options.arithmetic_code.exact_prints=False")
 
 
-def turn_pairs(samples: list[dict]) -> list[tuple[dict, dict]]:
-  """(turn, next turn) of the same episode from the sample log: the next turn's input is the turn's input and
-  output followed by the tool's reply."""
-  by_prefix = {tuple(s["prompt_ids"] + s["output_ids"]): s for s in samples}
-  pairs = []
-  for s in samples:
-    for n in range(len(s["prompt_ids"]) - 1, 0, -1):
-      prev = by_prefix.get(tuple(s["prompt_ids"][:n]))
-      if prev is not None and n > len(prev["prompt_ids"]):
-        pairs.append((prev, s))
-        break
-  return pairs
+class HeldCalls:
+  """The code task's environment whose episodes, after their sandboxed call returns, wait until `release` is set:
+  every call is in flight while the test publishes new weights, so every call straddles the update."""
+
+  def __init__(self, factory):
+    import threading
+    self.factory, self.stop_strings, self.max_turns = factory, factory.stop_strings, factory.max_turns
+    self.arrived, self.release, self.replies = threading.Semaphore(0), threading.Event(), []
+
+  def start(self, example):
+    episode, outer = self.factory.start(example), self
+
+    class Held:
+      def __getattr__(self, name):
+        return getattr(episode, name)
+
+      def respond(self, turn_text):
+        reply = episode.respond(turn_text)
+        if reply is not None:
+          outer.replies.append(reply)
+          outer.arrived.release()
+          assert outer.release.wait(300), "the publish never came"
+        return reply
+    return Held()
 
 
 def test_code_tool_call_straddles_a_weight_update(tmp_path):
-  from vcpo_jax.model import tokenizer
+  """Episodes of the warm-started code model on a real server; while every episode's sandboxed call is in
+  flight, new weights are published; each episode's tokens before the call are v0's, after it v1's, and every
+  token's log-prob is the learner's under the weights of its tag."""
+  import jax
+  import jax.numpy as jnp
+  from configs import code_tools
+  from vcpo_jax.job import warm_start
+  from vcpo_jax.model import hf
+  from vcpo_jax.model import transformer as model
+  from vcpo_jax.rollout.servers import publisher as publisher_lib
   config, *flags = CODE
   work = tmp_path / "w"
   _run("vcpo_jax.job.export_base", work, *flags, config=config)
+  c = code_tools.get_config("")
+  c.sft.steps, c.task.eval_size, c.task.options.arithmetic_code.exact_prints = 200, 8, False
+  c.tools.timeout_s = 600.0  # a held call waits for the publish; the pool must not time it out first
+  cfg, tok, task, examples = warm_start.starting_point(c)
+  params = {0: hf.import_hf(str(work / "base"))[0]}
+  # v1: the same weights, every matrix moved by a little noise (its log-probs differ from v0's by > 1e-2).
+  leaves, tree = jax.tree.flatten(params[0])
+  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+  params[1] = jax.tree.unflatten(tree, [x + 0.02 * jax.random.normal(k, x.shape, x.dtype) if x.ndim == 2 else x
+                                        for x, k in zip(leaves, keys)])
+  runner = episodes.runner_for(task, tok, max_new_tokens=c.rl.max_new_tokens, context_length=cfg.max_seq_len)
+  runner.env = held = HeldCalls(runner.env)
+  sp = {"temperature": 1.0, "sampling_seed": 0}
   (server,) = start_servers(str(work / "base"), str(tmp_path), 1)
+
+  async def run():
+    async with client_lib.RolloutClient([server.url], vocab_size=cfg.vocab_size,
+                                        context_length=cfg.max_seq_len) as client:
+      pub = publisher_lib.WeightPublisher(lambda p, d: hf.export_hf(p, cfg, d, tok), str(tmp_path / "weights"),
+                                          client)
+      try:
+        groups = [asyncio.create_task(runner.generate(client.generate, tok.encode(ex["prompt"]), sp, n=2,
+                                                      example=ex)) for ex in examples[:4]]
+        loop = asyncio.get_running_loop()
+        # The first call in flight; then the episodes that call at all have reached theirs (or finished).
+        assert await loop.run_in_executor(None, held.arrived.acquire, True, 600)
+        await asyncio.sleep(5.0)
+        try:
+          await pub.publish(params[1], 1)
+        finally:
+          held.release.set()
+        return [s for g in await asyncio.gather(*groups) for s in g]
+      finally:
+        await pub.close()
+
   try:
-    _run("vcpo_jax.main", work, *flags, "--config.rl.steps=6", f"--config.rollout.server_urls={server.url}",
-         config=config)
+    samples = asyncio.run(run())
   finally:
     server.stop()
-  rows = _metrics(str(work))
-  assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["lag/max"] <= 2 for r in rows)
-  assert np.mean([r["tools/calls_per_episode"] for r in rows]) >= 0.5
-  log = os.path.join(work, "samples.jsonl")
-  with open(log) as f:
-    samples = [json.loads(line) for line in f if line.strip()]
-  tok = tokenizer.build_tokenizer()
-  # A straddle: the turn that made the call ran under older weights than every token of the turn after the reply.
-  straddles = [(a, b) for a, b in turn_pairs(samples) if max(a["versions"]) < min(b["versions"])]
-  tags = verify_tags.worst_gap(log, os.path.join(work, "weights"))
-  print(f"\ncode tool job: {len(straddles)} tool calls straddle a weight update; tags {tags}")
-  assert straddles
-  # Some straddling call's reply is the sandbox's printed number (not an error reply) in the template's tool turn.
-  replies = [tok.decode(b["prompt_ids"][len(a["prompt_ids"]) + len(a["output_ids"]):]) for a, b in straddles]
-  assert any(re.search(r"\d{4,}", r) and "error" not in r for r in replies), replies[:5]
-  assert tags["worst"] < 1e-4  # every token of every turn, straddling ones included, under its tag's weights
+  worst, straddled = 0.0, 0
+  for s in samples:
+    seq = s.prompt_ids + s.output_ids
+    tokens = jnp.asarray(np.array([seq + [0] * (cfg.max_seq_len - len(seq))], np.int32))
+    mask, versions = np.asarray(s.output_mask), np.asarray(s.token_versions)
+    for v in sorted(set(versions[mask > 0].tolist())):
+      lp = np.asarray(model.token_logprobs(params[v], cfg, tokens, jnp.ones_like(tokens)))[0]
+      ref = lp[len(s.prompt_ids):len(seq)]
+      at = (versions == v) & (mask > 0)
+      worst = max(worst, float(np.abs(s.output_logprobs[at] - ref[at]).max()))
+    if s.tool_calls:
+      first_reply = int(np.argmax(mask == 0))
+      before, after = versions[:first_reply], versions[first_reply:][mask[first_reply:] > 0]
+      straddled += int(set(before.tolist()) == {0} and after.size > 0 and set(after.tolist()) == {1})
+  texts = [r.content for r in held.replies if not r.error]
+  print(f"\ncode tool: {straddled} of {len(samples)} episodes' calls straddle the update, worst |lp gap| "
+        f"{worst:.2e}; replies {[r.content for r in held.replies][:4]}")
+  # The sandbox ran the model's code: some reply is a printed product (>= 7 digits for 4-digit operands).
+  assert straddled >= 1 and any(re.fullmatch(r"-?\d{7,}", t.strip()) for t in texts)
+  assert worst < 1e-4
