@@ -67,6 +67,8 @@ def dir_bytes(path: str) -> int:
 def start_server(model_dir: str, port: int, log_path: str, *, python: str, device: str, dtype: str):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(HOST="127.0.0.1", DEVICE=device, DTYPE=dtype, PYTHON=python, WEIGHT_VERSION="v0")
+  if device == "cpu":  # the share of host memory for weights + KV pool: the 0.5B's 2 GB need more than 0.05
+    env.setdefault("MEM_FRACTION", "0.2")
   with open(log_path, "w") as log:
     return subprocess.Popen([LAUNCH, model_dir, str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

@@ -5,7 +5,7 @@
 # Environment (all optional):
 #   HOST=0.0.0.0        bind address (SGLang's own default is 127.0.0.1: loopback only)
 #   TP=1                tensor-parallel GPUs for this server (--tp-size)
-#   MEM_FRACTION=0.85   --mem-fraction-static: weights + KV pool share of GPU memory
+#   MEM_FRACTION=0.85   --mem-fraction-static: weights + KV pool share of GPU memory (cpu: of host memory, default 0.05)
 #   WEIGHT_VERSION=v0   --weight-version: MUST be "v<int>" (the client rejects SGLang's default "default")
 #   SEED=0              --random-seed
 #   DTYPE=auto          --dtype (float32 for log-prob checks against the learner; CPU default float32)
@@ -46,11 +46,12 @@ args=(
 )
 if [[ "${DEVICE:-cuda}" == "cpu" ]]; then
   # CPU engine: torch attention and sampling (the compiled CPU kernels are not on PyPI), no CUDA graphs, a
-  # small KV pool (--max-total-tokens, in tokens; --mem-fraction-static is a GPU notion).
+  # small KV pool (--max-total-tokens, in tokens). --mem-fraction-static is then the share of host memory the
+  # weights and that pool may take: 0.05 fits the tiny test models; a 0.5B float32 model needs MEM_FRACTION=0.2.
   export SGLANG_USE_CPU_ENGINE=1
   args+=(--device cpu --attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph
          --dtype "${DTYPE:-float32}" --max-total-tokens "${MAX_TOTAL_TOKENS:-16384}"
-         --mem-fraction-static 0.05 --max-running-requests "${MAX_RUNNING:-128}" --chunked-prefill-size 512)
+         --mem-fraction-static "${MEM_FRACTION:-0.05}" --max-running-requests "${MAX_RUNNING:-128}" --chunked-prefill-size 512)
 else
   args+=(--tp-size "${TP:-1}" --mem-fraction-static "${MEM_FRACTION:-0.85}" --dtype "${DTYPE:-auto}")
 fi
