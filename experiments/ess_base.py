@@ -16,11 +16,11 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
+
+from experiments import timed_job
 
 # name -> (config, its overrides). The study's config is lag emulation: here the same model, task and warm
 # start with real rollouts at k = 0.
@@ -58,18 +58,7 @@ def command(setting: str, dtype: str, workdir: str, overrides: list[str]) -> lis
 def run_one(root: str, setting: str, dtype: str, overrides: list[str]) -> str:
   """Runs (or resumes) one job unless its workdir holds result.json; wall minutes accumulate in timing.json."""
   workdir = os.path.join(root, run_name(setting, dtype))
-  if os.path.exists(os.path.join(workdir, "result.json")):
-    return workdir
-  os.makedirs(workdir, exist_ok=True)
-  timing_path = os.path.join(workdir, "timing.json")
-  timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {"minutes": 0.0, "launches": 0}
-  t0 = time.time()
-  with open(os.path.join(workdir, "log.txt"), "a") as log:
-    subprocess.run(command(setting, dtype, workdir, overrides), stdout=log, stderr=subprocess.STDOUT, check=True,
-                   env=dict(os.environ, VCPO_PROGRESS="0"))
-  with open(timing_path, "w") as f:
-    json.dump({"minutes": timing["minutes"] + (time.time() - t0) / 60, "launches": timing["launches"] + 1}, f)
-  return workdir
+  return timed_job.run(workdir, command(setting, dtype, workdir, overrides))
 
 
 def load_steps(workdir: str) -> dict[str, np.ndarray]:
@@ -94,8 +83,7 @@ def stats(x_S: np.ndarray) -> dict:
 
 def summarize_run(workdir: str) -> dict:
   steps = load_steps(workdir)
-  timing_path = os.path.join(workdir, "timing.json")
-  minutes = json.load(open(timing_path))["minutes"] if os.path.exists(timing_path) else math.nan
+  minutes = timed_job.minutes(workdir)
   rho_S = steps["ess_ratio"]
   out = {"rl_steps": int(len(rho_S)), "minutes": minutes, "ess_ratio_per_step": [float(r) for r in rho_S],
          "steps_below_threshold": int(np.sum(rho_S < THRESHOLD)),

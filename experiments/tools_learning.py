@@ -17,14 +17,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 import types
 
 import numpy as np
 
-from experiments import analysis, plots
+from experiments import analysis, plots, timed_job
 
 CONFIG = "configs/countdown_tools.py"
 TITLE = "Tool use: does RL improve it?"
@@ -52,19 +50,7 @@ def command(workdir: str, seed: int, overrides: list[str], config: str = CONFIG)
 def run_seed(root: str, seed: int, overrides: list[str], config: str = CONFIG) -> str:
   """Runs (or resumes) one seed's job; its wall time goes to timing.json (minutes over every launch)."""
   workdir = os.path.join(root, f"seed{seed}")
-  if os.path.exists(os.path.join(workdir, "result.json")):
-    return workdir
-  os.makedirs(workdir, exist_ok=True)
-  timing_path = os.path.join(workdir, "timing.json")
-  timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {"minutes": 0.0, "launches": 0}
-  t0 = time.time()
-  with open(os.path.join(workdir, "log.txt"), "a") as log:
-    subprocess.run(command(workdir, seed, overrides, config), stdout=log, stderr=subprocess.STDOUT, check=True,
-                   env=dict(os.environ, VCPO_PROGRESS="0"))
-  timing = {"minutes": timing["minutes"] + (time.time() - t0) / 60, "launches": timing["launches"] + 1}
-  with open(timing_path, "w") as f:
-    json.dump(timing, f)
-  return workdir
+  return timed_job.run(workdir, command(workdir, seed, overrides, config))
 
 
 def load_run(workdir: str) -> types.SimpleNamespace:
@@ -78,9 +64,7 @@ def load_run(workdir: str) -> types.SimpleNamespace:
       for k, v in row.items():
         if k.startswith(("eval/", "tools/", "reward/")) and isinstance(v, (int, float)):
           series.setdefault(k, {})[int(row["step"])] = float(v)
-  timing_path = os.path.join(workdir, "timing.json")
-  minutes = json.load(open(timing_path))["minutes"] if os.path.exists(timing_path) else math.nan
-  return types.SimpleNamespace(series=series, result=result, minutes=minutes)
+  return types.SimpleNamespace(series=series, result=result, minutes=timed_job.minutes(workdir))
 
 
 def window_mean(values: dict, first: bool, steps=None) -> float:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from experiments import ess_base
+from experiments import ess_base, timed_job
 
 
 def _fake_run(workdir, ratios, logw_abs=0.01):
@@ -57,7 +57,7 @@ def test_finished_run_is_not_rerun(tmp_path, monkeypatch):
   def refuse(*args, **kwargs):
     raise AssertionError(f"a finished run was started again: {args}")
 
-  monkeypatch.setattr(ess_base.subprocess, "run", refuse)
+  monkeypatch.setattr(timed_job.subprocess, "run", refuse)
   assert ess_base.run_one(str(tmp_path), "main", "bfloat16", []) == str(tmp_path / "main_bfloat16")
   with pytest.raises(AssertionError, match="started again"):  # an unfinished one is started
     ess_base.run_one(str(tmp_path), "main", "float32", [])
