@@ -184,6 +184,19 @@ def test_warm_start_targets_right_and_wrong(word_problems):
     assert wrong.endswith(f"= {slip}\n\\boxed{{{slip}}}") and wrong == task.wrong_completion(ex, rng)
 
 
+def test_a_slip_without_a_box_is_boxed_on_the_slipped_work(tmp_path):
+  # The last step's `= N` is the only place N appears: the slip goes there, and the appended box carries it too.
+  rows = [{"question": f"What is 3 + {i}?", "answer": str(3 + i), "solution": f"3 + {i} = {3 + i}"}
+          for i in range(1, 4)]
+  path = _write_jsonl(tmp_path / "rows.jsonl", rows)
+  task = tasks.get_task("dataset", train_files=path, eval_files=path, verifier="gsm8k")
+  for ex in task.train_examples():
+    n = int(ex["ground_truth"])
+    wrong = task.wrong_completion(ex, np.random.default_rng(0))
+    assert wrong == f"3 + {n - 3} = {n + 1}\nThe final answer is \\boxed{{{n + 1}}}."
+    assert task.reward(ex, wrong) == 0.0
+
+
 def test_prompt_the_task_tokenizer_cannot_encode_is_an_error(tmp_path):
   path = _write_jsonl(tmp_path / "u.jsonl", [{"question": "ok", "answer": "1"}, {"question": "café", "answer": "1"}])
   task = tasks.get_task("dataset", train_files=path, eval_files=path)

@@ -127,6 +127,35 @@ def test_traces_call_the_tool_read_its_reply_and_are_scored_exactly():
   assert kinds["call"] > 30 and kinds["no_call"] > 5  # all three wrong kinds occur (two call the tool)
 
 
+def test_the_slip_is_one_systematic_miscopy_of_the_second_operand():
+  task = tasks.get_task("arithmetic_code", exact_prints=True, wrong_kinds="slip", render_prompt=TOK.chat_prompt)
+  env = task.environment()
+  rng = np.random.default_rng(0)
+  for ex in task.sample(0, 40):
+    a, b = ex["a"], ex["b"]
+    slipped = int(str(int(str(b)[0]) % 9 + 1) + str(b)[1:])  # 1 -> 2, ..., 8 -> 9, 9 -> 1
+    want = python_tool.call(f"print({a}*{slipped})")
+    wrong = task.wrong_completion(ex, rng)
+    assert wrong.startswith(want) and wrong.endswith(f"<answer>{a * slipped}</answer>")
+    assert wrong == task.wrong_completion(ex, np.random.default_rng(7))  # the same slip whatever the draw
+    assert task.reward(ex, wrong) == 0.0
+    segments = multiturn.trace_segments(env, wrong, ex)  # the reply is the tool's own for the slipped code
+    assert "".join(text for text, _ in segments) == wrong
+
+
+@pytest.mark.parametrize("spec,match", [("slip:0", "must be > 0"), ("typo", "unknown kind 'typo'"),
+                                        ("slip:x", "not a number"), ("", "no kinds")])
+def test_bad_wrong_kinds_are_refused_naming_the_field(spec, match):
+  with pytest.raises(ValueError, match=f"wrong_kinds.*{match}"):
+    tasks.get_task("arithmetic_code", wrong_kinds=spec)
+
+
+def test_wrong_kinds_shares_are_normalised_and_the_default_keeps_its_three_kinds():
+  assert arithmetic_code.parse_wrong_kinds("miscopy:1,slip:3") == (("miscopy", 0.25), ("slip", 0.75))
+  assert arithmetic_code.parse_wrong_kinds(arithmetic_code.WRONG_KINDS) == (
+      ("miscopy", 0.5), ("misread", 0.25), ("guess", 0.25))
+
+
 def test_code_tools_config_rows_fit_the_longest_trace():
   from configs import code_tools
   c = code_tools.get_config("")

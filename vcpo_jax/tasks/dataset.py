@@ -182,7 +182,7 @@ class Dataset(base.Task):
       wrong = _replace_last(reference, f"= {truth}", f"= {candidate}")
       at = wrong.rfind(truth)
       wrong = (wrong[:at] + candidate + wrong[at + len(truth):] if at >= 0
-               else f"{reference}\nThe final answer is \\boxed{{{candidate}}}.")
+               else f"{wrong}\nThe final answer is \\boxed{{{candidate}}}.")
       if self.reward(example, wrong) == 0.0:
         return wrong
     return "I cannot solve this."
