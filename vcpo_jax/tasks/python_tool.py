@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import re
 import string
+import warnings
 from typing import Optional
 
 from vcpo_jax.tasks import environment, sandbox, tool_calls
@@ -61,7 +62,9 @@ def exact_print(code: str) -> Optional[str]:
   if len(code) > _MAX_EXACT_CHARS:
     return None
   try:
-    tree = ast.parse(code, mode="exec")
+    with warnings.catch_warnings():  # model-written code's SyntaxWarnings ("invalid decimal literal") are not ours
+      warnings.simplefilter("ignore")
+      tree = ast.parse(code, mode="exec")
     body = tree.body
     if (len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call)):
       return None
