@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 COMMAND = "python -m benchmarks.lag_model_validation"
 
