@@ -29,17 +29,18 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # (tests/test_python_tool.py checks both over many draws).
   c.model.max_seq_len = 256
   c.rl.max_new_tokens = 160  # a call, its reply and the answer (~128), or a failed call and part of a retry
-  # Half the warm-start traces are wrong in one systematic way (wrong_kinds=slip, tasks/arithmetic_code.py): the
-  # code copies the second operand with its first digit one higher, and the reply, a wrong product, is answered
-  # faithfully. The right copy and the slip then compete at one token, so the warm start's greedy answer follows
-  # the slip on many problems (a seed-9 pilot: 38.7% greedy), which RL on the reward removes. The mixed random
-  # kinds (the task's default) only spread the sampled mass: their warm start was already 69-85% right greedy
-  # (docs/results/code_tools_mixed/).
+  # 60% of the warm-start traces are wrong in one systematic way (wrong_kinds=slip, tasks/arithmetic_code.py):
+  # the code copies the second operand with its first digit one higher, and the reply, a wrong product, is
+  # answered faithfully. The slip then outweighs the right copy at one token, so the warm start's greedy answer
+  # follows it on most problems, which RL on the reward removes. At 0.5 the two tie and the warm start's greedy
+  # accuracy depended on how the tie broke (19-47% over 3 seeds; docs/results/code_tools_slip50/). The mixed
+  # random kinds (the task's default) only spread the sampled mass: their warm start was already 69-85% right
+  # greedy (docs/results/code_tools_mixed/).
   # 400 warm-start steps: at 300 one seed in three sampled almost no right answer (2% held-out at T = 1, rollout
   # reward ~0.03), too little signal for RL. RL gains most in its first ~20 steps: 60 RL steps keep a whole run
   # within ~20 minutes on 2 cores.
   c.task.options.arithmetic_code.wrong_kinds = "slip"
-  c.sft.update(steps=400, batch_size=32, error_rate=0.5)
+  c.sft.update(steps=400, batch_size=32, error_rate=0.6)
   c.rl.update(steps=60, prompts_per_step=16, group_size=8)
   c.task.eval_size = 256
   c.eval_every = 20
