@@ -31,11 +31,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rl.max_new_tokens = 160  # a call, its reply and the answer (~128), or a failed call and part of a retry
   # 60% of the warm-start traces are wrong in one systematic way (wrong_kinds=slip, tasks/arithmetic_code.py):
   # the code copies the second operand with its first digit one higher, and the reply, a wrong product, is
-  # answered faithfully. The slip then outweighs the right copy at one token, so the warm start's greedy answer
-  # follows it on most problems, which RL on the reward removes. At 0.5 the two tie and the warm start's greedy
-  # accuracy depended on how the tie broke (19-47% over 3 seeds; docs/results/code_tools_slip50/). The mixed
-  # random kinds (the task's default) only spread the sampled mass: their warm start was already 69-85% right
-  # greedy (docs/results/code_tools_mixed/).
+  # answered faithfully. The slip competes with the right copy at one token, so the warm start's greedy answer
+  # follows it on many problems (greedy 28-45% over 3 seeds), and RL on the reward removes it (docs/tool-use.md).
+  # At 0.5 the warm starts' greedy accuracy spread wider (19-47%), and so did the gains
+  # (docs/results/code_tools_slip50/). The mixed random kinds (the task's default) only spread the sampled mass:
+  # their warm start was already 69-85% right greedy (docs/results/code_tools_mixed/).
   # 400 warm-start steps: at 300 one seed in three sampled almost no right answer (2% held-out at T = 1, rollout
   # reward ~0.03), too little signal for RL. RL gains most in its first ~20 steps: 60 RL steps keep a whole run
   # within ~20 minutes on 2 cores.
