@@ -55,6 +55,19 @@ def error_message(result: sandbox.SandboxResult) -> str:
   return f"{result.kind}: {tail[:_MAX_TAIL_CHARS]}{TRUNCATED if len(tail) > _MAX_TAIL_CHARS else ''}"
 
 
+# The compiler's warnings about model-written code ("invalid decimal literal") carry the filename it was parsed
+# under, and one filter for that name keeps them out of the training log. A catch_warnings() around the parse
+# would swap the process-wide filter list, which races with the tool pool's other threads and the learner's.
+MODEL_CODE = "<model code>"
+_MODULE_RE = re.escape(MODEL_CODE)
+
+
+def _quiet_model_code() -> None:
+  """Adds the filter unless the filter list has it (an exited catch_warnings() or resetwarnings() drops it)."""
+  if not any(f[0] == "ignore" and f[3] is not None and f[3].pattern == _MODULE_RE for f in warnings.filters):
+    warnings.filterwarnings("ignore", module=_MODULE_RE)
+
+
 def exact_print(code: str) -> Optional[str]:
   """What Python prints for `code` when it is one `print(<integer literals with + - * and parentheses>)` call,
   read off its syntax tree (nothing runs); None for any other code. Its size is bounded (no powers, at most
@@ -62,9 +75,8 @@ def exact_print(code: str) -> Optional[str]:
   if len(code) > _MAX_EXACT_CHARS:
     return None
   try:
-    with warnings.catch_warnings():  # model-written code's SyntaxWarnings ("invalid decimal literal") are not ours
-      warnings.simplefilter("ignore")
-      tree = ast.parse(code, mode="exec")
+    _quiet_model_code()
+    tree = ast.parse(code, filename=MODEL_CODE, mode="exec")
     body = tree.body
     if (len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call)):
       return None
