@@ -136,11 +136,16 @@ def c2(find: Finder, k: int = K_MAIN, arm: str = "vcpo") -> Verdict:
   if not (learned and stale):
     why = "sync did not learn" if not learned else "no correction does not degrade (nothing to correct)"
     return Verdict("C2", RULES["C2"], numbers, f"not testable here ({why})")
-  if c == 0 and _above(d, -EQUIVALENCE_PTS) and _below(d, EQUIVALENCE_PTS):
-    return Verdict("C2", RULES["C2"], numbers, "reproduced")
-  if c > 0 or _below(d, -EQUIVALENCE_PTS) or _above(d, EQUIVALENCE_PTS):
-    return Verdict("C2", RULES["C2"], numbers, "not reproduced (refuted)")
-  return Verdict("C2", RULES["C2"], numbers, "not reproduced (undecided: interval wider than the margin)")
+  return Verdict("C2", RULES["C2"], numbers, equivalence(d, c))
+
+
+def equivalence(d: Diff, collapsed: int) -> str:
+  """C2's decision: d inside +-EQUIVALENCE_PTS with 0 collapses, refuted by a collapse or d outside."""
+  if collapsed == 0 and _above(d, -EQUIVALENCE_PTS) and _below(d, EQUIVALENCE_PTS):
+    return "reproduced"
+  if collapsed > 0 or _below(d, -EQUIVALENCE_PTS) or _above(d, EQUIVALENCE_PTS):
+    return "not reproduced (refuted)"
+  return "not reproduced (undecided: interval wider than the margin)"
 
 
 def c3(find: Finder, k: int = K_MAIN, arm: str = "vcpo") -> Verdict:

@@ -1,0 +1,232 @@
+"""The horizon study's results (docs/results/horizon/): C2 and C4 by the page's pre-registered rules, sync's
+convergence check, the step at which each arm comes within 5 points of sync's level, OPOB's logged moment ratio,
+the mechanism measurements and the curves, from the study's unit directories.
+
+`python -m experiments.horizon ROOT --out DIR` writes DIR/results.md and DIR/curves.png; DIR/mechanism/<unit>/
+variance.json files (experiments.variance) are summarised when present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+from experiments import analysis, claims, report, verdicts
+
+K = 8                    # C2's lag
+C4_LAG = 32
+CONVERGED_PTS = 1.5      # sync has converged: endpoint within 1.5 points of the 3 evaluations before it
+EXTEND_STEPS = 150       # an unconverged sync seed extends every arm of that seed by this much, once
+LEVEL_PTS = 5.0          # "comes within 5 points of sync's final level"
+ARMS = (("sync", 0), ("vcpo", K), ("ess_only", K), ("seq_tis", K), ("vcpo", C4_LAG), ("seq_tis", C4_LAG))
+MECHANISM_ROWS = ("group_mean", "grpo", "none", "opob_raw", "opob_reference", "opob_truncated", "opob_matched")
+
+
+def after_base(run: report.Run) -> list[float]:
+  steps, acc = run.evals()
+  return [a for s, a in zip(steps, acc) if s > 0]
+
+
+def convergence(run: report.Run) -> Optional[tuple[float, float, bool]]:
+  """(last-3 mean, mean of the 3 evaluations before, converged) of a run's greedy accuracy; None below 6 evals."""
+  acc = after_base(run)
+  if len(acc) < 2 * analysis.ENDPOINT_EVALS:
+    return None
+  n = analysis.ENDPOINT_EVALS
+  last, before = float(np.mean(acc[-n:])), float(np.mean(acc[-2 * n:-n]))
+  return last, before, abs(last - before) * 100 <= CONVERGED_PTS
+
+
+def to_extend(sync_runs: list[report.Run], planned_steps: int) -> list[int]:
+  """Seeds whose finished sync run has not converged at the planned length (extended runs are not re-checked)."""
+  out = []
+  for r in sync_runs:
+    c = convergence(r)
+    if r.result is not None and c is not None and not c[2] and int(r.config["rl"]["steps"]) <= planned_steps:
+      out.append(r.seed)
+  return sorted(out)
+
+
+def steps_to_level(runs: list[report.Run], level: float, pts: float = LEVEL_PTS) -> Optional[int]:
+  """The first evaluation step at which the seed-mean greedy accuracy is within `pts` of (or above) `level`."""
+  steps, mean, _, _ = analysis.band([r.series.get(report.ACC, {}) for r in runs])
+  return next((int(s) for s, m in zip(steps, mean) if m >= level - pts / 100), None)
+
+
+def median_of(run: report.Run, key: str) -> Optional[float]:
+  values = [v for v in run.series.get(key, {}).values() if math.isfinite(v)]
+  return float(np.median(values)) if values else None
+
+
+def c2(find, pending: list[int]) -> verdicts.Verdict:
+  """The page's C2 rule. Its precondition that uncorrected staleness degrades at k = 8 is the powered study's
+  C1 (same setting); sync learning is checked here."""
+  learned, learned_text = verdicts.sync_learned(find)
+  d = verdicts.diff(find, ("vcpo", K), ("sync", 0))
+  c, n = verdicts.collapses(find, "vcpo", K)
+  numbers = f"{d.text()}; vcpo collapsed {c}/{n}; {learned_text}"
+  rule = (f"VCPO - sync (endpoint, seed-paired) has a 95% interval inside +-{verdicts.EQUIVALENCE_PTS:g} points "
+          "and 0 VCPO runs collapse; refuted if a VCPO run collapses or the interval lies outside; needs sync to "
+          "learn and every sync seed converged (or extended)")
+  if not n:
+    return verdicts.Verdict("C2", rule, numbers, "not testable yet (no finished VCPO runs)")
+  if pending:
+    return verdicts.Verdict("C2", rule, numbers, f"pending: sync has not converged for seeds {pending}; every arm "
+                                                 f"of those seeds is extended by {EXTEND_STEPS} steps first")
+  if not learned:
+    return verdicts.Verdict("C2", rule, numbers, "not testable here (sync did not learn)")
+  return verdicts.Verdict("C2", rule, numbers, verdicts.equivalence(d, c))
+
+
+def convergence_table(sync_runs: list[report.Run]) -> list[str]:
+  lines = ["| sync seed | steps | endpoint % (last 3 evals) | 3 evals before % | difference (pts) | converged |",
+           "|---|---|---|---|---|---|"]
+  for r in sync_runs:
+    c = convergence(r)
+    if c is None or r.result is None:
+      lines.append(f"| {r.seed} | unfinished | - | - | - | - |")
+      continue
+    lines.append(f"| {r.seed} | {r.config['rl']['steps']} | {100 * c[0]:.1f} | {100 * c[1]:.1f} | "
+                 f"{100 * (c[0] - c[1]):+.1f} | {'yes' if c[2] else 'no'} |")
+  return lines
+
+
+def endpoint_table(groups, summaries) -> list[str]:
+  seeds = sorted({r.seed for arms in groups.values() for runs in arms.values() for r in runs})
+  lines = ["| arm | k | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% CI | collapsed |",
+           "|---|---|" + "---|" * (len(seeds) + 2)]
+  for arm, k in ARMS:
+    runs = {r.seed: r for r in groups.get(k, {}).get(arm, [])}
+    if not runs:
+      continue
+    cells, done = [], []
+    for s in seeds:
+      r = runs.get(s)
+      x = summaries[r.name] if r else None
+      if x is None:
+        cells.append("")
+      elif not x["done"]:
+        cells.append(f"(step {max(r.series.get('loss', {0: 0}))})")
+      else:
+        cells.append(f"{100 * x['endpoint']:.1f}")
+        done.append(x)
+    collapsed = sum(x["collapse"] is not None for x in done)
+    lines.append(f"| {arm} | {k} | " + " | ".join(cells) +
+                 f" | {analysis.format_mean_ci([x['endpoint'] for x in done])} | {collapsed}/{len(done)} |")
+  return lines
+
+
+def level_rows(groups, find) -> list[str]:
+  ends = [x["endpoint"] for x in find("sync", 0).values()]
+  if not ends:
+    return ["(no finished sync run yet)"]
+  level = float(np.mean(ends))
+  lines = [f"Sync's final level (mean endpoint over {len(ends)} seeds): {100 * level:.1f}%. First evaluation step "
+           f"at which the seed-mean greedy accuracy of the finished runs is at least {100 * level - LEVEL_PTS:.1f}%:",
+           "", "| arm | k | finished runs | step |", "|---|---|---|---|"]
+  for arm, k in ARMS:
+    runs = [r for r in groups.get(k, {}).get(arm, []) if r.result is not None]
+    if runs:
+      step = steps_to_level(runs, level)
+      lines.append(f"| {arm} | {k} | {len(runs)} | {step if step is not None else 'never'} |")
+  return lines
+
+
+def opob_table(groups, summaries) -> list[str]:
+  lines = ["| unit | steps logged | median opob/moment_ratio | median opob/max_weight_share | median ESS ratio | "
+           "mean lr scale |", "|---|---|---|---|---|---|"]
+  for k in (K, C4_LAG):
+    for r in groups.get(k, {}).get("vcpo", []):
+      x = summaries[r.name]
+      lines.append(f"| {r.name} | {len(r.series.get('opob/moment_ratio', {}))} | "
+                   f"{report._fmt(median_of(r, 'opob/moment_ratio'))} | "
+                   f"{report._fmt(median_of(r, 'opob/max_weight_share'))} | {report._fmt(x['median_ess'])} | "
+                   f"{report._fmt(x['lr_scale'])} |")
+  return lines
+
+
+def mechanism_rows(out: str) -> list[str]:
+  """Per (form, IS weight, baseline): the second moment relative to the group mean, mean over a unit's checkpoint
+  steps, then mean ± 95% CI over the units measured (DIR/mechanism/<unit>/variance.json)."""
+  root = os.path.join(out, "mechanism")
+  units = sorted(u for u in os.listdir(root) if os.path.exists(os.path.join(root, u, "variance.json"))) \
+      if os.path.isdir(root) else []
+  if not units:
+    return ["(not measured yet)"]
+  per_unit, info = {}, []
+  for u in units:
+    with open(os.path.join(root, u, "variance.json")) as f:
+      res = json.load(f)
+    steps = [s for s, r in res["steps"].items() if "summary" in r]
+    info.append(f"{u} (steps {', '.join(steps)}; ESS ratio "
+                f"{np.mean([res['steps'][s]['summary']['ess_ratio'] for s in steps]):.3f})")
+    for s in steps:
+      for key, row in res["steps"][s]["summary"]["rows"].items():
+        per_unit.setdefault(key, {}).setdefault(u, []).append(row["second_moment_rel"])
+  lines = [f"Units: {'; '.join(info)}.", "",
+           "| form | IS weight | baseline | 2nd moment / group mean's (mean ± 95% CI over units) | per unit |",
+           "|---|---|---|---|---|"]
+  for key in sorted(per_unit, key=lambda k: (k.split("/")[0], k.split("/")[1],
+                                              MECHANISM_ROWS.index(k.split("/")[2]))):
+    form, weight, baseline = key.split("/")
+    vals = [float(np.mean(v)) for v in per_unit[key].values()]
+    m, lo, hi = analysis.interval(vals)
+    ci = f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if math.isfinite(lo) else f"{m:.3f}"
+    lines.append(f"| {form} | {weight} | {baseline} | {ci} | {', '.join(f'{v:.3f}' for v in vals)} |")
+  return lines
+
+
+def write(root: str, out: str, plots: bool = True) -> str:
+  runs = report.load_runs(root)
+  if not runs:
+    raise ValueError(f"no work units under {root!r}")
+  os.makedirs(out, exist_ok=True)
+  summaries = {r.name: report.run_summary(r, analysis.COLLAPSE_FRACTION, analysis.ESS_DROP_THRESHOLD) for r in runs}
+  groups = report.group_runs(runs)
+  find = claims.finder(groups, summaries)
+  sync_runs = groups.get(0, {}).get("sync", [])
+  planned = min((int(r.config["rl"]["steps"]) for r in runs), default=0)
+  pending = to_extend(sync_runs, planned)
+  verdict_list = [c2(find, pending), verdicts.c4(find, lags=(C4_LAG,))]
+  md = ["# Horizon study: results", "",
+        f"Generated by `python -m experiments.horizon {root} --out {out}` from {len(runs)} units "
+        f"({sum(r.result is not None for r in runs)} finished); unfinished units show their last logged step.",
+        "", *report._provenance(runs), "", "## Verdicts (pre-registered rules: README.md)", "",
+        "| claim | rule | numbers | verdict |", "|---|---|---|---|",
+        *(f"| {v.claim} | {v.rule} | {v.numbers} | **{v.verdict}** |" for v in verdict_list), "",
+        "## Endpoint greedy accuracy % (mean of the last 3 evaluations) per seed", "",
+        *endpoint_table(groups, summaries), "", "## Sync has converged", "", *convergence_table(sync_runs), "",
+        "## Also reported", "",
+        verdicts.diff(find, ("vcpo", K), ("ess_only", K)).text(), "",
+        verdicts.diff(find, ("vcpo", K), ("seq_tis", K)).text(), "", *level_rows(groups, find), "",
+        "OPOB's logged second-moment ratio per VCPO run (1 = no better than the group mean):", "",
+        *opob_table(groups, summaries), "", "## Mechanism: estimator second moment per baseline", "",
+        *mechanism_rows(out), ""]
+  if plots:
+    from experiments import plots as plots_lib  # noqa: PLC0415  (matplotlib only when plotting)
+    arms = {f"{arm} (k={k})": groups[k][arm] for arm, k in ARMS if groups.get(k, {}).get(arm)}
+    plots_lib.curves_figure(arms, report.CURVES, "horizon study: seed means, 95% t bands",
+                            os.path.join(out, "curves.png"))
+    md += ["![curves](curves.png)", ""]
+  text = "\n".join(md)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write(text)
+  return text
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("root", help="the study's unit directories (a run root or an archive)")
+  p.add_argument("--out", required=True)
+  p.add_argument("--no_plots", action="store_true")
+  args = p.parse_args(argv)
+  write(args.root, args.out, plots=not args.no_plots)
+  print(f"wrote {os.path.join(args.out, 'results.md')}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,103 @@
+"""experiments/horizon.py: the horizon page's convergence check, extension rule, C2 decision, steps to sync's
+level and the mechanism summary, on unit directories written as the job leaves them."""
+import json
+import os
+
+import pytest
+
+from experiments import horizon, report, workunit
+
+
+def _unit(root, arm, lag, seed, accs, steps_per_eval=25, moment_ratio=None, finished=True):
+  """A workdir: unit.json (labels, config), metrics.jsonl with an evaluation every `steps_per_eval` steps
+  (greedy accuracies `accs`, base 0.40), result.json when finished."""
+  steps = steps_per_eval * len(accs)
+  workdir = os.path.join(root, f"{arm}-k{lag}-s{seed}")
+  os.makedirs(workdir)
+  config = {"rl": {"max_lag": lag, "steps": steps}, "seed": seed}
+  with open(os.path.join(workdir, workunit.RECORD), "w") as f:
+    json.dump({"labels": {"arm": arm}, "config": config}, f)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for step in range(1, steps + 1):
+      row = {"step": step, "loss": 0.1, "ess_ratio": 0.6 if lag else 1.0}
+      if moment_ratio is not None:
+        row.update({"opob/moment_ratio": moment_ratio, "opob/max_weight_share": 0.5})
+      if step % steps_per_eval == 0:
+        row[report.ACC] = accs[step // steps_per_eval - 1]
+      f.write(json.dumps(row) + "\n")
+  if finished:
+    with open(os.path.join(workdir, workunit.RESULT), "w") as f:
+      json.dump({"base": {report.ACC: 0.40}, "final": {report.ACC: accs[-1]}, "steps": steps}, f)
+
+
+FLAT = [0.50, 0.60, 0.69, 0.70, 0.71, 0.70, 0.71, 0.71]          # last 3: 70.67, the 3 before: 70.0
+
+
+def _runs(root):
+  runs = report.load_runs(str(root))
+  return {r.name: r for r in runs}
+
+
+def test_convergence_compares_the_last_three_evaluations_with_the_three_before(tmp_path):
+  _unit(tmp_path, "sync", 0, 0, FLAT)
+  _unit(tmp_path, "sync", 0, 1, [0.5, 0.55, 0.60, 0.62, 0.64, 0.66, 0.68, 0.70])  # 68.0 vs 64.0: rising
+  _unit(tmp_path, "sync", 0, 2, FLAT[:5])                                         # too short to judge
+  runs = _runs(tmp_path)
+  last, before, ok = horizon.convergence(runs["sync-k0-s0"])
+  assert (last, before, ok) == (pytest.approx((0.70 + 0.71 + 0.71) / 3), pytest.approx((0.69 + 0.70 + 0.71) / 3), True)
+  assert horizon.convergence(runs["sync-k0-s1"])[2] is False
+  assert horizon.convergence(runs["sync-k0-s2"]) is None
+  sync = [runs[f"sync-k0-s{s}"] for s in range(3)]
+  assert horizon.to_extend(sync, planned_steps=200) == [1]
+  assert horizon.to_extend(sync, planned_steps=150) == []  # an extended run (longer than planned) is not re-checked
+
+
+def test_c2_waits_for_extension_then_decides_by_the_margin(tmp_path):
+  for seed in range(3):
+    _unit(tmp_path, "sync", 0, seed, FLAT)
+    _unit(tmp_path, "vcpo", 8, seed, [a - 0.01 * (seed + 1) for a in FLAT], moment_ratio=0.8)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False)
+  assert "vcpo@k=8 - sync@k=0: -2.0 [-4.5, +0.5] pts, n=3" in text and "**reproduced**" in text
+  runs = list(_runs(tmp_path).values())
+  groups = report.group_runs(runs)
+  summaries = {r.name: report.run_summary(r, 0.5, 0.1) for r in runs}
+  find = horizon.claims.finder(groups, summaries)
+  assert horizon.c2(find, pending=[1]).verdict.startswith("pending: sync has not converged for seeds [1]")
+  assert "| vcpo-k8-s0 | 200 | 0.800 | 0.500 | 0.600 |" in text
+
+
+def test_c2_refuted_when_vcpo_is_clearly_below_sync(tmp_path):
+  for seed in range(3):
+    _unit(tmp_path, "sync", 0, seed, FLAT)
+    _unit(tmp_path, "vcpo", 8, seed, [a - 0.10 - 0.005 * seed for a in FLAT])
+  _unit(tmp_path, "seq_tis", 8, 0, FLAT[:3], finished=False)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False)
+  assert "**not reproduced (refuted)**" in text
+  assert "| seq_tis | 8 | (step 75) |  |  | - | 0/0 |" in text
+
+
+def test_steps_to_level_uses_the_seed_mean_curve(tmp_path):
+  _unit(tmp_path, "vcpo", 8, 0, [0.50, 0.60, 0.66, 0.70])
+  _unit(tmp_path, "vcpo", 8, 1, [0.50, 0.64, 0.66, 0.70])  # mean at step 50: 0.62
+  runs = [r for r in _runs(tmp_path).values()]
+  assert horizon.steps_to_level(runs, level=0.67) == 50     # 0.62 >= 0.67 - 0.05
+  assert horizon.steps_to_level(runs, level=0.70) == 75
+  assert horizon.steps_to_level(runs, level=0.80) is None
+
+
+def test_mechanism_rows_average_steps_then_units(tmp_path):
+  def variance_json(unit, ratios):
+    path = tmp_path / "mechanism" / unit
+    os.makedirs(path)
+    steps = {str(s): {"summary": {"ess_ratio": 0.5, "rows": {
+        "normalised/tis/group_mean": {"second_moment_rel": 1.0},
+        "normalised/tis/opob_reference": {"second_moment_rel": r}}}} for s, r in zip((425, 450), ratios)}
+    steps["400"] = {"error": "versions gone"}
+    with open(path / "variance.json", "w") as f:
+      json.dump({"steps": steps}, f)
+  variance_json("vcpo-k8-s0", (0.6, 0.8))
+  variance_json("vcpo-k8-s1", (0.8, 1.0))
+  lines = horizon.mechanism_rows(str(tmp_path))
+  row = next(line for line in lines if "opob_reference" in line)
+  assert row.startswith("| normalised | tis | opob_reference | 0.800 [") and row.endswith("| 0.700, 0.900 |")
+  assert horizon.mechanism_rows(str(tmp_path / "nothing")) == ["(not measured yet)"]
