@@ -181,9 +181,13 @@ def plan(args, extra, launcher: str):
   for u in units:
     print(f"{status[u.name]:8s} {u.name}  [{u.config_hash}]  {' '.join(u.flags)}")
   print(f"{len(units)} units: {len(units) - len(todo)} done, {len(todo)} to run "
-        f"({sum(status[u.name] == 'partial' for u in todo)} resume)", flush=True)
+        f"({sum(status[u.name] == 'partial' for u in todo)} resume, "
+        f"{sum(status[u.name] == 'extend' for u in todo)} extend)", flush=True)
   if not args.dry_run:
     write_sweep_record(args.root, args.config, args.sweep, extra, units, launcher)
+    for u in todo:
+      if status[u.name] == "extend":
+        u.start_extension()
   if args.no_share_warm_start:
     return units, todo, {}
   others = [u for root in args.warm_starts_from for u in workunit.cached_warm_starts(root)]

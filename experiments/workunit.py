@@ -87,17 +87,35 @@ class WorkUnit:
     return [f"--config={self.config_spec}", f"--workdir={self.workdir}", *self.flags]
 
   def status(self) -> str:
-    """'done' (result for this config), 'partial' (started, same config), 'new', or 'conflict'."""
+    """'done' (result for this config), 'partial' (started, same config), 'new', 'extend' (the workdir holds
+    this config with fewer rl.steps: the job resumes from its last checkpoint and runs on), or 'conflict'."""
     job_config = os.path.join(self.workdir, JOB_CONFIG)
     if not os.path.exists(job_config):
       return "new"
     with open(job_config) as f:
-      if hash_dict(json.load(f)) != self.config_hash:
-        return "conflict"
+      held = json.load(f)
+    if hash_dict(held) != self.config_hash:
+      return "extend" if extends(held, self.config) else "conflict"
     return "done" if os.path.exists(os.path.join(self.workdir, RESULT)) else "partial"
+
+  def start_extension(self) -> None:
+    """Moves the shorter run's result.json aside (result_<steps>.json) so the unit reads as unfinished until
+    the longer run writes its own."""
+    with open(os.path.join(self.workdir, JOB_CONFIG)) as f:
+      steps = json.load(f)["rl"]["steps"]
+    result = os.path.join(self.workdir, RESULT)
+    if os.path.exists(result):
+      os.replace(result, os.path.join(self.workdir, f"result_{steps}.json"))
 
   def has_warm_start(self) -> bool:
     return os.path.exists(os.path.join(self.workdir, WARM_START_MARKER))
+
+
+def extends(held: dict, wanted: dict) -> bool:
+  """`wanted` is `held` run for more RL steps, nothing else changed."""
+  longer = wanted.get("rl", {}).get("steps", 0) > held.get("rl", {}).get("steps", 0)
+  same = lambda c: {**c, "rl": {k: v for k, v in c.get("rl", {}).items() if k != "steps"}}  # noqa: E731
+  return longer and hash_dict(same(held)) == hash_dict(same(wanted))
 
 
 def prepare(units: list[dict], config_spec: str, root: str, extra_flags: list[str] = (),

@@ -274,11 +274,11 @@ def get_sweep(arg=""):
 '''
 
 
-def _launch(tmp_path, module, python=sys.executable, timeout=600):
+def _launch(tmp_path, module, python=sys.executable, timeout=600, extra=()):
   sweep_file = tmp_path / "tiny_sweep.py"
   sweep_file.write_text(TINY_SWEEP)
   cmd = [python, "-m", module, "--config=configs/tiny.py:emulate", f"--sweep={sweep_file}",
-         f"--root={tmp_path / 'runs'}", "--parallel=2"]
+         f"--root={tmp_path / 'runs'}", "--parallel=2", *extra]
   # Units run as a user's would: without the suite's 8 fake devices (conftest.py sets XLA_FLAGS).
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -303,6 +303,17 @@ def test_local_launcher_runs_two_tiny_units_then_skips_them(tmp_path):
   _check_finished(tmp_path / "runs")
   again = _launch(tmp_path, "experiments.launch", timeout=120)
   assert again.returncode == 0 and "2 done, 0 to run" in again.stdout, again.stdout + again.stderr
+  # More steps, nothing else changed: both units resume from their last checkpoint and run on to step 3.
+  longer = _launch(tmp_path, "experiments.launch", extra=["--", "--config.rl.steps=3"])
+  assert longer.returncode == 0 and "(0 resume, 2 extend)" in longer.stdout, longer.stdout + longer.stderr
+  for name in ("seq_tis-k1", "vcpo-k1"):
+    unit = tmp_path / "runs" / name
+    assert json.load(open(unit / workunit.RESULT))["steps"] == 3
+    assert json.load(open(unit / "result_2.json"))["steps"] == 2
+    steps = [json.loads(line)["step"] for line in open(unit / "metrics.jsonl") if line.strip()]
+    assert 3 in steps and "resumed from checkpoint at step 2" in open(unit / workunit.LOG).read()
+  other = _launch(tmp_path, "experiments.launch", timeout=120, extra=["--", "--config.optim.learning_rate=0.5"])
+  assert other.returncode == 2 and "hold runs of a different config" in other.stderr
 
 
 @pytest.mark.slow

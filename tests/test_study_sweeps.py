@@ -65,3 +65,18 @@ def test_c5_units_run_real_rollouts_with_the_server_on_another_core():
   # one warm start per seed, the same as the study's units of that seed (so they can donate it)
   study = {u.config["seed"]: u.warm_start_key for u in _units("claims_k8.py:lr=7e-05,c4_lags=32")}
   assert all(u.warm_start_key == study[u.config["seed"]] for u in units)
+
+
+def test_claims_horizon_tiers_and_the_extension_keeps_names():
+  units = _units("claims_horizon.py")
+  got = [(u.labels["arm"], u.config["rl"]["max_lag"], u.config["seed"]) for u in units]
+  tier1 = [(arm, k, s) for s in range(4) for arm, k in (("sync", 0), ("vcpo", 8), ("ess_only", 8), ("seq_tis", 8))]
+  tier2 = [(arm, k, s) for s in (4, 5) for arm, k in (("sync", 0), ("vcpo", 8))]
+  tier3 = [(arm, 32, s) for s in range(3) for arm in ("vcpo", "seq_tis")]
+  assert got == tier1 + tier2 + tier3 and {u.config["rl"]["steps"] for u in units} == {450}
+  longer = _units("claims_horizon.py:extend=1+3")
+  assert [u.name for u in longer] == [u.name for u in units]
+  assert {u.name: u.config["rl"]["steps"] for u in longer} == {
+      u.name: 600 if u.config["seed"] in (1, 3) else 450 for u in units}
+  for short, long in zip(units, longer):
+    assert workunit.extends(short.config, long.config) == (short.config != long.config)

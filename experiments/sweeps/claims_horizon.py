@@ -1,7 +1,9 @@
 """C2 over the paper's horizon: the powered study's k = 8 setting run to 450 steps (docs/results/horizon/).
 
 `--config=experiments/configs/pilot.py:trace --sweep=experiments/sweeps/claims_horizon.py --parallel=2`
-(defaults: lr=7e-05,steps=450,c4_lag=32). Units in priority order (C2 > C4), seed-major inside each tier, so a
+(defaults: lr=7e-05,steps=450,c4_lag=32; `extend=1+3` runs every unit of seeds 1 and 3 for steps + 150, the
+page's rule for a sync seed that has not converged: a relaunch resumes those units from their last checkpoint,
+under the same names). Units in priority order (C2 > C4), seed-major inside each tier, so a
 study cut short keeps whole seeds of the arms that decide C2:
   1. k = 8: sync (k = 0), VCPO, ESS-only, seq-TIS, seeds 0-3;
   2. sync and VCPO, seeds 4-5;
@@ -9,11 +11,12 @@ study cut short keeps whole seeds of the arms that decide C2:
 VCPO weights OPOB as the authors' code does (is_weight=reference), as in the powered study; its runs log OPOB's
 second-moment ratio every step (opob/moment_ratio).
 """
-from experiments.sweep import chain, fixed, parse_arg, product, sweep
+from experiments.sweep import chain, fixed, name_units, parse_arg, product, sweep
 from experiments.sweeps import arms
 
 K = 8
 EVAL = {"task.eval_size": 512, "task.eval_samples": 4, "eval_every": 25, "checkpoint_every": 25}
+EXTEND_STEPS = 150
 
 
 def _seed_major(units, seeds):
@@ -21,7 +24,7 @@ def _seed_major(units, seeds):
 
 
 def get_sweep(arg: str = "") -> list[dict]:
-  a = parse_arg(arg, lr=7e-5, steps=450, c4_lag=32)
+  a = parse_arg(arg, lr=7e-5, steps=450, c4_lag=32, extend=())
   if 3 * a["c4_lag"] > a["steps"]:
     raise ValueError(f"C4 needs runs of >= 3k steps: steps={a['steps']} < 3 x c4_lag={a['c4_lag']}")
   sync = product(arms.arms(["sync"], a["lr"]), fixed({"rl.max_lag": 0}))
@@ -32,4 +35,9 @@ def get_sweep(arg: str = "") -> list[dict]:
       _seed_major(chain(sync, table(["vcpo"], K)), range(4, 6)),
       _seed_major(table(["vcpo", "seq_tis"], a["c4_lag"]), range(3)),
   ]
-  return product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL))
+  units = name_units(product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL)))  # names before
+  extend = {int(s) for s in a["extend"]}                                     # the lengths differ: they stay
+  for u in units:
+    if u["config.seed"] in extend:
+      u["config.rl.steps"] = a["steps"] + EXTEND_STEPS
+  return units
