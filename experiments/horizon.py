@@ -20,20 +20,22 @@ from experiments import analysis, claims, report, verdicts
 K = 8                    # C2's lag
 C4_LAG = 32
 CONVERGED_PTS = 1.5      # sync has converged: endpoint within 1.5 points of the 3 evaluations before it
+STEPS = 450              # the pre-registered length
 EXTEND_STEPS = 150       # an unconverged sync seed extends every arm of that seed by this much, once
 LEVEL_PTS = 5.0          # "comes within 5 points of sync's final level"
 ARMS = (("sync", 0), ("vcpo", K), ("ess_only", K), ("seq_tis", K), ("vcpo", C4_LAG), ("seq_tis", C4_LAG))
 MECHANISM_ROWS = ("group_mean", "grpo", "none", "opob_raw", "opob_reference", "opob_truncated", "opob_matched")
 
 
-def after_base(run: report.Run) -> list[float]:
+def after_base(run: report.Run, upto: Optional[int] = None) -> list[float]:
   steps, acc = run.evals()
-  return [a for s, a in zip(steps, acc) if s > 0]
+  return [a for s, a in zip(steps, acc) if 0 < s <= (upto or s)]
 
 
-def convergence(run: report.Run) -> Optional[tuple[float, float, bool]]:
-  """(last-3 mean, mean of the 3 evaluations before, converged) of a run's greedy accuracy; None below 6 evals."""
-  acc = after_base(run)
+def convergence(run: report.Run, upto: Optional[int] = None) -> Optional[tuple[float, float, bool]]:
+  """(last-3 mean, mean of the 3 evaluations before, converged) of a run's greedy accuracy up to step `upto`
+  (default: its end); None below 6 evaluations."""
+  acc = after_base(run, upto)
   if len(acc) < 2 * analysis.ENDPOINT_EVALS:
     return None
   n = analysis.ENDPOINT_EVALS
@@ -91,16 +93,20 @@ def c2(find, pending: list[int]) -> verdicts.Verdict:
   return verdicts.Verdict("C2", rule, numbers, verdicts.equivalence(d, c))
 
 
-def convergence_table(sync_runs: list[report.Run]) -> list[str]:
-  lines = ["| sync seed | steps | endpoint % (last 3 evals) | 3 evals before % | difference (pts) | converged |",
+def convergence_table(sync_runs: list[report.Run], planned_steps: int) -> list[str]:
+  """One row per sync seed at its end; an extended seed also shows the check at the planned length."""
+  lines = ["| sync seed | at step | endpoint % (last 3 evals) | 3 evals before % | difference (pts) | converged |",
            "|---|---|---|---|---|---|"]
   for r in sync_runs:
-    c = convergence(r)
-    if c is None or r.result is None:
-      lines.append(f"| {r.seed} | unfinished | - | - | - | - |")
-      continue
-    lines.append(f"| {r.seed} | {r.config['rl']['steps']} | {100 * c[0]:.1f} | {100 * c[1]:.1f} | "
-                 f"{100 * (c[0] - c[1]):+.1f} | {'yes' if c[2] else 'no'} |")
+    steps = int(r.config["rl"]["steps"])
+    ends = ([planned_steps] if steps > planned_steps else []) + ([steps] if r.result is not None else [])
+    for end in ends:
+      c = convergence(r, end)
+      if c is not None:
+        lines.append(f"| {r.seed} | {end} | {100 * c[0]:.1f} | {100 * c[1]:.1f} | {100 * (c[0] - c[1]):+.1f} | "
+                     f"{'yes' if c[2] else 'no'} |")
+    if r.result is None:
+      lines.append(f"| {r.seed} | {steps} (running, step {max(r.series.get('loss', {0: 0}))}) | - | - | - | - |")
   return lines
 
 
@@ -189,7 +195,7 @@ def mechanism_rows(out: str) -> list[str]:
   return lines
 
 
-def write(root: str, out: str, plots: bool = True) -> str:
+def write(root: str, out: str, plots: bool = True, planned: int = STEPS) -> str:
   runs = report.load_runs(root)
   if not runs:
     raise ValueError(f"no work units under {root!r}")
@@ -198,7 +204,6 @@ def write(root: str, out: str, plots: bool = True) -> str:
   groups = report.group_runs(runs)
   find = claims.finder(groups, summaries)
   sync_runs = groups.get(0, {}).get("sync", [])
-  planned = min((int(r.config["rl"]["steps"]) for r in runs), default=0)
   pending = to_extend(sync_runs, planned)
   verdict_list = [provisional(c2(find, pending), runs, {("sync", 0), ("vcpo", K)}),
                   provisional(verdicts.c4(find, lags=(C4_LAG,)), runs, {("sync", 0), ("vcpo", C4_LAG)})]
@@ -209,7 +214,8 @@ def write(root: str, out: str, plots: bool = True) -> str:
         "| claim | rule | numbers | verdict |", "|---|---|---|---|",
         *(f"| {v.claim} | {v.rule} | {v.numbers} | **{v.verdict}** |" for v in verdict_list), "",
         "## Endpoint greedy accuracy % (mean of the last 3 evaluations) per seed", "",
-        *endpoint_table(groups, summaries), "", "## Sync has converged", "", *convergence_table(sync_runs), "",
+        *endpoint_table(groups, summaries), "", "## Sync has converged", "",
+        *convergence_table(sync_runs, planned), "",
         "## Also reported", "",
         verdicts.diff(find, ("vcpo", K), ("ess_only", K)).text(), "",
         verdicts.diff(find, ("vcpo", K), ("seq_tis", K)).text(), "", *level_rows(groups, find), "",
@@ -233,8 +239,9 @@ def main(argv=None) -> None:
   p.add_argument("root", help="the study's unit directories (a run root or an archive)")
   p.add_argument("--out", required=True)
   p.add_argument("--no_plots", action="store_true")
+  p.add_argument("--steps", type=int, default=STEPS, help="the planned run length (the convergence check's)")
   args = p.parse_args(argv)
-  write(args.root, args.out, plots=not args.no_plots)
+  write(args.root, args.out, plots=not args.no_plots, planned=args.steps)
   print(f"wrote {os.path.join(args.out, 'results.md')}")
 
 

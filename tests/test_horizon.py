@@ -40,7 +40,7 @@ def _runs(root):
 
 def test_convergence_compares_the_last_three_evaluations_with_the_three_before(tmp_path):
   _unit(tmp_path, "sync", 0, 0, FLAT)
-  _unit(tmp_path, "sync", 0, 1, [0.5, 0.55, 0.60, 0.62, 0.64, 0.66, 0.68, 0.70])  # 68.0 vs 64.0: rising
+  _unit(tmp_path, "sync", 0, 1, [0.5, 0.55, 0.60, 0.62, 0.64, 0.66, 0.68, 0.70])  # 68.0 vs 62.0: rising
   _unit(tmp_path, "sync", 0, 2, FLAT[:5])                                         # too short to judge
   runs = _runs(tmp_path)
   last, before, ok = horizon.convergence(runs["sync-k0-s0"])
@@ -50,13 +50,15 @@ def test_convergence_compares_the_last_three_evaluations_with_the_three_before(t
   sync = [runs[f"sync-k0-s{s}"] for s in range(3)]
   assert horizon.to_extend(sync, planned_steps=200) == [1]
   assert horizon.to_extend(sync, planned_steps=150) == []  # an extended run (longer than planned) is not re-checked
+  table = "\n".join(horizon.convergence_table(sync, planned_steps=150))
+  assert "| 1 | 150 | 64.0 | 55.0 | +9.0 | no |" in table and "| 1 | 200 | 68.0 | 62.0 | +6.0 | no |" in table
 
 
 def test_c2_waits_for_extension_then_decides_by_the_margin(tmp_path):
   for seed in range(3):
     _unit(tmp_path, "sync", 0, seed, FLAT)
     _unit(tmp_path, "vcpo", 8, seed, [a - 0.01 * (seed + 1) for a in FLAT], moment_ratio=0.8)
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200)
   assert "vcpo@k=8 - sync@k=0: -2.0 [-4.5, +0.5] pts, n=3" in text and "**reproduced**" in text
   runs = list(_runs(tmp_path).values())
   groups = report.group_runs(runs)
@@ -71,11 +73,11 @@ def test_c2_refuted_when_vcpo_is_clearly_below_sync(tmp_path):
     _unit(tmp_path, "sync", 0, seed, FLAT)
     _unit(tmp_path, "vcpo", 8, seed, [a - 0.10 - 0.005 * seed for a in FLAT])
   _unit(tmp_path, "seq_tis", 8, 0, FLAT[:3], finished=False)
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200)
   assert "**not reproduced (refuted)**" in text
   assert "| seq_tis | 8 | (step 75) |  |  | - | 0/0 |" in text
   _unit(tmp_path, "vcpo", 8, 3, FLAT[:3], finished=False)
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200)
   assert "**provisional (6 of 7 units finished): not reproduced (refuted)**" in text
 
 
