@@ -12,6 +12,7 @@ import argparse
 import ast
 import datetime
 import json
+import math
 import os
 import re
 import sys
@@ -62,10 +63,26 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
       parsed = parse(f.read())
     steps, acc = run.evals(metric)
     runs.append({"name": run.name, "lag": run.lag, "seed": run.seed, "endpoint": analysis.endpoint(steps, acc),
-                 "rl_seconds": parsed["rl_seconds"],
+                 "rl_seconds": parsed["rl_seconds"], "rl_steps": int(run.config["rl"]["steps"]),
                  "evals": [(t, m[metric]) for _, t, m in parsed["evals"] if metric in m],
                  "steps": [s for s, _, m in parsed["evals"] if metric in m]})
   return runs, left_out
+
+
+def steps_per_hour_rows(runs: list[dict]) -> list[str]:
+  """RL steps per hour of the RL phase (its evaluations included, the same in every mode) per lag, and the
+  seed-paired ratio to sync's."""
+  from experiments import analysis  # noqa: PLC0415
+  rate = {(r["lag"], r["seed"]): 3600 * r["rl_steps"] / r["rl_seconds"] for r in runs if r.get("rl_seconds")}
+  lines = ["| k | runs | RL steps per hour (mean ± 95% CI) | / sync's, seed-paired (mean ± 95% CI) |",
+           "|---|---|---|---|"]
+  for k in sorted({lag for lag, _ in rate}):
+    mine = {s: v for (lag, s), v in rate.items() if lag == k}
+    m, h = analysis.mean_ci([v / rate[(0, s)] for s, v in mine.items() if (0, s) in rate])
+    ratio = "-" if not math.isfinite(m) else f"{m:.2f}" + (f" ± {h:.2f}" if math.isfinite(h) else " (n=1)")
+    lines.append(f"| {k} | {len(mine)} | {analysis.format_mean_ci(list(mine.values()), scale=1.0)} | "
+                 f"{ratio if k else '1'} |")
+  return lines
 
 
 def write_c5(root: str, out: str) -> str:
@@ -82,6 +99,7 @@ def write_c5(root: str, out: str) -> str:
     rl = "-" if r["rl_seconds"] is None else f"{r['rl_seconds']:.0f}"
     end = "-" if r["endpoint"] is None else f"{100 * r['endpoint']:.1f}"
     lines.append(f"| {r['name']} | {r['lag']} | {r['seed']} | {rl} | {end} | {curve} |")
+  lines += ["", *steps_per_hour_rows(runs)]
   if left_out:
     lines += ["", "Left out: " + "; ".join(left_out) + "."]
   md = "\n".join(lines) + "\n"

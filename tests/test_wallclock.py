@@ -27,7 +27,7 @@ def test_log_without_rl_phase_is_refused():
     wallclock.parse("I1123 10:00:00.000000 1 train.py:45] sft step 1/200 loss 4.8\n")
 
 
-def _unit(root, name, lag, seed, evals, launches=1):
+def _unit(root, name, lag, seed, evals, launches=1, done="11:00"):
   """A finished unit as the launcher and the job leave it: unit.json, result.json, metrics.jsonl, log.txt."""
   import json
   import os
@@ -46,7 +46,7 @@ def _unit(root, name, lag, seed, evals, launches=1):
       lines.append(f"I1124 10:{seconds // 60:02d}:{seconds % 60:02d}.000000 1 train.py:2] step {step} eval "
                    f"{{'eval/greedy_accuracy': {acc}}}")
   with open(os.path.join(d, "log.txt"), "w") as f:
-    f.write("\n".join(lines + ["I1124 11:00:00.000000 1 train.py:3] done: {}"]) + "\n")
+    f.write("\n".join(lines + [f"I1124 {done}:00.000000 1 train.py:3] done: {{}}"]) + "\n")
 
 
 def test_c5_report_from_a_root_times_each_run_and_leaves_out_resumed_ones(tmp_path):
@@ -54,7 +54,8 @@ def test_c5_report_from_a_root_times_each_run_and_leaves_out_resumed_ones(tmp_pa
   sync = [(25, 100, 0.4), (50, 200, 0.5), (75, 300, 0.5)]
   for s in range(3):
     _unit(root, f"sync-k0-s{s}", 0, s, sync)
-    _unit(root, f"vcpo-k2-s{s}", 2, s, [(25, 60 + s, 0.5), (50, 120, 0.5), (75, 180, 0.5)])
+    _unit(root, f"vcpo-k2-s{s}", 2, s, [(25, 60 + s, 0.5), (50, 120, 0.5), (75, 180, 0.5)],
+          done="10:30" if s == 0 else "11:00")
   _unit(root, "vcpo-k4-s0", 4, 0, sync, launches=2)
   md = wallclock.write_c5(str(root), str(out))
   runs, left_out = wallclock.c5_runs(str(root))
@@ -64,3 +65,5 @@ def test_c5_report_from_a_root_times_each_run_and_leaves_out_resumed_ones(tmp_pa
   assert sync0["evals"] == [(100.0, 0.4), (200.0, 0.5), (300.0, 0.5)] and sync0["endpoint"] == pytest.approx(0.4667, abs=1e-4)
   # target: sync endpoint 46.7% - 2 = 44.7%; sync reaches it at 200 s, k = 2 at 60-62 s
   assert "**Verdict: reproduced.**" in md and "target 44.7%" in md and (out / "c5.json").exists()
+  # 75 steps in RL phases of 3600 s (the log's "done" line), 1800 s for vcpo-k2-s0: 150 steps/h, twice sync's
+  assert "| 0 | 3 | 75.0 ± 0.0 | 1 |" in md and "| 2 | 3 | 100.0 ± 107.6 | 1.33 ± 1.43 |" in md
