@@ -64,24 +64,41 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
     steps, acc = run.evals(metric)
     runs.append({"name": run.name, "lag": run.lag, "seed": run.seed, "endpoint": analysis.endpoint(steps, acc),
                  "rl_seconds": parsed["rl_seconds"], "rl_steps": int(run.config["rl"]["steps"]),
+                 "phases": {p: _median(run.series.get(f"throughput/{p}_seconds")) for p in PHASES},
                  "evals": [(t, m[metric]) for _, t, m in parsed["evals"] if metric in m],
                  "steps": [s for s, _, m in parsed["evals"] if metric in m]})
   return runs, left_out
 
 
+PHASES = ("wait", "learn", "publish")  # a step's seconds waiting for rollouts, updating, publishing (train.py)
+
+
+def _median(series) -> float | None:
+  values = sorted((series or {}).values())
+  return values[len(values) // 2] if values else None
+
+
 def steps_per_hour_rows(runs: list[dict]) -> list[str]:
-  """RL steps per hour of the RL phase (its evaluations included, the same in every mode) per lag, and the
-  seed-paired ratio to sync's."""
+  """Per lag: RL steps per hour of the RL phase (its evaluations included, the same in every mode), its
+  seed-paired ratio to sync's, and the step's phases (medians over steps, mean over runs). For sync the overlap
+  ceiling is step / max(wait, learn + publish): the speed-up a perfect overlap of generation and update gives."""
   from experiments import analysis  # noqa: PLC0415
   rate = {(r["lag"], r["seed"]): 3600 * r["rl_steps"] / r["rl_seconds"] for r in runs if r.get("rl_seconds")}
-  lines = ["| k | runs | RL steps per hour (mean ± 95% CI) | / sync's, seed-paired (mean ± 95% CI) |",
-           "|---|---|---|---|"]
+  lines = ["| k | runs | RL steps per hour (mean ± 95% CI) | / sync's, seed-paired (mean ± 95% CI) | "
+           "step s: wait for rollouts | learn | publish | overlap ceiling (sync) |", "|---|---|---|---|---|---|---|---|"]
   for k in sorted({lag for lag, _ in rate}):
     mine = {s: v for (lag, s), v in rate.items() if lag == k}
     m, h = analysis.mean_ci([v / rate[(0, s)] for s, v in mine.items() if (0, s) in rate])
     ratio = "-" if not math.isfinite(m) else f"{m:.2f}" + (f" ± {h:.2f}" if math.isfinite(h) else " (n=1)")
+    phase = {p: [r["phases"][p] for r in runs if r["lag"] == k and (r.get("phases") or {}).get(p) is not None]
+             for p in PHASES}
+    mean = {p: sum(v) / len(v) if v else None for p, v in phase.items()}
+    cells = ["-" if mean[p] is None else f"{mean[p]:.2f}" for p in PHASES]
+    ceiling = "-"
+    if k == 0 and None not in mean.values() and max(mean["wait"], mean["learn"] + mean["publish"]) > 0:
+      ceiling = f"{sum(mean.values()) / max(mean['wait'], mean['learn'] + mean['publish']):.2f}x"
     lines.append(f"| {k} | {len(mine)} | {analysis.format_mean_ci(list(mine.values()), scale=1.0)} | "
-                 f"{ratio if k else '1'} |")
+                 f"{ratio if k else '1'} | {' | '.join(cells)} | {ceiling} |")
   return lines
 
 

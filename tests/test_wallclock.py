@@ -41,8 +41,10 @@ def _unit(root, name, lag, seed, evals, launches=1, done="11:00"):
     json.dump({"base": {"eval/greedy_accuracy": 0.3}, "final": {}}, f)
   lines = ["I1124 10:00:00.000000 1 train.py:1] base model: greedy accuracy 0.300, sampled accuracy 0.1"]
   with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-    for step, seconds, acc in evals:
-      f.write(json.dumps({"step": step, "eval/greedy_accuracy": acc}) + "\n")
+    for step, seconds, acc in evals:  # sync waits 3 s for rollouts and learns 1 s; async waits 1 s
+      phases = {"throughput/wait_seconds": 1.0 if lag else 3.0, "throughput/learn_seconds": 1.0,
+                "throughput/publish_seconds": 0.0}
+      f.write(json.dumps({"step": step, "eval/greedy_accuracy": acc, **phases}) + "\n")
       lines.append(f"I1124 10:{seconds // 60:02d}:{seconds % 60:02d}.000000 1 train.py:2] step {step} eval "
                    f"{{'eval/greedy_accuracy': {acc}}}")
   with open(os.path.join(d, "log.txt"), "w") as f:
@@ -66,4 +68,5 @@ def test_c5_report_from_a_root_times_each_run_and_leaves_out_resumed_ones(tmp_pa
   # target: sync endpoint 46.7% - 2 = 44.7%; sync reaches it at 200 s, k = 2 at 60-62 s
   assert "**Verdict: reproduced.**" in md and "target 44.7%" in md and (out / "c5.json").exists()
   # 75 steps in RL phases of 3600 s (the log's "done" line), 1800 s for vcpo-k2-s0: 150 steps/h, twice sync's
-  assert "| 0 | 3 | 75.0 ± 0.0 | 1 |" in md and "| 2 | 3 | 100.0 ± 107.6 | 1.33 ± 1.43 |" in md
+  assert "| 0 | 3 | 75.0 ± 0.0 | 1 | 3.00 | 1.00 | 0.00 | 1.33x |" in md  # (3 + 1) / max(3, 1)
+  assert "| 2 | 3 | 100.0 ± 107.6 | 1.33 ± 1.43 | 1.00 | 1.00 | 0.00 | - |" in md

@@ -185,13 +185,19 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
     while run.step < run.config.rl.steps:
       t0 = time.perf_counter()
       groups, batch = await batching.next_batch(rollouts, run.step, run.layout)
+      t1 = time.perf_counter()
       step_metrics = await asyncio.to_thread(run.learn, batch)
+      t2 = time.perf_counter()
       refused = None
       try:
         await rollouts.publish(run.step + 1, run.rollout_params())
       except PublishError as e:  # the step is done: its metrics (with the refusal counter) are written first
         refused = e
-      run.after_step(groups, step_metrics, rollouts.stats(), time.perf_counter() - t0, rollouts.state_dict)
+      t3 = time.perf_counter()
+      # Where the step's time went: waiting for rollouts is what asynchrony can hide behind the update.
+      phases = {"throughput/wait_seconds": t1 - t0, "throughput/learn_seconds": t2 - t1,
+                "throughput/publish_seconds": t3 - t2}
+      run.after_step(groups, step_metrics, {**rollouts.stats(), **phases}, t3 - t0, rollouts.state_dict)
       if refused is not None:
         raise refused
   finally:
