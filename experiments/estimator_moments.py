@@ -8,6 +8,10 @@ quadratic form in the coefficients c_i = v_i A_i over the Gram matrix G_ij = <s_
   second moment  (1/B) sum_i ||x_i||^2            = (1/B) sum_i c_i^2 G_ii
   mean squared   ||(1/B) sum_i x_i||^2            = c^T G c / B^2
   trace of Cov   (1/B) sum_i ||x_i - mean x||^2   = second moment - mean squared
+
+Across independent batches a != b, <g_a, g_b> estimates ||mu||^2 of the expected gradient mu without the noise
+term (cross_batch): the signal, and per baseline its cosine with the group mean's. An optimizer that normalises
+the gradient's scale (Adam) gains from a baseline only through signal / noise, not through a smaller second moment.
 """
 from __future__ import annotations
 
@@ -120,13 +124,45 @@ def advantages(rewards_B, group_B, lengths_B, sq_norms_B, logw_B, *, tau, opob_o
   return out
 
 
+def coefficients(sq_norms_B, rewards_B, group_B, lengths_B, logw_B, *, tau, opob_options: dict) -> dict:
+  """{"form/weight/baseline": c_B = v_B * A_B} for one batch (sq_norms_B: G's diagonal)."""
+  wt_B = np.asarray(vcpo.truncated_weights(jnp.asarray(logw_B), tau), np.float64)
+  advs = advantages(rewards_B, group_B, lengths_B, sq_norms_B, logw_B, tau=tau, opob_options=opob_options)
+  return {f"{form}/{weight}/{baseline}": (wt_B if weight == "tis" else 1.0) * adv_B
+          for (form, weight, baseline), adv_B in advs.items()}
+
+
 def batch_moments(G_BxB, rewards_B, group_B, lengths_B, logw_B, *, tau, opob_options: dict) -> dict:
   """{"form/weight/baseline": moments} for one batch, plus its ESS ratio."""
-  wt_B = np.asarray(vcpo.truncated_weights(jnp.asarray(logw_B), tau), np.float64)
-  advs = advantages(rewards_B, group_B, lengths_B, np.diag(G_BxB), logw_B, tau=tau, opob_options=opob_options)
-  out = {}
-  for (form, weight, baseline), adv_B in advs.items():
-    v_B = wt_B if weight == "tis" else 1.0
-    out[f"{form}/{weight}/{baseline}"] = moments(G_BxB, v_B * adv_B)
+  coefs = coefficients(np.diag(G_BxB), rewards_B, group_B, lengths_B, logw_B, tau=tau, opob_options=opob_options)
+  out = {key: moments(G_BxB, c_B) for key, c_B in coefs.items()}
   out["ess_ratio"] = float(vcpo.ess_ratio(jnp.asarray(logw_B)))
+  return out
+
+
+def batch_means(S_BxP, coefs: dict) -> dict[str, np.ndarray]:
+  """{row: g = (1/B) sum_i c_i s_i}, the batch's gradient estimate under each row's coefficients (float64)."""
+  keys = list(coefs)
+  C_BxR = jnp.asarray(np.stack([coefs[k] for k in keys], axis=1), S_BxP.dtype)
+  G_RxP = np.asarray(jnp.matmul(C_BxR.T, S_BxP, precision=jax.lax.Precision.HIGHEST), np.float64)
+  return {k: G_RxP[i] / S_BxP.shape[0] for i, k in enumerate(keys)}
+
+
+def cross_batch(means: list[dict[str, np.ndarray]], ref_of) -> dict[str, dict[str, float]]:
+  """The expected gradient mu of each row, seen through independent batches a != b (E <g_a, g_b> = <mu, mu'>,
+  no noise term): signal ||mu||^2 and, against row ref_of(row), the inner product and cosine. Needs >= 2 batches;
+  a signal that is not positive (noise larger than it) gives a NaN cosine."""
+  n = len(means)
+  if n < 2:
+    return {}
+
+  def cross(r, q):
+    return float(np.mean([means[a][r] @ means[b][q] for a in range(n) for b in range(n) if a != b]))
+
+  out = {}
+  for row in means[0]:
+    ref = ref_of(row)
+    sig, sig_ref, dot = cross(row, row), cross(ref, ref), cross(row, ref)
+    cos = dot / np.sqrt(sig * sig_ref) if sig > 0 and sig_ref > 0 else float("nan")
+    out[row] = {"signal": sig, "dot_ref": dot, "cos_ref": float(cos)}
   return out

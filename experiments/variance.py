@@ -22,6 +22,7 @@ import numpy as np
 from experiments import estimator_moments as em
 
 METRICS = (("second_moment", "2nd moment"), ("trace_cov", "tr Cov"))  # labels sit in markdown tables: no "|"
+SIGNAL = (("signal_rel", "signal"), ("cos_ref", "cos"), ("snr_rel", "SNR"))  # cross-batch, rel. to the group mean
 
 
 def load_run(workdir: str):
@@ -116,24 +117,36 @@ def draw_batches(workdir, config, model_cfg, tok, task, params, host, step: int,
     rewarder.close()
 
 
-def batch_result(params, model_cfg, batch, config, chunk: int) -> dict:
-  """One batch's moments (every form x weight x baseline), ESS ratio and lag."""
+def batch_result(params, model_cfg, batch, config, chunk: int) -> tuple[dict, dict]:
+  """One batch's moments (every form x weight x baseline), ESS ratio and lag; and its gradient estimate per row
+  (em.batch_means: kept in memory for the cross-batch signal, not written)."""
   import jax.numpy as jnp  # noqa: PLC0415
   from vcpo_jax.algo import vcpo  # noqa: PLC0415
   from vcpo_jax.model import transformer as M  # noqa: PLC0415
   logp_BxT = M.token_logprobs(params, model_cfg, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.mask_BxT))
   logw_B = np.asarray(vcpo.seq_log_weights(logp_BxT, jnp.asarray(batch.sampler_logp_BxT),
                                            jnp.asarray(batch.mask_BxT)))
-  G_BxB = em.gram(em.per_sequence_scores(params, model_cfg, batch.tokens_BxT, batch.mask_BxT, chunk))
-  out = em.batch_moments(G_BxB, batch.rewards_B, batch.group_B, batch.mask_BxT.sum(-1), logw_B,
-                         tau=config.algo.tis_threshold, opob_options=dict(config.algo.advantage_options.opob))
+  S_BxP = em.per_sequence_scores(params, model_cfg, batch.tokens_BxT, batch.mask_BxT, chunk)
+  G_BxB = em.gram(S_BxP)
+  args = (batch.rewards_B, batch.group_B, batch.mask_BxT.sum(-1), logw_B)
+  options = dict(tau=config.algo.tis_threshold, opob_options=dict(config.algo.advantage_options.opob))
+  out = em.batch_moments(G_BxB, *args, **options)
   out["mean_lag"] = float(np.mean(batch.lag_B))
   out["reward_mean"] = float(np.mean(batch.rewards_B))
-  return out
+  out["batch_size"] = int(G_BxB.shape[0])
+  return out, em.batch_means(S_BxP, em.coefficients(np.diag(G_BxB), *args, **options))
 
 
-def summarise(per_batch: list[dict]) -> dict:
-  """Means over batches: each row's moments, and each relative to the group-mean baseline of its form and weight."""
+def group_mean_row(row: str) -> str:
+  form, weight, _ = row.split("/")
+  return f"{form}/{weight}/group_mean"
+
+
+def summarise(per_batch: list[dict], signal: dict | None = None) -> dict:
+  """Means over batches: each row's moments, and each relative to the group-mean baseline of its form and weight;
+  with `signal` (em.cross_batch), each row's signal ||mu||^2, its cosine with the group mean's mu, and its
+  signal-to-noise ratio ||mu||^2 / (tr Cov / B) (the batch mean's noise), the first and last relative to the
+  group mean's."""
   keys = [k for k in per_batch[0] if "/" in k]
   out = {"ess_ratio": float(np.mean([b["ess_ratio"] for b in per_batch])),
          "mean_lag": float(np.mean([b["mean_lag"] for b in per_batch])),
@@ -146,6 +159,16 @@ def summarise(per_batch: list[dict]) -> dict:
       ref_m = float(np.mean([b[ref][m] for b in per_batch]))
       row[f"{m}_rel"] = row[m] / ref_m if ref_m > 0 else float("nan")  # no group has reward variance: undefined
     out["rows"][key] = row
+  batch_size = float(np.mean([b.get("batch_size", np.nan) for b in per_batch]))
+  for key, x in (signal or {}).items():
+    row, ref = out["rows"][key], out["rows"][group_mean_row(key)]
+    ref_signal = signal[group_mean_row(key)]["signal"]
+    snr = lambda r, sig: sig / (r["trace_cov"] / batch_size) if r["trace_cov"] > 0 else float("nan")  # noqa: E731
+    row.update({"signal": x["signal"], "cos_ref": x["cos_ref"],
+                "signal_rel": x["signal"] / ref_signal if ref_signal > 0 else float("nan"),
+                "snr": snr(row, x["signal"])})
+    ref_snr = snr(ref, ref_signal)
+    row["snr_rel"] = row["snr"] / ref_snr if ref_snr > 0 else float("nan")
   return out
 
 
@@ -177,7 +200,30 @@ def markdown(results: dict, command: str) -> str:
         vals = [results["steps"][s]["summary"]["rows"][key][f"{m}_rel"] for s in steps for m, _ in METRICS]
         means = [np.mean([results["steps"][s]["summary"]["rows"][key][f"{m}_rel"] for s in steps]) for m, _ in METRICS]
         lines.append("| " + " | ".join([baseline, weight] + [f"{v:.3f}" for v in vals + means]) + " |")
+  if all("signal" in results["steps"][s]["summary"]["rows"][rows[0]] for s in steps):
+    lines += signal_tables(results, steps, rows)
   return "\n".join(lines) + "\n"
+
+
+def signal_tables(results: dict, steps: list, rows: list) -> list[str]:
+  """Per form: each row's cross-batch signal ||mu||^2, cosine with the group mean's mu and signal / noise of the
+  batch mean, the first and last relative to the group mean's, per step and their mean over steps."""
+  lines = []
+  for form in em.FORMS:
+    head = ["baseline", "IS weight"] + [f"s={s} {label}" for s in steps for _, label in SIGNAL] + \
+        [f"mean {label}" for _, label in SIGNAL]
+    lines += ["", f"**{form}: signal** (across batches; signal = the expected gradient's squared norm, SNR = "
+              "signal / (tr Cov / B); both relative to the group mean's with the same weight; cos = cosine with "
+              "the group mean's expected gradient)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for weight in em.WEIGHTS:
+      for baseline in em.BASELINES:
+        key = f"{form}/{weight}/{baseline}"
+        if key not in rows:
+          continue
+        vals = [results["steps"][s]["summary"]["rows"][key][m] for s in steps for m, _ in SIGNAL]
+        means = [np.mean([results["steps"][s]["summary"]["rows"][key][m] for s in steps]) for m, _ in SIGNAL]
+        lines.append("| " + " | ".join([baseline, weight] + [f"{v:.3f}" for v in vals + means]) + " |")
+  return lines
 
 
 def plot(results: dict, path: str) -> None:
@@ -226,8 +272,11 @@ def run(workdir: str, steps: list[int] | None, batches: int, lag: str, chunk: in
       print(f"step {s}: skipped: {e}")
       results["steps"][s] = {"error": str(e)}
       continue
-    per_batch = [batch_result(params, model_cfg, b, config, chunk) for b in drawn]
-    results["steps"][s] = {"batches": len(per_batch), "per_batch": per_batch, "summary": summarise(per_batch)}
+    done = [batch_result(params, model_cfg, b, config, chunk) for b in drawn]
+    per_batch = [r for r, _ in done]
+    signal = em.cross_batch([m for _, m in done], group_mean_row)
+    results["steps"][s] = {"batches": len(per_batch), "per_batch": per_batch,
+                           "summary": summarise(per_batch, signal)}
     print(f"step {s}: {len(per_batch)} batches, ESS ratio {results['steps'][s]['summary']['ess_ratio']:.3f}")
   return results
 

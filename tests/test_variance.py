@@ -108,6 +108,26 @@ def test_opob_with_another_weight_need_not_minimise():
   assert m2["opob_reference"] > m2["opob_matched"] * 1.01
 
 
+def test_batch_means_and_the_cross_batch_signal():
+  rng = np.random.default_rng(0)
+  S_BxP = rng.normal(size=(6, 5)).astype(np.float32)
+  c = {"a/b/group_mean": rng.normal(size=6), "a/b/x": rng.normal(size=6)}
+  g = em.batch_means(jnp.asarray(S_BxP), c)
+  np.testing.assert_allclose(g["a/b/x"], S_BxP.T.astype(np.float64) @ c["a/b/x"] / 6, rtol=1e-5)
+  # two batches: the signal is exactly <g_0, g_1>; the cosine of a row with itself is 1
+  two = [{"r": np.array([1.0, 2.0]), "q": np.array([0.0, 1.0])}, {"r": np.array([3.0, 0.0]), "q": np.array([1.0, 1.0])}]
+  out = em.cross_batch(two, lambda row: "q")
+  assert out["r"]["signal"] == pytest.approx(3.0) and out["q"]["cos_ref"] == pytest.approx(1.0)
+  assert out["r"]["dot_ref"] == pytest.approx((1 * 1 + 2 * 1 + 3 * 0 + 0 * 1) / 2)  # <g0_r, g1_q>, <g1_r, g0_q>
+  assert em.cross_batch(two[:1], lambda row: "q") == {}
+  # many noisy batches: the noise term drops out (a batch's own ||g||^2 would add tr Cov / B = 40 x 0.25)
+  mu, ref = np.full(40, 0.1), np.concatenate([np.full(20, 0.1), np.zeros(20)])
+  noisy = [{"r": mu + rng.normal(scale=0.5, size=40), "q": ref + rng.normal(scale=0.5, size=40)} for _ in range(400)]
+  out = em.cross_batch(noisy, lambda row: "q")
+  assert out["r"]["signal"] == pytest.approx(0.4, abs=0.05)
+  assert out["r"]["cos_ref"] == pytest.approx(0.2 / np.sqrt(0.4 * 0.2), abs=0.1)
+
+
 def _tiny_workdir(workdir, step=3, k=2):
   """What a k = 2 lag-emulation run leaves at its checkpoint `step`: config.json, the orbax train state with the
   prompt iterator's state, and the ring's past versions step-k..step-1 (perturbed params: log w != 0)."""
@@ -159,8 +179,20 @@ def test_tool_runs_end_to_end_on_a_tiny_emulated_workdir(tmp_path, monkeypatch):
     for b in ("none", "group_mean", "opob_raw", "opob_reference", "opob_truncated"):
       assert rows[f"unnormalised/{weight}/opob_matched"]["second_moment"] <= \
           rows[f"unnormalised/{weight}/{b}"]["second_moment"] * (1 + 1e-5)
+  # Two batches of a random model: a signal estimate may be negative (noise larger than the signal), and then
+  # its relative values and cosine are NaN rather than a number.
+  for key, row in rows.items():
+    ref = rows[variance.group_mean_row(key)]
+    assert np.isfinite(row["signal"])
+    if row["signal"] > 0 and ref["signal"] > 0:
+      assert -1.0 - 1e-6 <= row["cos_ref"] <= 1.0 + 1e-6
+      assert row["signal_rel"] == pytest.approx(row["signal"] / ref["signal"])
+    else:
+      assert np.isnan(row["cos_ref"])
+    if key.endswith("group_mean") and row["signal"] > 0:
+      assert row["signal_rel"] == pytest.approx(1.0) and row["snr_rel"] == pytest.approx(1.0)
   md = open(os.path.join(out, "variance.md")).read()
-  assert "| opob_matched | tis |" in md and "s=3 2nd moment" in md
+  assert "| opob_matched | tis |" in md and "s=3 2nd moment" in md and "**normalised: signal**" in md
   assert os.path.getsize(os.path.join(out, "variance.png")) > 0
   os.remove(os.path.join(workdir, "emulation_ring", "v1.npz"))
   with pytest.raises(LookupError, match=r"version\(s\) \[1\]"):
