@@ -85,7 +85,7 @@ def steps_per_hour_rows(runs: list[dict]) -> list[str]:
   from experiments import analysis  # noqa: PLC0415
   rate = {(r["lag"], r["seed"]): 3600 * r["rl_steps"] / r["rl_seconds"] for r in runs if r.get("rl_seconds")}
   lines = ["| k | runs | RL steps per hour (mean ± 95% CI) | / sync's, seed-paired (mean ± 95% CI) | "
-           "step s: wait for rollouts | learn | publish | overlap ceiling (sync) |", "|---|---|---|---|---|---|---|---|"]
+           "step s: wait for rollouts | learn | publish | overlap ceiling (sync) |", "|---" * 8 + "|"]
   for k in sorted({lag for lag, _ in rate}):
     mine = {s: v for (lag, s), v in rate.items() if lag == k}
     m, h = analysis.mean_ci([v / rate[(0, s)] for s, v in mine.items() if (0, s) in rate])
