@@ -164,34 +164,46 @@ def opob_table(groups, summaries) -> list[str]:
   return lines
 
 
+MECHANISM_METRICS = (("second_moment_rel", "2nd moment"), ("signal_rel", "signal"), ("cos_ref", "cos"),
+                     ("snr_rel", "SNR"))
+
+
+def _cell(vals: list[float]) -> str:
+  vals = [v for v in vals if math.isfinite(v)]
+  if not vals:
+    return "-"
+  m, lo, hi = analysis.interval(vals)
+  return f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if math.isfinite(lo) else f"{m:.3f}"
+
+
 def mechanism_rows(out: str) -> list[str]:
-  """Per (form, IS weight, baseline): the second moment relative to the group mean, mean over a unit's checkpoint
-  steps, then mean ± 95% CI over the units measured (DIR/mechanism/<unit>/variance.json)."""
+  """Per (form, IS weight, baseline): the second moment, the cross-batch signal and the batch mean's signal /
+  noise, each relative to the group mean's, and the cosine with its expected gradient; mean over a unit's
+  checkpoint steps, then mean [95% CI] over the units measured (DIR/mechanism/<unit>/variance.json)."""
   root = os.path.join(out, "mechanism")
   units = sorted(u for u in os.listdir(root) if os.path.exists(os.path.join(root, u, "variance.json"))) \
       if os.path.isdir(root) else []
   if not units:
     return ["(not measured yet)"]
-  per_unit, info = {}, []
+  per_unit, info = {}, []  # (row, metric) -> {unit: [value per step]}
   for u in units:
     with open(os.path.join(root, u, "variance.json")) as f:
       res = json.load(f)
     steps = [s for s, r in res["steps"].items() if "summary" in r]
-    info.append(f"{u} (steps {', '.join(steps)}; ESS ratio "
+    info.append(f"{u} (steps {', '.join(steps)}, {res['steps'][steps[0]]['batches']} batches each; ESS ratio "
                 f"{np.mean([res['steps'][s]['summary']['ess_ratio'] for s in steps]):.3f})")
     for s in steps:
       for key, row in res["steps"][s]["summary"]["rows"].items():
-        per_unit.setdefault(key, {}).setdefault(u, []).append(row["second_moment_rel"])
+        for metric, _ in MECHANISM_METRICS:
+          per_unit.setdefault((key, metric), {}).setdefault(u, []).append(row.get(metric, float("nan")))
+  head = " | ".join(label for _, label in MECHANISM_METRICS)
   lines = [f"Units: {'; '.join(info)}.", "",
-           "| form | IS weight | baseline | 2nd moment / group mean's (mean ± 95% CI over units) | per unit |",
-           "|---|---|---|---|---|"]
-  for key in sorted(per_unit, key=lambda k: (k.split("/")[0], k.split("/")[1],
-                                              MECHANISM_ROWS.index(k.split("/")[2]))):
-    form, weight, baseline = key.split("/")
-    vals = [float(np.mean(v)) for v in per_unit[key].values()]
-    m, lo, hi = analysis.interval(vals)
-    ci = f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if math.isfinite(lo) else f"{m:.3f}"
-    lines.append(f"| {form} | {weight} | {baseline} | {ci} | {', '.join(f'{v:.3f}' for v in vals)} |")
+           f"| form | IS weight | baseline | {head} |", "|---|---|---|" + "---|" * len(MECHANISM_METRICS)]
+  keys = sorted({k for k, _ in per_unit}, key=lambda k: (k.split("/")[0], k.split("/")[1],
+                                                          MECHANISM_ROWS.index(k.split("/")[2])))
+  for key in keys:
+    cells = [_cell([float(np.mean(v)) for v in per_unit[(key, metric)].values()]) for metric, _ in MECHANISM_METRICS]
+    lines.append(f"| {' | '.join(key.split('/'))} | {' | '.join(cells)} |")
   return lines
 
 
@@ -220,7 +232,10 @@ def write(root: str, out: str, plots: bool = True, planned: int = STEPS) -> str:
         verdicts.diff(find, ("vcpo", K), ("ess_only", K)).text(), "",
         verdicts.diff(find, ("vcpo", K), ("seq_tis", K)).text(), "", *level_rows(groups, find), "",
         "OPOB's logged second-moment ratio per VCPO run (1 = no better than the group mean):", "",
-        *opob_table(groups, summaries), "", "## Mechanism: estimator second moment per baseline", "",
+        *opob_table(groups, summaries), "", "## Mechanism: the estimator per baseline", "",
+        "Relative to the group mean with the same IS weight: the second moment, the signal (the expected "
+        "gradient's squared norm, from pairs of independent batches) and the batch mean's signal / noise (SNR); "
+        "cos: the cosine of the expected gradient with the group mean's. Mean [95% t interval] over units.", "",
         *mechanism_rows(out), ""]
   if plots:
     from experiments import plots as plots_lib  # noqa: PLC0415  (matplotlib only when plotting)

@@ -94,9 +94,10 @@ def test_mechanism_rows_average_steps_then_units(tmp_path):
   def variance_json(unit, ratios):
     path = tmp_path / "mechanism" / unit
     os.makedirs(path)
-    steps = {str(s): {"summary": {"ess_ratio": 0.5, "rows": {
-        "normalised/tis/group_mean": {"second_moment_rel": 1.0},
-        "normalised/tis/opob_reference": {"second_moment_rel": r}}}} for s, r in zip((425, 450), ratios)}
+    steps = {str(s): {"batches": 8, "summary": {"ess_ratio": 0.5, "rows": {
+        "normalised/tis/group_mean": {"second_moment_rel": 1.0, "signal_rel": 1.0, "cos_ref": 1.0, "snr_rel": 1.0},
+        "normalised/tis/opob_reference": {"second_moment_rel": r, "signal_rel": r / 2, "cos_ref": 0.9,
+                                          "snr_rel": float("nan")}}}} for s, r in zip((425, 450), ratios)}
     steps["400"] = {"error": "versions gone"}
     with open(path / "variance.json", "w") as f:
       json.dump({"steps": steps}, f)
@@ -104,5 +105,7 @@ def test_mechanism_rows_average_steps_then_units(tmp_path):
   variance_json("vcpo-k8-s1", (0.8, 1.0))
   lines = horizon.mechanism_rows(str(tmp_path))
   row = next(line for line in lines if "opob_reference" in line)
-  assert row.startswith("| normalised | tis | opob_reference | 0.800 [") and row.endswith("| 0.700, 0.900 |")
+  # 2nd moment: unit means 0.7 and 0.9 -> 0.800 [0.800 -/+ 12.706 x 0.1]; signal half of it; SNR not measured
+  assert row.startswith("| normalised | tis | opob_reference | 0.800 [-0.471, 2.071] | 0.400 [")
+  assert row.endswith("| 0.900 [0.900, 0.900] | - |")
   assert horizon.mechanism_rows(str(tmp_path / "nothing")) == ["(not measured yet)"]
