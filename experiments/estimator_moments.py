@@ -150,19 +150,31 @@ def batch_means(S_BxP, coefs: dict) -> dict[str, np.ndarray]:
 
 def cross_batch(means: list[dict[str, np.ndarray]], ref_of) -> dict[str, dict[str, float]]:
   """The expected gradient mu of each row, seen through independent batches a != b (E <g_a, g_b> = <mu, mu'>,
-  no noise term): signal ||mu||^2 and, against row ref_of(row), the inner product and cosine. Needs >= 2 batches;
-  a signal that is not positive (noise larger than it) gives a NaN cosine."""
+  no noise term): signal ||mu||^2 with its jackknife standard error over batches and, against row ref_of(row),
+  the inner product and cosine. Needs >= 2 batches; a signal that is not positive (noise larger than it) gives a
+  NaN cosine, and a noisy one can give a cosine outside [-1, 1]: read it with signal / signal_se."""
   n = len(means)
   if n < 2:
     return {}
+  off_NxN = ~np.eye(n, dtype=bool)
 
-  def cross(r, q):
-    return float(np.mean([means[a][r] @ means[b][q] for a in range(n) for b in range(n) if a != b]))
+  def products(r, q):  # M[a, b] = <g_a of row r, g_b of row q>
+    return np.stack([means[a][r] for a in range(n)]) @ np.stack([means[b][q] for b in range(n)]).T
+
+  def jackknife_se(M_NxN) -> float:
+    """Standard error of the off-diagonal mean over batches, by leaving one batch out (nan below 3 batches)."""
+    if n < 3:
+      return float("nan")
+    loo = [M_NxN[np.ix_(keep, keep)][~np.eye(n - 1, dtype=bool)].mean()
+           for keep in (np.arange(n) != i for i in range(n))]
+    return float(np.sqrt((n - 1) / n * np.sum((np.asarray(loo) - np.mean(loo)) ** 2)))
 
   out = {}
   for row in means[0]:
     ref = ref_of(row)
-    sig, sig_ref, dot = cross(row, row), cross(ref, ref), cross(row, ref)
+    M_NxN = products(row, row)
+    sig, sig_ref, dot = float(M_NxN[off_NxN].mean()), float(products(ref, ref)[off_NxN].mean()), \
+        float(products(row, ref)[off_NxN].mean())
     cos = dot / np.sqrt(sig * sig_ref) if sig > 0 and sig_ref > 0 else float("nan")
-    out[row] = {"signal": sig, "dot_ref": dot, "cos_ref": float(cos)}
+    out[row] = {"signal": sig, "signal_se": jackknife_se(M_NxN), "dot_ref": dot, "cos_ref": float(cos)}
   return out

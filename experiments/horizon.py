@@ -164,8 +164,8 @@ def opob_table(groups, summaries) -> list[str]:
   return lines
 
 
-MECHANISM_METRICS = (("second_moment_rel", "2nd moment"), ("signal_rel", "signal"), ("cos_ref", "cos"),
-                     ("snr_rel", "SNR"))
+MECHANISM_METRICS = (("second_moment_rel", "2nd moment"), ("signal_rel", "signal"), ("signal_z", "signal z"),
+                     ("cos_ref", "cos"), ("snr_rel", "SNR"))
 
 
 def _cell(vals: list[float]) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 from experiments import estimator_moments as em
 
 METRICS = (("second_moment", "2nd moment"), ("trace_cov", "tr Cov"))  # labels sit in markdown tables: no "|"
-SIGNAL = (("signal_rel", "signal"), ("cos_ref", "cos"), ("snr_rel", "SNR"))  # cross-batch, rel. to the group mean
+SIGNAL = (("signal_rel", "signal"), ("signal_z", "z"), ("cos_ref", "cos"), ("snr_rel", "SNR"))  # cross-batch
 
 
 def load_run(workdir: str):
@@ -164,7 +164,9 @@ def summarise(per_batch: list[dict], signal: dict | None = None) -> dict:
     row, ref = out["rows"][key], out["rows"][group_mean_row(key)]
     ref_signal = signal[group_mean_row(key)]["signal"]
     snr = lambda r, sig: sig / (r["trace_cov"] / batch_size) if r["trace_cov"] > 0 else float("nan")  # noqa: E731
-    row.update({"signal": x["signal"], "cos_ref": x["cos_ref"],
+    se = x.get("signal_se", float("nan"))
+    row.update({"signal": x["signal"], "cos_ref": x["cos_ref"], "signal_se": se,
+                "signal_z": x["signal"] / se if se > 0 else float("nan"),
                 "signal_rel": x["signal"] / ref_signal if ref_signal > 0 else float("nan"),
                 "snr": snr(row, x["signal"])})
     ref_snr = snr(ref, ref_signal)
@@ -213,8 +215,10 @@ def signal_tables(results: dict, steps: list, rows: list) -> list[str]:
     head = ["baseline", "IS weight"] + [f"s={s} {label}" for s in steps for _, label in SIGNAL] + \
         [f"mean {label}" for _, label in SIGNAL]
     lines += ["", f"**{form}: signal** (across batches; signal = the expected gradient's squared norm, SNR = "
-              "signal / (tr Cov / B); both relative to the group mean's with the same weight; cos = cosine with "
-              "the group mean's expected gradient)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+              "signal / (tr Cov / B); both relative to the group mean's with the same weight; z = the signal over "
+              "its jackknife standard error, below ~2 the signal, its SNR and its cosine are not resolved; "
+              "cos = cosine with the group mean's expected gradient)", "", "| " + " | ".join(head) + " |",
+              "|" + "---|" * len(head)]
     for weight in em.WEIGHTS:
       for baseline in em.BASELINES:
         key = f"{form}/{weight}/{baseline}"

@@ -125,6 +125,7 @@ def test_batch_means_and_the_cross_batch_signal():
   noisy = [{"r": mu + rng.normal(scale=0.5, size=40), "q": ref + rng.normal(scale=0.5, size=40)} for _ in range(400)]
   out = em.cross_batch(noisy, lambda row: "q")
   assert out["r"]["signal"] == pytest.approx(0.4, abs=0.05)
+  assert 0.005 < out["r"]["signal_se"] < 0.05 and np.isnan(em.cross_batch(two, lambda row: "q")["r"]["signal_se"])
   assert out["r"]["cos_ref"] == pytest.approx(0.2 / np.sqrt(0.4 * 0.2), abs=0.1)
 
 
