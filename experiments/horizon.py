@@ -85,6 +85,8 @@ def c2(find, pending: list[int]) -> verdicts.Verdict:
           "learn and every sync seed converged (or extended)")
   if not n:
     return verdicts.Verdict("C2", rule, numbers, "not testable yet (no finished VCPO runs)")
+  if d.n < 2:
+    return verdicts.Verdict("C2", rule, numbers, f"not decided yet ({d.n} paired seed; the rule needs an interval)")
   if pending:
     return verdicts.Verdict("C2", rule, numbers, f"pending: sync has not converged for seeds {pending}; every arm "
                                                  f"of those seeds is extended by {EXTEND_STEPS} steps first")

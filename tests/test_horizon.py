@@ -65,6 +65,8 @@ def test_c2_waits_for_extension_then_decides_by_the_margin(tmp_path):
   summaries = {r.name: report.run_summary(r, 0.5, 0.1) for r in runs}
   find = horizon.claims.finder(groups, summaries)
   assert horizon.c2(find, pending=[1]).verdict.startswith("pending: sync has not converged for seeds [1]")
+  one = lambda arm, lag: {0: find(arm, lag)[0]} if find(arm, lag) else {}  # noqa: E731
+  assert horizon.c2(one, pending=[]).verdict == "not decided yet (1 paired seed; the rule needs an interval)"
   assert "| vcpo-k8-s0 | 200 | 0.800 | 0.500 | 0.600 |" in text
 
 
