@@ -209,6 +209,30 @@ def mechanism_rows(out: str) -> list[str]:
   return lines
 
 
+def accuracy_figure(arms: dict, path: str) -> None:
+  """One panel per arm: each seed's greedy accuracy to its last evaluation, and the finished seeds' mean."""
+  from experiments import plots as plots_lib  # noqa: PLC0415
+  plt = plots_lib._pyplot()
+  fig, axes = plt.subplots(1, len(arms), figsize=(4.2 * len(arms), 3.4), squeeze=False, sharey=True)
+  for ax, (name, runs) in zip(axes[0], arms.items()):
+    for r in runs:
+      steps, acc = r.evals()
+      ax.plot(steps, acc, linewidth=0.8, alpha=0.7, linestyle="-" if r.result is not None else "--",
+              label=f"seed {r.seed}")
+    done = [r.series.get(report.ACC, {}) for r in runs if r.result is not None]
+    steps, mean, _, _ = analysis.band(done)
+    if steps:
+      ax.plot(steps, mean, color="k", linewidth=2.0, label=f"mean of {len(done)}")
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+  axes[0][0].set_ylabel("held-out greedy accuracy")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def write(root: str, out: str, plots: bool = True, planned: int = STEPS) -> str:
   runs = report.load_runs(root)
   if not runs:
@@ -242,9 +266,14 @@ def write(root: str, out: str, plots: bool = True, planned: int = STEPS) -> str:
   if plots:
     from experiments import plots as plots_lib  # noqa: PLC0415  (matplotlib only when plotting)
     arms = {f"{arm} (k={k})": groups[k][arm] for arm, k in ARMS if groups.get(k, {}).get(arm)}
-    plots_lib.curves_figure(arms, report.CURVES, "horizon study: seed means, 95% t bands",
+    accuracy_figure(arms, os.path.join(out, "accuracy.png"))
+    finished = {name: [r for r in rs if r.result is not None] for name, rs in arms.items()}
+    plots_lib.curves_figure({n: rs for n, rs in finished.items() if rs}, report.CURVES,
+                            "finished units: seed means over the steps they share, 95% t bands",
                             os.path.join(out, "curves.png"))
-    md += ["![curves](curves.png)", ""]
+    md += ["Held-out greedy accuracy, every unit to its last evaluation (thin: seeds, dashed while running; "
+           "thick: the mean of the finished seeds over the steps they share):", "", "![accuracy](accuracy.png)", "",
+           "![curves](curves.png)", ""]
   text = "\n".join(md)
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(text)

@@ -79,8 +79,10 @@ def test_c2_refuted_when_vcpo_is_clearly_below_sync(tmp_path):
   assert "**not reproduced (refuted)**" in text
   assert "| seq_tis | 8 | (step 75) |  |  | - | 0/0 |" in text
   _unit(tmp_path, "vcpo", 8, 3, FLAT[:3], finished=False)
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200)
+  pytest.importorskip("matplotlib")
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=True, planned=200)
   assert "**provisional (6 of 7 units finished): not reproduced (refuted)**" in text
+  assert all(os.path.getsize(tmp_path / "out" / f) > 1000 for f in ("accuracy.png", "curves.png"))
 
 
 def test_steps_to_level_uses_the_seed_mean_curve(tmp_path):
