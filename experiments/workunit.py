@@ -112,7 +112,11 @@ class WorkUnit:
 
 
 def extends(held: dict, wanted: dict) -> bool:
-  """`wanted` is `held` run for more RL steps, nothing else changed."""
+  """`wanted` is `held` run for more RL steps, nothing else changed, and no learning-rate schedule that reads
+  rl.steps (decay_steps 0) would change under the steps already run."""
+  schedule = held.get("optim", {}).get("schedule") or {}
+  if schedule.get("name", "constant") != "constant" and not schedule.get("decay_steps"):
+    return False
   longer = wanted.get("rl", {}).get("steps", 0) > held.get("rl", {}).get("steps", 0)
   same = lambda c: {**c, "rl": {k: v for k, v in c.get("rl", {}).items() if k != "steps"}}  # noqa: E731
   return longer and hash_dict(same(held)) == hash_dict(same(wanted))

@@ -80,6 +80,10 @@ def test_claims_horizon_tiers_and_the_extension_keeps_names():
       u.name: 600 if u.config["seed"] in (1, 3) else 450 for u in units}
   for short, long in zip(units, longer):
     assert workunit.extends(short.config, long.config) == (short.config != long.config)
+  short, long = units[4], longer[4]  # sync seed 1: 450 -> 600
+  assert workunit.extends(short.config, long.config)
+  decaying = {**short.config, "optim": {**short.config["optim"], "schedule": {"name": "cosine", "decay_steps": 0}}}
+  assert not workunit.extends(decaying, {**long.config, "optim": decaying["optim"]})  # its decay reads rl.steps
   # C5's units copy the horizon units' warm starts (--warm_starts_from): the same key per seed
   horizon = {u.config["seed"]: u.warm_start_key for u in units}
   assert all(u.warm_start_key == horizon[u.config["seed"]] for u in _units("c5.py"))
