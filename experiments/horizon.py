@@ -2,7 +2,7 @@
 convergence check, the step at which each arm comes within 5 points of sync's level, OPOB's logged moment ratio,
 the mechanism measurements and the curves, from the study's unit directories.
 
-`python -m experiments.horizon ROOT --out DIR` writes DIR/results.md and DIR/curves.png; DIR/mechanism/<unit>/
+`python -m experiments.horizon ROOT --out DIR` writes DIR/results.md, accuracy.png and curves.png; DIR/mechanism/<unit>/
 variance.json files (experiments.variance) are summarised when present.
 """
 from __future__ import annotations
@@ -16,12 +16,11 @@ from typing import Optional
 import numpy as np
 
 from experiments import analysis, claims, report, verdicts
+from experiments.sweeps.claims_horizon import EXTEND_STEPS, K  # C2's lag; an unconverged seed's extension
 
-K = 8                    # C2's lag
 C4_LAG = 32
 CONVERGED_PTS = 1.5      # sync has converged: endpoint within 1.5 points of the 3 evaluations before it
 STEPS = 450              # the pre-registered length
-EXTEND_STEPS = 150       # an unconverged sync seed extends every arm of that seed by this much, once
 LEVEL_PTS = 5.0          # "comes within 5 points of sync's final level"
 ARMS = (("sync", 0), ("vcpo", K), ("ess_only", K), ("seq_tis", K), ("vcpo", C4_LAG), ("seq_tis", C4_LAG))
 MECHANISM_ROWS = ("group_mean", "grpo", "none", "opob_raw", "opob_reference", "opob_truncated", "opob_matched")
