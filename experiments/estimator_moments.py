@@ -132,9 +132,8 @@ def coefficients(sq_norms_B, rewards_B, group_B, lengths_B, logw_B, *, tau, opob
           for (form, weight, baseline), adv_B in advs.items()}
 
 
-def batch_moments(G_BxB, rewards_B, group_B, lengths_B, logw_B, *, tau, opob_options: dict) -> dict:
-  """{"form/weight/baseline": moments} for one batch, plus its ESS ratio."""
-  coefs = coefficients(np.diag(G_BxB), rewards_B, group_B, lengths_B, logw_B, tau=tau, opob_options=opob_options)
+def batch_moments(G_BxB, coefs: dict, logw_B) -> dict:
+  """{"form/weight/baseline": moments} for one batch (coefs: `coefficients`), plus its ESS ratio."""
   out = {key: moments(G_BxB, c_B) for key, c_B in coefs.items()}
   out["ess_ratio"] = float(vcpo.ess_ratio(jnp.asarray(logw_B)))
   return out
@@ -157,9 +156,8 @@ def cross_batch(means: list[dict[str, np.ndarray]], ref_of) -> dict[str, dict[st
   if n < 2:
     return {}
   off_NxN = ~np.eye(n, dtype=bool)
-
-  def products(r, q):  # M[a, b] = <g_a of row r, g_b of row q>
-    return np.stack([means[a][r] for a in range(n)]) @ np.stack([means[b][q] for b in range(n)]).T
+  g = {row: np.stack([m[row] for m in means]) for row in means[0]}  # row -> g_NxP, one estimate per batch
+  signal_NxN = {row: g_NxP @ g_NxP.T for row, g_NxP in g.items()}  # M[a, b] = <g_a, g_b>
 
   def jackknife_se(M_NxN) -> float:
     """Standard error of the off-diagonal mean over batches, by leaving one batch out (nan below 3 batches)."""
@@ -169,12 +167,11 @@ def cross_batch(means: list[dict[str, np.ndarray]], ref_of) -> dict[str, dict[st
            for keep in (np.arange(n) != i for i in range(n))]
     return float(np.sqrt((n - 1) / n * np.sum((np.asarray(loo) - np.mean(loo)) ** 2)))
 
+  sig = {row: float(M_NxN[off_NxN].mean()) for row, M_NxN in signal_NxN.items()}
   out = {}
-  for row in means[0]:
+  for row in g:
     ref = ref_of(row)
-    M_NxN = products(row, row)
-    sig, sig_ref, dot = float(M_NxN[off_NxN].mean()), float(products(ref, ref)[off_NxN].mean()), \
-        float(products(row, ref)[off_NxN].mean())
-    cos = dot / np.sqrt(sig * sig_ref) if sig > 0 and sig_ref > 0 else float("nan")
-    out[row] = {"signal": sig, "signal_se": jackknife_se(M_NxN), "dot_ref": dot, "cos_ref": float(cos)}
+    dot = float((g[row] @ g[ref].T)[off_NxN].mean())
+    cos = dot / np.sqrt(sig[row] * sig[ref]) if sig[row] > 0 and sig[ref] > 0 else float("nan")
+    out[row] = {"signal": sig[row], "signal_se": jackknife_se(signal_NxN[row]), "dot_ref": dot, "cos_ref": float(cos)}
   return out

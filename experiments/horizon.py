@@ -58,6 +58,11 @@ def steps_to_level(runs: list[report.Run], level: float, pts: float = LEVEL_PTS)
   return next((int(s) for s, m in zip(steps, mean) if m >= level - pts / 100), None)
 
 
+def last_step(run: report.Run) -> int:
+  """The last RL step a run has logged (0 before its first)."""
+  return max(run.series.get("loss", {0: 0}))
+
+
 def median_of(run: report.Run, key: str) -> Optional[float]:
   values = [v for v in run.series.get(key, {}).values() if math.isfinite(v)]
   return float(np.median(values)) if values else None
@@ -107,7 +112,7 @@ def convergence_table(sync_runs: list[report.Run], planned_steps: int) -> list[s
         lines.append(f"| {r.seed} | {end} | {100 * c[0]:.1f} | {100 * c[1]:.1f} | {100 * (c[0] - c[1]):+.1f} | "
                      f"{'yes' if c[2] else 'no'} |")
     if r.result is None:
-      lines.append(f"| {r.seed} | {steps} (running, step {max(r.series.get('loss', {0: 0}))}) | - | - | - | - |")
+      lines.append(f"| {r.seed} | {steps} (running, step {last_step(r)}) | - | - | - | - |")
   return lines
 
 
@@ -126,7 +131,7 @@ def endpoint_table(groups, summaries) -> list[str]:
       if x is None:
         cells.append("")
       elif not x["done"]:
-        cells.append(f"(step {max(r.series.get('loss', {0: 0}))})")
+        cells.append(f"(step {last_step(r)})")
       else:
         cells.append(f"{100 * x['endpoint']:.1f}")
         done.append(x)

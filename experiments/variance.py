@@ -128,13 +128,13 @@ def batch_result(params, model_cfg, batch, config, chunk: int) -> tuple[dict, di
                                            jnp.asarray(batch.mask_BxT)))
   S_BxP = em.per_sequence_scores(params, model_cfg, batch.tokens_BxT, batch.mask_BxT, chunk)
   G_BxB = em.gram(S_BxP)
-  args = (batch.rewards_B, batch.group_B, batch.mask_BxT.sum(-1), logw_B)
-  options = dict(tau=config.algo.tis_threshold, opob_options=dict(config.algo.advantage_options.opob))
-  out = em.batch_moments(G_BxB, *args, **options)
+  coefs = em.coefficients(np.diag(G_BxB), batch.rewards_B, batch.group_B, batch.mask_BxT.sum(-1), logw_B,
+                          tau=config.algo.tis_threshold, opob_options=dict(config.algo.advantage_options.opob))
+  out = em.batch_moments(G_BxB, coefs, logw_B)
   out["mean_lag"] = float(np.mean(batch.lag_B))
   out["reward_mean"] = float(np.mean(batch.rewards_B))
   out["batch_size"] = int(G_BxB.shape[0])
-  return out, em.batch_means(S_BxP, em.coefficients(np.diag(G_BxB), *args, **options))
+  return out, em.batch_means(S_BxP, coefs)
 
 
 def group_mean_row(row: str) -> str:
@@ -190,43 +190,32 @@ def markdown(results: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
   rows = list(results["steps"][steps[0]]["summary"]["rows"])
   for form in em.FORMS:
-    head = ["baseline", "IS weight"] + [f"s={s} {label}" for s in steps for _, label in METRICS] + \
-        [f"mean {label}" for _, label in METRICS]
-    lines += ["", f"**{form}** (relative to the group-mean baseline with the same weight)", "",
-              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for weight in em.WEIGHTS:
-      for baseline in em.BASELINES:
-        key = f"{form}/{weight}/{baseline}"
-        if key not in rows:
-          continue
-        vals = [results["steps"][s]["summary"]["rows"][key][f"{m}_rel"] for s in steps for m, _ in METRICS]
-        means = [np.mean([results["steps"][s]["summary"]["rows"][key][f"{m}_rel"] for s in steps]) for m, _ in METRICS]
-        lines.append("| " + " | ".join([baseline, weight] + [f"{v:.3f}" for v in vals + means]) + " |")
+    lines += row_table(results, steps, rows, form, [(f"{m}_rel", label) for m, label in METRICS],
+                       f"**{form}** (relative to the group-mean baseline with the same weight)")
   if all("signal" in results["steps"][s]["summary"]["rows"][rows[0]] for s in steps):
-    lines += signal_tables(results, steps, rows)
+    for form in em.FORMS:  # cross-batch: the signal, its z, its cosine and the batch mean's signal / noise
+      lines += row_table(results, steps, rows, form, SIGNAL, (
+          f"**{form}: signal** (across batches; signal = the expected gradient's squared norm, SNR = signal / "
+          "(tr Cov / B); both relative to the group mean's with the same weight; z = the signal over its "
+          "jackknife standard error, below ~2 the signal, its SNR and its cosine are not resolved; cos = cosine "
+          "with the group mean's expected gradient)"))
   return "\n".join(lines) + "\n"
 
 
-def signal_tables(results: dict, steps: list, rows: list) -> list[str]:
-  """Per form: each row's cross-batch signal ||mu||^2, cosine with the group mean's mu and signal / noise of the
-  batch mean, the first and last relative to the group mean's, per step and their mean over steps."""
-  lines = []
-  for form in em.FORMS:
-    head = ["baseline", "IS weight"] + [f"s={s} {label}" for s in steps for _, label in SIGNAL] + \
-        [f"mean {label}" for _, label in SIGNAL]
-    lines += ["", f"**{form}: signal** (across batches; signal = the expected gradient's squared norm, SNR = "
-              "signal / (tr Cov / B); both relative to the group mean's with the same weight; z = the signal over "
-              "its jackknife standard error, below ~2 the signal, its SNR and its cosine are not resolved; "
-              "cos = cosine with the group mean's expected gradient)", "", "| " + " | ".join(head) + " |",
-              "|" + "---|" * len(head)]
-    for weight in em.WEIGHTS:
-      for baseline in em.BASELINES:
-        key = f"{form}/{weight}/{baseline}"
-        if key not in rows:
-          continue
-        vals = [results["steps"][s]["summary"]["rows"][key][m] for s in steps for m, _ in SIGNAL]
-        means = [np.mean([results["steps"][s]["summary"]["rows"][key][m] for s in steps]) for m, _ in SIGNAL]
-        lines.append("| " + " | ".join([baseline, weight] + [f"{v:.3f}" for v in vals + means]) + " |")
+def row_table(results: dict, steps: list, rows: list, form: str, columns, title: str) -> list[str]:
+  """A markdown table of one form: per weight and baseline, each (summary key, label) column per step and its
+  mean over steps."""
+  head = ["baseline", "IS weight"] + [f"s={s} {label}" for s in steps for _, label in columns] + \
+      [f"mean {label}" for _, label in columns]
+  lines = ["", title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for weight in em.WEIGHTS:
+    for baseline in em.BASELINES:
+      key = f"{form}/{weight}/{baseline}"
+      if key not in rows:
+        continue
+      vals = [results["steps"][s]["summary"]["rows"][key][m] for s in steps for m, _ in columns]
+      means = [np.mean([results["steps"][s]["summary"]["rows"][key][m] for s in steps]) for m, _ in columns]
+      lines.append("| " + " | ".join([baseline, weight] + [f"{v:.3f}" for v in vals + means]) + " |")
   return lines
 
 

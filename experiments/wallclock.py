@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 
 _STAMP = r"[IWEF]\d{4} (\d\d:\d\d:\d\d\.\d+) +\d+ [\w.]+:\d+\] "
@@ -74,8 +75,7 @@ PHASES = ("wait", "learn", "publish")  # a step's seconds waiting for rollouts, 
 
 
 def _median(series) -> float | None:
-  values = sorted((series or {}).values())
-  return values[len(values) // 2] if values else None
+  return statistics.median(series.values()) if series else None
 
 
 def steps_per_hour_rows(runs: list[dict]) -> list[str]:
