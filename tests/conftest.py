@@ -80,6 +80,10 @@ def _unit_tier_starts_nothing():
     return
   import subprocess
   from aiohttp import web
+  try:  # matplotlib builds its font cache with `fc-list` on first import: let it, before processes are refused
+    import matplotlib.font_manager  # noqa: F401
+  except ImportError:
+    pass
   saved = subprocess.Popen.__init__, web.BaseSite.start
   subprocess.Popen.__init__, web.BaseSite.start = _refuse, _refuse
   try:

@@ -121,6 +121,7 @@ def _headings(text: str) -> list[str]:
   return [m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", text, flags=re.M)]
 
 
+@pytest.mark.integration  # `git ls-files`: a process
 def test_pointers_name_readme_sections_and_docs_that_exist():
   sections = {h.replace("`", "").lower() for h in _headings((ROOT / "README.md").read_text())}
   bad = []
@@ -137,6 +138,7 @@ def test_pointers_name_readme_sections_and_docs_that_exist():
   assert not bad, "stale pointers:\n" + "\n".join(bad)
 
 
+@pytest.mark.integration  # `git ls-files`: a process
 def test_no_issue_numbers_in_file_names_docs_headings_or_code():
   bad = [str(p.relative_to(ROOT)) for p in _tracked_files()
          if re.search(r"(?i)issue[_-]?\d+|#\d+", p.name)]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import skip_if_not_enough_devices
 
 from vcpo_jax import tasks
 from vcpo_jax.model import hf
@@ -111,6 +112,7 @@ def test_our_logprobs_equal_transformers(tmp_path, tied):
   np.testing.assert_allclose(np.asarray(ours), hf_logprobs(model_dir, tokens), atol=1e-4)
 
 
+@skip_if_not_enough_devices(8)
 def test_sharded_checkpoint_loads_slices_into_their_shardings(ckpt, monkeypatch):
   assert os.path.exists(os.path.join(ckpt, "model.safetensors.index.json"))
   host_params, cfg = hf.import_hf(ckpt)

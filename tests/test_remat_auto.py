@@ -7,6 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import skip_if_not_enough_devices
 from flax import linen as nn
 
 from configs import qwen2_5
@@ -96,6 +97,7 @@ def test_auto_picks_the_least_recompute_that_fits_and_full_when_nothing_does():
   assert remat.resolve(dataclasses.replace(cfg, remat="dots"), 4, 64, 0.0).remat == "dots"  # explicit: kept
 
 
+@skip_if_not_enough_devices(2)
 def test_the_rl_step_resolves_auto_and_logs_why(caplog):
   """A tiny model whose every estimate is over a tiny budget: the step compiles with full and warns."""
   from vcpo_jax.learner import config as learner_config, optimizer as optimizer_lib
