@@ -58,8 +58,10 @@ def test_c2_waits_for_extension_then_decides_by_the_margin(tmp_path):
   for seed in range(3):
     _unit(tmp_path, "sync", 0, seed, FLAT)
     _unit(tmp_path, "vcpo", 8, seed, [a - 0.01 * (seed + 1) for a in FLAT], moment_ratio=0.8)
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200, seeds=(3, 3))
   assert "vcpo@k=8 - sync@k=0: -2.0 [-4.5, +0.5] pts, n=3" in text and "**reproduced**" in text
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200, seeds=(4, 3))
+  assert "**interim (3 of 4 planned seeds finished): reproduced**" in text
   runs = list(_runs(tmp_path).values())
   groups = report.group_runs(runs)
   summaries = {r.name: report.run_summary(r, 0.5, 0.1) for r in runs}
@@ -75,13 +77,13 @@ def test_c2_refuted_when_vcpo_is_clearly_below_sync(tmp_path):
     _unit(tmp_path, "sync", 0, seed, FLAT)
     _unit(tmp_path, "vcpo", 8, seed, [a - 0.10 - 0.005 * seed for a in FLAT])
   _unit(tmp_path, "seq_tis", 8, 0, FLAT[:3], finished=False)
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200)
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200, seeds=(3, 3))
   assert "**not reproduced (refuted)**" in text
   assert "| seq_tis | 8 | (step 75) |  |  | - | 0/0 |" in text
   _unit(tmp_path, "vcpo", 8, 3, FLAT[:3], finished=False)
   pytest.importorskip("matplotlib")
-  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=True, planned=200)
-  assert "**provisional (6 of 7 units finished): not reproduced (refuted)**" in text
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=True, planned=200, seeds=(3, 3))
+  assert "**interim (3 of 3 planned seeds finished; 1 of 7 units still running): not reproduced (refuted)**" in text
   assert all(os.path.getsize(tmp_path / "out" / f) > 1000 for f in ("accuracy.png", "curves.png"))
 
 
@@ -113,3 +115,17 @@ def test_mechanism_rows_average_steps_then_units(tmp_path):
   assert row.startswith("| normalised | tis | opob_reference | 0.800 [-0.471, 2.071] | 0.400 [")
   assert row.endswith("| 0.900 [0.900, 0.900] | - |")
   assert horizon.mechanism_rows(str(tmp_path / "nothing")) == ["(not measured yet)"]
+
+
+def test_a_verdict_before_the_planned_seeds_is_interim_a_failed_precondition_too(tmp_path):
+  for seed in range(2):
+    _unit(tmp_path, "sync", 0, seed, FLAT)
+    _unit(tmp_path, "vcpo", 8, seed, FLAT)
+  runs = list(_runs(tmp_path).values())
+  arms = {("sync", 0), ("vcpo", 8)}
+  mark = lambda text, planned: horizon.interim(  # noqa: E731
+      horizon.verdicts.Verdict("C2", "rule", "numbers", text), runs, arms, planned).verdict
+  assert mark("not testable here (sync did not learn)", 4) == (
+      "interim (2 of 4 planned seeds finished): not testable here (sync did not learn)")
+  assert mark("reproduced", 2) == "reproduced"
+  assert mark("not decided yet (1 paired seed; the rule needs an interval)", 4).startswith("not decided yet")
