@@ -1,4 +1,4 @@
-"""`make gpu-check`: the one prepared check for a bare GPU machine, in at most 9 minutes of wall time.
+"""`make gpu-check`: the one prepared check for a bare GPU machine, in at most 550 s of wall time.
 
 Runs with the machine's own JAX (and the wheels `make gpu-wheels` carried for what it lacks, installed into a
 folder of their own with no network). Each part is a process under its own time limit: at the limit it gets
