@@ -72,12 +72,12 @@ def median_of(run: report.Run, key: str) -> Optional[float]:
 def interim(v: verdicts.Verdict, runs: list[report.Run], arms, planned_seeds: int) -> verdicts.Verdict:
   """Marks a verdict reached before its planned seeds have finished in every arm (or while units of its arms
   still run or extend) as interim: more seeds can still change it, a precondition's included."""
-  mine = [r for r in runs if (r.arm, r.lag) in arms]
-  left = sum(r.result is None for r in mine)
-  done = {s for s in {r.seed for r in mine}
-          if all(any(r.seed == s and (r.arm, r.lag) == a and r.result is not None for r in mine) for a in arms)}
   if v.verdict.startswith(("pending", "not decided yet", "not testable yet")):
     return v
+  mine = [r for r in runs if (r.arm, r.lag) in arms]
+  left = sum(r.result is None for r in mine)
+  finished = {(r.seed, r.arm, r.lag) for r in mine if r.result is not None}
+  done = {seed for seed, _, _ in finished if all((seed, *arm) in finished for arm in arms)}
   if left or len(done) < planned_seeds:
     running = f"; {left} of {len(mine)} units still running" if left else ""
     v.verdict = f"interim ({len(done)} of {planned_seeds} planned seeds finished{running}): {v.verdict}"
