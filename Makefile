@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-dry reproduce-quick clean-venv docs
+.PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,10 @@ gpu-wheels:
 
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
+
+# The check's second call: the unit tier on the GPU (with the first it outgrows one 600 s device call).
+gpu-check-unit:
+	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,unit --budget-s 210 $(GPU_CHECK_ARGS)
 
 # The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
 gpu-check-dry: $(VENV)/.dev

@@ -100,9 +100,18 @@ def child_limit(deadline: float, variants_left: int) -> float:
   return max(10.0, deadline - time.monotonic() - PEAK_RESERVE_S - MIN_CHILD_S * (variants_left - 1))
 
 
+def min_limit_s() -> float:
+  """The least module time limit that gives every variant MIN_CHILD_S and keeps the matmul peak's reserve."""
+  return PEAK_RESERVE_S + MIN_CHILD_S * len(VARIANTS)
+
+
 def run_children(quick: bool, limit_s: float) -> tuple[dict, dict]:
   """Each variant in a child process under its own time limit: ({variant: result}, {variant: error})."""
   from benchmarks import run as run_lib
+  if limit_s < min_limit_s():
+    raise ValueError(f"BENCH_JOB_LIMIT_S={limit_s:.0f} leaves the {len(VARIANTS)} variants less than "
+                     f"{MIN_CHILD_S:.0f} s each after the matmul peak's {PEAK_RESERVE_S:.0f} s: give the steps "
+                     f"part at least {min_limit_s():.0f} s of its own")
   deadline = time.monotonic() + limit_s
   results, errors = {}, {}
   for i, variant in enumerate(VARIANTS):

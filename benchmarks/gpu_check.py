@@ -1,25 +1,28 @@
-"""`make gpu-check`: the one prepared check for a bare GPU machine, in at most 550 s of wall time.
+"""`make gpu-check`: the prepared check for a bare GPU machine, in two calls of at most 550 s and 210 s.
 
 Runs with the machine's own JAX (and the wheels `make gpu-wheels` carried for what it lacks, installed into a
 folder of their own with no network). Each part is a process under its own time limit: at the limit it gets
 SIGINT (pytest still writes its report), then what is left of its process tree is killed, the part is recorded
 as timed out, and the next part starts. Every part's limit also shrinks to what is left of --budget-s.
+The default parts (env, steps, decode, job) fit one device call; the unit tier is the second
+(`--parts env,unit`): together they outgrow the device tool's 600 s per call.
 
 | part   | what it runs                                                                 | GPU limit | dry limit |
 | ------ | ---------------------------------------------------------------------------- | --------- | --------- |
 | env    | device, versions (benchmarks.environment)                                    |   15 s    |   60 s    |
-| steps  | 0.5B shape, B=64 x T=512: GRPO MFU, VCPO / GRPO (bounded, book-keeping),     |   80 s    |  150 s    |
+| steps  | 0.5B shape, B=64 x T=512: GRPO MFU, VCPO / GRPO (bounded, book-keeping),     |  160 s    |  160 s    |
 |        | peak device memory vs XLA's estimate (benchmarks.bench_gpu_step)             |           |           |
-| decode | 0.5B shape bf16 greedy, B=64 and 256: engine vs HF generate and vs the       |  110 s    |  120 s    |
+| decode | 0.5B shape bf16 greedy, B=64 and 256: engine vs HF generate and vs the       |  140 s    |  120 s    |
 |        | memory floor (benchmarks.bench_gpu_decode)                                   |           |           |
 | job    | the main job shortened: warm start + 20 RL steps, k=2, learner and one       |  200 s    |  150 s    |
 |        | embedded server on the one device (dry: configs/tiny.py, 2 RL steps)         |           |           |
-| unit   | the unit tier, JAX_PLATFORMS=cuda, 14 workers (dry: two test files, CPU)     |  135 s    |   90 s    |
+| unit   | the unit tier, JAX_PLATFORMS=cuda, 14 workers (dry: two test files, CPU)     |  180 s    |   90 s    |
 | (wheel install before, report after: ~10 s)                                           |  550 s    |  580 s    |
 
-The GPU limits are the last H100 measurement (docs/gpu.md: env 4 s, steps 62 s, decode 94 s, job 186 s, the unit
-tier over 137 s with 8 workers) plus a margin; `--limit unit=150` changes one, and
-`--parts` picks some parts (a rerun of what timed out).
+The GPU limits are the H100 measurements (docs/gpu.md: env 4 s, steps 58 s, decode over 103 s, job 180-186 s,
+the unit tier 142 s with 14 workers) plus a margin. The steps part's own deadline must also hold
+bench_gpu_step's reserves (MIN_CHILD_S per variant and PEAK_RESERVE_S; tests/test_gpu_check.py checks it). `--limit unit=150` changes one limit, and
+`--parts` picks parts (the unit tier; a rerun of what timed out).
 
 Writes under --out (default $OUT, else workdir/gpu_check[_dry]) at most four files, as the device tool brings
 back: results-gpu.md (also copied to benchmarks/results-gpu.md unless --dry), gpu_check.json (every part and
@@ -61,8 +64,11 @@ class Part:
   dry_limit_s: float
 
 
-PARTS = (Part("env", 15, 60), Part("steps", 80, 150), Part("decode", 110, 120), Part("job", 200, 150),
-         Part("unit", 135, 90))
+PARTS = (Part("env", 15, 60), Part("steps", 160, 160), Part("decode", 140, 120), Part("job", 200, 150),
+         Part("unit", 180, 90))
+DEFAULT_PARTS = ("env", "steps", "decode", "job")
+UNIT_CALL_BUDGET_S = 210.0  # the second call, `--parts env,unit --budget-s 210`
+BENCH_LIMIT_MARGIN_S = 5.0  # a benchmark part's own deadline ends this long before its SIGINT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +179,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default=None, help="output folder (default $OUT, else workdir/gpu_check[_dry])")
   parser.add_argument("--wheels", default=None,
                       help="folder of carried wheels to install first (default .gpu_wheels unless --dry)")
-  parser.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma list, in order")
+  parser.add_argument("--parts", default=None,
+                      help=f"comma list, in order (default {','.join(DEFAULT_PARTS)}; dry: every part)")
   parser.add_argument("--budget-s", type=float, default=None,
                       help=f"wall-clock budget of the whole check (default {BUDGET_S:.0f}; dry {DRY_BUDGET_S:.0f})")
   parser.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS",
@@ -193,7 +200,8 @@ def main(argv=None) -> dict:
     print(line, flush=True)
     log_lines.append(line)
   known = {p.name: p for p in PARTS}
-  names = [n.strip() for n in args.parts.split(",") if n.strip()]
+  parts_arg = args.parts or ",".join(p.name for p in PARTS if args.dry or p.name in DEFAULT_PARTS)
+  names = [n.strip() for n in parts_arg.split(",") if n.strip()]
   if not names or any(n not in known for n in names):
     raise ValueError(f"--parts must name some of {list(known)}, got {args.parts!r}")
   limits = parse_limits(args.limit, known)
@@ -220,7 +228,7 @@ def main(argv=None) -> dict:
       continue
     cmd, extra = part_command(name, ctx)
     log(f"{name}: limit {limit:.0f} s: {' '.join(cmd)}")
-    result = run_part(name, cmd, {**env, **extra, "BENCH_JOB_LIMIT_S": str(int(limit - STOP_GRACE_S - 5))},
+    result = run_part(name, cmd, {**env, **extra, "BENCH_JOB_LIMIT_S": str(bench_limit_s(limit))},
                       limit, ctx.path(f"{name}.log"))
     parts.append(result)
     log(f"{name}: {result['status']} (exit code {result['returncode']}) in {result['seconds']:.0f} s")
@@ -238,6 +246,11 @@ def main(argv=None) -> dict:
   log(f"wrote {', '.join(paths)} and gpu_check.log in {out}")
   print(report.summary_lines(results), flush=True)
   return results
+
+
+def bench_limit_s(part_limit_s: float) -> int:
+  """The deadline a benchmark part gets for itself: before the part's SIGINT, with a margin to write its JSON."""
+  return int(part_limit_s - STOP_GRACE_S - BENCH_LIMIT_MARGIN_S)
 
 
 def parse_limits(items: list[str], known) -> dict[str, float]:

@@ -77,7 +77,10 @@ def test_mfu_counts_every_kernel_with_or_without_scan(scan_layers, tied):
 
 def test_parts_have_a_command_and_fit_the_budget():
   ctx = gpu_check.Context(dry=False, work="/w", python="py", rl_steps=20)
-  assert sum(p.limit_s for p in gpu_check.PARTS) + 10 <= gpu_check.BUDGET_S
+  limits = {p.name: p.limit_s for p in gpu_check.PARTS}
+  assert sum(limits[n] for n in gpu_check.DEFAULT_PARTS) + 10 <= gpu_check.BUDGET_S
+  assert limits["env"] + limits["unit"] + 10 <= gpu_check.UNIT_CALL_BUDGET_S
+  assert set(limits) == set(gpu_check.DEFAULT_PARTS) | {"unit"}
   job, extra = gpu_check.part_command("job", ctx)
   assert "--config=configs/countdown.py" in job and "--config.rl.steps=20" in job and "--config.rl.max_lag=2" in job
   unit, extra = gpu_check.part_command("unit", ctx)
@@ -86,6 +89,17 @@ def test_parts_have_a_command_and_fit_the_budget():
   assert env["JAX_PLATFORMS"] == "cuda" and env["PYTHONPATH"].split(":")[:2] == [gpu_check.REPO_ROOT, "/site"]
   with pytest.raises(ValueError, match="unknown part"):
     gpu_check.part_command("nope", ctx)
+
+
+def test_the_steps_part_leaves_every_variant_its_minimum():
+  """A steps limit under bench_gpu_step's reserves gave its first variants 10 s each (they compile for ~10 s)."""
+  from benchmarks import bench_gpu_step
+  for part in gpu_check.PARTS:
+    if part.name == "steps":
+      assert gpu_check.bench_limit_s(part.limit_s) >= bench_gpu_step.min_limit_s() + bench_gpu_step.MIN_CHILD_S
+      assert gpu_check.bench_limit_s(part.dry_limit_s) >= bench_gpu_step.min_limit_s()
+  with pytest.raises(ValueError, match="BENCH_JOB_LIMIT_S=65 leaves the 3 variants"):
+    bench_gpu_step.run_children(quick=True, limit_s=65)
 
 
 @pytest.mark.integration
