@@ -223,7 +223,7 @@ def mechanism_rows(out: str) -> list[str]:
 def accuracy_figure(arms: dict, path: str) -> None:
   """One panel per arm: each seed's greedy accuracy to its last evaluation, and the finished seeds' mean."""
   from experiments import plots as plots_lib  # noqa: PLC0415
-  plt = plots_lib._pyplot()
+  plt = plots_lib.pyplot()
   fig, axes = plt.subplots(1, len(arms), figsize=(4.2 * len(arms), 3.4), squeeze=False, sharey=True)
   for ax, (name, runs) in zip(axes[0], arms.items()):
     for r in runs:

@@ -8,7 +8,7 @@ import numpy as np
 from experiments import analysis
 
 
-def _pyplot():
+def pyplot():
   try:
     import matplotlib  # noqa: PLC0415  (optional: `pip install -e .[report]` or requirements-dev.txt)
   except ImportError as e:
@@ -21,7 +21,7 @@ def _pyplot():
 def curves_figure(arms: dict, curves, title: str, path: str) -> None:
   """One panel per (metric, title, log, bounds); one line per arm (mean over seeds) with its 95% t band,
   clipped to the metric's bounds. Log-scale metrics are averaged in log space (a geometric mean)."""
-  plt = _pyplot()
+  plt = pyplot()
   fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 3.8), squeeze=False)
   for ax, (key, label, log, bounds) in zip(axes[0], curves):
     for i, (arm, runs) in enumerate(arms.items()):
@@ -56,7 +56,7 @@ def curves_figure(arms: dict, curves, title: str, path: str) -> None:
 
 def aggregate_figure(rows: list[tuple[str, float, float, float]], path: str) -> None:
   """rows: (arm, IQM, low, high) in percent; horizontal bars with the bootstrap interval."""
-  plt = _pyplot()
+  plt = pyplot()
   rows = [r for r in rows if math.isfinite(r[1])]
   fig, ax = plt.subplots(figsize=(7, 0.45 * max(len(rows), 2) + 1.4))
   y = np.arange(len(rows))

@@ -222,7 +222,7 @@ def row_table(results: dict, steps: list, rows: list, form: str, columns, title:
 def plot(results: dict, path: str) -> None:
   """Per form and metric, bars per baseline (no IS / TIS), relative to the group mean, mean over steps."""
   from experiments import plots  # noqa: PLC0415
-  plt = plots._pyplot()
+  plt = plots.pyplot()
   steps = [s for s in results["steps"] if "summary" in results["steps"][s]]
   fig, axes = plt.subplots(len(em.FORMS), len(METRICS), figsize=(11, 7), squeeze=False)
   for i, form in enumerate(em.FORMS):

@@ -129,3 +129,9 @@ def test_a_verdict_before_the_planned_seeds_is_interim_a_failed_precondition_too
       "interim (2 of 4 planned seeds finished): not testable here (sync did not learn)")
   assert mark("reproduced", 2) == "reproduced"
   assert mark("not decided yet (1 paired seed; the rule needs an interval)", 4).startswith("not decided yet")
+
+
+def test_the_mechanism_rows_are_the_estimator_baselines():
+  """The page's row order names every baseline experiments.variance measures, and nothing else."""
+  from experiments import estimator_moments as em
+  assert sorted(horizon.MECHANISM_ROWS) == sorted(em.BASELINES) and horizon.MECHANISM_ROWS[0] == "group_mean"
