@@ -135,3 +135,21 @@ def test_the_mechanism_rows_are_the_estimator_baselines():
   """The page's row order names every baseline experiments.variance measures, and nothing else."""
   from experiments import estimator_moments as em
   assert sorted(horizon.MECHANISM_ROWS) == sorted(em.BASELINES) and horizon.MECHANISM_ROWS[0] == "group_mean"
+
+
+def test_the_c5_row_comes_from_the_wallclock_page_or_says_not_run(tmp_path):
+  """C5 has its own runs and page (experiments.wallclock writes c5.json); the horizon page carries its verdict."""
+  from experiments import verdicts
+  for seed in range(3):
+    _unit(tmp_path, "sync", 0, seed, FLAT)
+  out = tmp_path / "out"
+  text = horizon.write(str(tmp_path), str(out), plots=False, planned=200, seeds=(3, 3))
+  assert "| C5 | " in text and "**not run yet**" in text
+  c5_runs = [{"lag": lag, "seed": s, "endpoint": 0.8,
+              "evals": [(t * scale, 0.5), (2 * t * scale, 0.79)]} for s, t in enumerate((100.0, 110.0, 90.0))
+             for lag, scale in ((0, 1.0), (2, 0.6 + 0.01 * s), (4, 0.7))]
+  v = verdicts.c5(c5_runs)
+  with open(out / "c5.json", "w") as f:
+    json.dump({"runs": c5_runs, "left_out": [], "verdict": v.verdict, "numbers": v.numbers}, f)
+  text = horizon.write(str(tmp_path), str(out), plots=False, planned=200, seeds=(3, 3))
+  assert v.verdict == "reproduced" and f"| C5 | {verdicts.RULES['C5']} | {v.numbers} ([c5.md](c5.md)) | **reproduced** |" in text
