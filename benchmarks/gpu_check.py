@@ -21,8 +21,8 @@ The default parts (env, steps, decode, job) fit one device call; the unit tier i
 
 The GPU limits are the H100 measurements (docs/gpu.md: env 4 s, steps 58 s, decode over 103 s, job 180-186 s,
 the unit tier 142 s with 14 workers) plus a margin. The steps part's own deadline must also hold
-bench_gpu_step's reserves (MIN_CHILD_S per variant and PEAK_RESERVE_S; tests/test_gpu_check.py checks it). `--limit unit=150` changes one limit, and
-`--parts` picks parts (the unit tier; a rerun of what timed out).
+bench_gpu_step's reserves (MIN_CHILD_S per variant and PEAK_RESERVE_S; tests/test_gpu_check.py checks it).
+`--limit unit=150` changes one limit, and `--parts` picks parts (the unit tier; a rerun of what timed out).
 
 Writes under --out (default $OUT, else workdir/gpu_check[_dry]) at most four files, as the device tool brings
 back: results-gpu.md (also copied to benchmarks/results-gpu.md unless --dry), gpu_check.json (every part and
