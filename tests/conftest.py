@@ -24,11 +24,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # first process of the run (xdist's controller; its workers inherit it) and removed by it at exit. A cache hit
 # still traces and lowers (jit's own caching and memory_analysis() are unchanged); the benchmarks that time
 # compiles turn the cache off themselves. Set JAX_COMPILATION_CACHE_DIR to use a cache of your own.
-_JOB_CACHE_VAR = "VCPO_TEST_JOB_COMPILATION_CACHE"
-if _JOB_CACHE_VAR not in os.environ:
-  os.environ[_JOB_CACHE_VAR] = tempfile.mkdtemp(prefix="vcpo_jax_test_jax_cache_")
-  atexit.register(shutil.rmtree, os.environ[_JOB_CACHE_VAR], ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_JOB_CACHE_VAR])
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the run's first process: its workers and jobs inherit it
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="vcpo_jax_test_jax_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # the default skips compiles < 1 s
 if importlib.util.find_spec("filelock"):  # a size bound turns on the cache's file lock (jax needs filelock):
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))  # no torn entry when two write one
