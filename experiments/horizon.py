@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from experiments import analysis, claims, report, verdicts
+from experiments import analysis, claims, mechanism_summary, report, verdicts
 from experiments.sweeps.claims_horizon import EXTEND_STEPS, K  # C2's lag; an unconverged seed's extension
 
 C4_LAG = 32
@@ -24,7 +24,6 @@ STEPS = 450              # the pre-registered length
 C2_SEEDS, C4_SEEDS = 4, 3  # the pre-registered seeds a verdict waits for (tier 1: seeds 0-3; C4: seeds 0-2)
 LEVEL_PTS = 5.0          # "comes within 5 points of sync's final level"
 ARMS = (("sync", 0), ("vcpo", K), ("ess_only", K), ("seq_tis", K), ("vcpo", C4_LAG), ("seq_tis", C4_LAG))
-MECHANISM_ROWS = ("group_mean", "grpo", "none", "opob_raw", "opob_reference", "opob_truncated", "opob_matched")
 
 
 def after_base(run: report.Run, upto: Optional[int] = None) -> list[float]:
@@ -177,49 +176,6 @@ def opob_table(groups, summaries) -> list[str]:
   return lines
 
 
-MECHANISM_METRICS = (("second_moment_rel", "2nd moment"), ("signal_rel", "signal"), ("signal_z", "signal z"),
-                     ("cos_ref", "cos"), ("snr_rel", "SNR"))
-
-
-def _cell(vals: list[float]) -> str:
-  vals = [v for v in vals if math.isfinite(v)]
-  if not vals:
-    return "-"
-  m, lo, hi = analysis.interval(vals)
-  return f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if math.isfinite(lo) else f"{m:.3f}"
-
-
-def mechanism_rows(out: str) -> list[str]:
-  """Per (form, IS weight, baseline): the second moment, the cross-batch signal and the batch mean's signal /
-  noise, each relative to the group mean's, and the cosine with its expected gradient; mean over a unit's
-  checkpoint steps, then mean [95% CI] over the units measured (DIR/mechanism/<unit>/variance.json)."""
-  root = os.path.join(out, "mechanism")
-  units = sorted(u for u in os.listdir(root) if os.path.exists(os.path.join(root, u, "variance.json"))) \
-      if os.path.isdir(root) else []
-  if not units:
-    return ["(not measured yet)"]
-  per_unit, info = {}, []  # (row, metric) -> {unit: [value per step]}
-  for u in units:
-    with open(os.path.join(root, u, "variance.json")) as f:
-      res = json.load(f)
-    steps = [s for s, r in res["steps"].items() if "summary" in r]
-    info.append(f"{u} (steps {', '.join(steps)}, {res['steps'][steps[0]]['batches']} batches each; ESS ratio "
-                f"{np.mean([res['steps'][s]['summary']['ess_ratio'] for s in steps]):.3f})")
-    for s in steps:
-      for key, row in res["steps"][s]["summary"]["rows"].items():
-        for metric, _ in MECHANISM_METRICS:
-          per_unit.setdefault((key, metric), {}).setdefault(u, []).append(row.get(metric, float("nan")))
-  head = " | ".join(label for _, label in MECHANISM_METRICS)
-  lines = [f"Units: {'; '.join(info)}.", "",
-           f"| form | IS weight | baseline | {head} |", "|---|---|---|" + "---|" * len(MECHANISM_METRICS)]
-  keys = sorted({k for k, _ in per_unit}, key=lambda k: (k.split("/")[0], k.split("/")[1],
-                                                          MECHANISM_ROWS.index(k.split("/")[2])))
-  for key in keys:
-    cells = [_cell([float(np.mean(v)) for v in per_unit[(key, metric)].values()]) for metric, _ in MECHANISM_METRICS]
-    lines.append(f"| {' | '.join(key.split('/'))} | {' | '.join(cells)} |")
-  return lines
-
-
 def accuracy_figure(arms: dict, path: str) -> None:
   """One panel per arm: each seed's greedy accuracy to its last evaluation, and the finished seeds' mean."""
   from experiments import plots as plots_lib  # noqa: PLC0415
@@ -286,7 +242,7 @@ def write(root: str, out: str, plots: bool = True, planned: int = STEPS,
         "Relative to the group mean with the same IS weight: the second moment, the signal (the expected "
         "gradient's squared norm, from pairs of independent batches) and the batch mean's signal / noise (SNR); "
         "cos: the cosine of the expected gradient with the group mean's. Mean [95% t interval] over units.", "",
-        *mechanism_rows(out), ""]
+        *mechanism_summary.section(out), ""]
   if plots:
     from experiments import plots as plots_lib  # noqa: PLC0415  (matplotlib only when plotting)
     arms = {f"{arm} (k={k})": groups[k][arm] for arm, k in ARMS if groups.get(k, {}).get(arm)}

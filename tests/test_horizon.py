@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments import horizon, report, workunit
+from experiments import horizon, mechanism_summary, report, workunit
 
 
 def _unit(root, arm, lag, seed, accs, steps_per_eval=25, moment_ratio=None, finished=True):
@@ -109,12 +109,34 @@ def test_mechanism_rows_average_steps_then_units(tmp_path):
       json.dump({"steps": steps}, f)
   variance_json("vcpo-k8-s0", (0.6, 0.8))
   variance_json("vcpo-k8-s1", (0.8, 1.0))
-  lines = horizon.mechanism_rows(str(tmp_path))
-  row = next(line for line in lines if "opob_reference" in line)
+  lines = mechanism_summary.section(str(tmp_path))
+  row = next(line for line in lines if line.startswith("| normalised | tis | opob_reference"))
   # 2nd moment: unit means 0.7 and 0.9 -> 0.800 [0.800 -/+ 12.706 x 0.1]; signal half of it; SNR not measured
   assert row.startswith("| normalised | tis | opob_reference | 0.800 [-0.471, 2.071] | 0.400 [")
   assert row.endswith("| 0.900 [0.900, 0.900] | - |")
-  assert horizon.mechanism_rows(str(tmp_path / "nothing")) == ["(not measured yet)"]
+  assert mechanism_summary.section(str(tmp_path / "nothing")) == ["(not measured yet)"]
+  # the answer leads the section: the VCPO row's 2nd moment, its interval straddling 1
+  assert lines[0].startswith("**Answer (2 units).**")
+  assert "0.800 [-0.471, 2.071] of the group mean's: not distinguishable from it" in lines[0]
+
+
+def test_the_mechanism_answer_states_the_direction_and_size_by_the_interval():
+  def unit_rows(vcpo, no_is, z):
+    return {"normalised/tis/opob_reference": {"second_moment_rel": [vcpo], "signal_z": [z], "snr_rel": [1.0 + z]},
+            "normalised/no_is/opob_reference": {"second_moment_rel": [no_is]}}
+  per_unit = {}
+  for u, args in {"a": (0.3, 1.8, 1.0), "b": (0.4, 1.9, 3.0), "c": (0.5, 2.0, 0.5)}.items():
+    for key, metrics in unit_rows(*args).items():
+      for metric, vals in metrics.items():
+        per_unit.setdefault((key, metric), {})[u] = vals
+  (text,) = mechanism_summary.answer(per_unit)
+  # 0.4 +/- 4.303 x 0.0577 = [0.152, 0.648]; 1.9 +/- the same; SNR 2.5 +/- 4.303 x 0.764
+  assert "0.400 [0.152, 0.648] of the group mean's: 60% lower (95% interval 35% to 85%)" in text
+  assert "1.900 [1.652, 2.148] of the group mean's: 90% higher (95% interval 65% to 115%)" in text
+  assert "resolved (signal z > 2) in 1 of 3 units (median z 1.00)" in text
+  assert "2.500 [-0.786, 5.786] of the group mean's: not distinguishable from it" in text
+  assert text.endswith("cannot settle.") and "opob_matched" not in text
+  assert mechanism_summary.answer({}) == []
 
 
 def test_a_verdict_before_the_planned_seeds_is_interim_a_failed_precondition_too(tmp_path):
@@ -134,7 +156,7 @@ def test_a_verdict_before_the_planned_seeds_is_interim_a_failed_precondition_too
 def test_the_mechanism_rows_are_the_estimator_baselines():
   """The page's row order names every baseline experiments.variance measures, and nothing else."""
   from experiments import estimator_moments as em
-  assert sorted(horizon.MECHANISM_ROWS) == sorted(em.BASELINES) and horizon.MECHANISM_ROWS[0] == "group_mean"
+  assert sorted(mechanism_summary.ROWS) == sorted(em.BASELINES) and mechanism_summary.ROWS[0] == "group_mean"
 
 
 def test_the_c5_row_comes_from_the_wallclock_page_or_says_not_run(tmp_path):
