@@ -11,7 +11,7 @@ import pytest
 from tests.sglang import verify_tags
 from tests.sglang.conftest import REPO, requires_sglang, start_servers
 
-pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.timeout(3600)]
 # CPU-sized: 4 prompts x 4 samples per step, a short warm start, evaluation only at the end.
 SMALL = ["--config.rl.prompts_per_step=4", "--config.rl.group_size=4", "--config.algo.micro_batch_size=16",
          "--config.sft.steps=10", "--config.task.eval_size=16", "--config.eval_every=1000",

@@ -11,7 +11,7 @@ from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import publisher as publisher_lib
 
-pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.timeout(1800)]
 CONTEXT = 96  # the countdown model's max_seq_len, exported as max_position_embeddings
 PARAMS = {}
 

@@ -17,7 +17,7 @@ from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.tasks import calculator
 
-pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.timeout(3600)]
 CONFIG = "configs/countdown_tools.py"
 SMALL = ["--config.rl.prompts_per_step=4", "--config.rl.group_size=4", "--config.algo.micro_batch_size=16",
          "--config.sft.steps=200", "--config.task.eval_size=8", "--config.eval_every=1000",
