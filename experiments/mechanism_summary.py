@@ -17,7 +17,7 @@ RESOLVED_Z = 2.0                           # a signal counts as measured where i
 
 
 def _cell(vals: list[float]) -> str:
-  vals = [v for v in vals if math.isfinite(v)]
+  """A table cell from unit_means' finite values: mean [95% CI], the mean alone for one unit, "-" for none."""
   if not vals:
     return "-"
   m, lo, hi = analysis.interval(vals)
@@ -45,6 +45,7 @@ def load(out: str) -> tuple[dict, list[str]]:
 
 
 def unit_means(per_unit: dict, key: str, metric: str) -> list[float]:
+  """Each unit's mean over its checkpoint steps, for one row and metric; units without a finite value left out."""
   vals = [float(np.mean(v)) for v in per_unit.get((key, metric), {}).values()]
   return [v for v in vals if math.isfinite(v)]
 
