@@ -219,13 +219,15 @@ def c5(runs: list[dict], lags=C5_LAGS) -> Verdict:
   fmt = lambda t: "never" if t is None else f"{t:.0f} s"  # noqa: E731
   parts = [f"target {100 * target:.1f}% (sync endpoint {100 * (target + C5_TARGET_BELOW_SYNC_PTS / 100):.1f}% "
            f"over {len(ends)} seeds); sync time to target: {', '.join(fmt(t_sync[s]) for s in sorted(t_sync))}"]
-  ok, refuted = [], []
+  ok, refuted, thin = [], [], []
   for k in lags:
     t = {r["seed"]: time_to(r["evals"], target) for r in runs if r["lag"] == k}
     never = sorted(s for s, v in t.items() if v is None)
     d = Diff(f"log(time k={k} / time sync)", [math.log(t[s] / t_sync[s]) for s in sorted(t)
                                                if t[s] is not None and t_sync.get(s)], unit="")
     parts.append(f"k={k}: time to target {', '.join(fmt(t[s]) for s in sorted(t)) or 'no runs'}; {d.text()}")
+    if d.n < 2:
+      thin.append(str(k))
     ok.append(bool(t) and not never and _below(d, 0.0))
     refuted.append(bool(never) or _above(d, 0.0))
   numbers = "; ".join(parts)
@@ -236,7 +238,8 @@ def c5(runs: list[dict], lags=C5_LAGS) -> Verdict:
   if all(refuted):
     return Verdict("C5", RULES["C5"], numbers, "not reproduced (refuted)")
   missing = [str(k) for k in lags if not any(r["lag"] == k for r in runs)]
-  why = f"no runs at k = {', '.join(missing)}" if missing else "an interval includes 0"
+  why = (f"no runs at k = {', '.join(missing)}" if missing else
+         f"fewer than 2 paired seeds at k = {', '.join(thin)}, so no interval" if thin else "an interval includes 0")
   return Verdict("C5", RULES["C5"], numbers, f"not reproduced (undecided: {why})")
 
 

@@ -144,7 +144,11 @@ def test_c5_target_time_and_paired_log_ratio():
 
 def test_c5_refuted_undecided_and_not_testable():
   assert _c5([100, 110, 90], {2: [120, 130, 110], 4: [130, 140, 120]}).verdict == "not reproduced (refuted)"
-  assert _c5([100, 110, 90], {2: [80, 130, 95], 4: [110, 90, 100]}).verdict.startswith("not reproduced (undecided")
+  assert _c5([100, 110, 90], {2: [80, 130, 95], 4: [110, 90, 100]}).verdict == \
+      "not reproduced (undecided: an interval includes 0)"
+  # one seed: no interval exists, and the label says so rather than "an interval includes 0"
+  assert _c5([100], {2: [80], 4: [90]}).verdict == \
+      "not reproduced (undecided: fewer than 2 paired seeds at k = 2, 4, so no interval)"
   assert _c5([100, 110, 90], {2: [80, 85, 72], 4: [80, 85, 72]}, async_reach=False).verdict == \
       "not reproduced (refuted)"
   assert _c5([100, 110, 90], {2: [80, 85, 72]}, async_reach=False).verdict == \
