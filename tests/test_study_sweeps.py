@@ -2,6 +2,8 @@
 import collections
 import os
 
+import pytest
+
 from experiments import launch, workunit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,6 +86,14 @@ def test_claims_horizon_tiers_and_the_extension_keeps_names():
   assert workunit.extends(short.config, long.config)
   decaying = {**short.config, "optim": {**short.config["optim"], "schedule": {"name": "cosine", "decay_steps": 0}}}
   assert not workunit.extends(decaying, {**long.config, "optim": decaying["optim"]})  # its decay reads rl.steps
+  # C4 alone (tiers 1 and 3, seeds 0-3 extended): the whole sweep's names, configs and warm starts
+  whole = {u.name: u for u in _units("claims_horizon.py:extend=0+1+2+3")}
+  c4 = _units("claims_horizon.py:extend=0+1+2+3,tiers=1+3")
+  assert [(u.labels["arm"], u.config["rl"]["max_lag"], u.config["seed"]) for u in c4] == tier1 + tier3
+  assert all(u.config == whole[u.name].config and u.warm_start_key == whole[u.name].warm_start_key for u in c4)
+  assert {u.config["rl"]["steps"] for u in c4} == {600}
+  with pytest.raises(ValueError, match="tiers=1\\+4"):
+    _units("claims_horizon.py:tiers=1+4")
   # C5's units copy the horizon units' warm starts (--warm_starts_from): the same key per seed
   horizon = {u.config["seed"]: u.warm_start_key for u in units}
   assert all(u.warm_start_key == horizon[u.config["seed"]] for u in _units("c5.py"))

@@ -3,7 +3,8 @@
 `--config=experiments/configs/pilot.py:trace --sweep=experiments/sweeps/claims_horizon.py --parallel=2`
 (defaults: lr=7e-05,steps=450,c4_lag=32; `extend=1+3` runs every unit of seeds 1 and 3 for steps + 150, the
 page's rule for a sync seed that has not converged: a relaunch resumes those units from their last checkpoint,
-under the same names). Units in priority order (C2 > C4), seed-major inside each tier, so a
+under the same names; `tiers=1+3` keeps only those tiers, under the names the whole sweep gives them). Units in
+priority order (C2 > C4), seed-major inside each tier, so a
 study cut short keeps whole seeds of the arms that decide C2:
   1. k = 8: sync (k = 0), VCPO, ESS-only, seq-TIS, seeds 0-3;
   2. sync and VCPO, seeds 4-5;
@@ -24,7 +25,7 @@ def _seed_major(units, seeds):
 
 
 def get_sweep(arg: str = "") -> list[dict]:
-  a = parse_arg(arg, lr=7e-5, steps=450, c4_lag=32, extend=())
+  a = parse_arg(arg, lr=7e-5, steps=450, c4_lag=32, extend=(), tiers=(1, 2, 3))
   if 3 * a["c4_lag"] > a["steps"]:
     raise ValueError(f"C4 needs runs of >= 3k steps: steps={a['steps']} < 3 x c4_lag={a['c4_lag']}")
   sync = product(arms.arms(["sync"], a["lr"]), fixed({"rl.max_lag": 0}))
@@ -35,8 +36,12 @@ def get_sweep(arg: str = "") -> list[dict]:
       _seed_major(chain(sync, table(["vcpo"], K)), range(4, 6)),
       _seed_major(table(["vcpo", "seq_tis"], a["c4_lag"]), range(3)),
   ]
+  if not set(a["tiers"]) <= {1, 2, 3}:
+    raise ValueError(f"sweep argument tiers={'+'.join(map(str, a['tiers']))}: each tier must be 1, 2 or 3")
   units = name_units(product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL)))  # names before
-  extend = {int(s) for s in a["extend"]}                                     # the lengths differ: they stay
+  tier_of = [i + 1 for i, t in enumerate(tiers) for _ in t]                  # the lengths differ or tiers
+  units = [u for u, t in zip(units, tier_of) if t in set(a["tiers"])]         # are dropped: they stay
+  extend = {int(s) for s in a["extend"]}
   for u in units:
     if u["config.seed"] in extend:
       u["config.rl.steps"] = a["steps"] + EXTEND_STEPS
