@@ -1,7 +1,9 @@
 """experiments.wallclock: time to accuracy parsed from a job log (absl lines, tqdm noise, midnight wrap)."""
+import math
+
 import pytest
 
-from experiments import wallclock
+from experiments import analysis, wallclock
 
 LOG = (
     "I1123 23:59:50.000000 140 train.py:58] warm start done: {'eval/greedy_accuracy': 0.3}\n"
@@ -70,3 +72,19 @@ def test_c5_report_from_a_root_times_each_run_and_leaves_out_resumed_ones(tmp_pa
   # 75 steps in RL phases of 3600 s (the log's "done" line), 1800 s for vcpo-k2-s0: 150 steps/h, twice sync's
   assert "| 0 | 3 | 75.0 ± 0.0 | 1 | 3.00 | 1.00 | 0.00 | 1.33x |" in md  # (3 + 1) / max(3, 1)
   assert "| 2 | 3 | 100.0 ± 107.6 | 1.33 ± 1.43 | 1.00 | 1.00 | 0.00 | - |" in md
+
+
+def test_per_seed_targets_time_each_seed_against_its_own_sync_endpoint():
+  def run(lag, seed, accs):
+    return {"lag": lag, "seed": seed, "endpoint": sum(accs[-3:]) / 3,
+            "evals": list(zip([100.0, 200.0, 300.0, 400.0], accs))}
+  # seed 1's warm start is weaker: the pooled target (~0.58) is above its sync run, its own (0.43) is not
+  runs = [run(0, 0, [0.5, 0.7, 0.7, 0.7]), run(0, 1, [0.3, 0.45, 0.45, 0.45]),
+          run(2, 0, [0.7, 0.7, 0.7, 0.7]), run(2, 1, [0.3, 0.3, 0.45, 0.45]), run(4, 0, [0.1, 0.1, 0.1, 0.1])]
+  rows = wallclock.per_seed_target_rows(runs)
+  assert rows[0] == "| seed | own target % | k=0: s to target | k=2: s to target | k=4: s to target |"
+  assert rows[2:4] == ["| 0 | 68.0 | 200 | 100 | - |", "| 1 | 43.0 | 200 | 300 | no run |"]
+  logs = [math.log(100 / 200), math.log(300 / 200)]
+  m, lo, hi = analysis.interval(logs)
+  assert rows[4] == f"- log(time k=2 / time sync): {m:+.2f} [{lo:+.2f}, {hi:+.2f}], n=2"
+  assert rows[5] == "- log(time k=4 / time sync): no paired seeds"
