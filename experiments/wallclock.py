@@ -109,16 +109,18 @@ def per_seed_target_rows(runs: list[dict]) -> list[str]:
   below = verdicts.C5_TARGET_BELOW_SYNC_PTS / 100
   target = {r["seed"]: r["endpoint"] - below for r in runs if r["lag"] == 0 and r["endpoint"] is not None}
   lags = sorted({r["lag"] for r in runs})
-  time = {(r["lag"], r["seed"]): verdicts.time_to(r["evals"], target[r["seed"]]) for r in runs if r["seed"] in target}
+  time = {(r["lag"], r["seed"]): verdicts.time_to(r["evals"], target[r["seed"]])
+          for r in runs if r["seed"] in target}
   fmt = lambda t: "-" if t is None else f"{t:.0f}"  # noqa: E731
   lines = ["| seed | own target % | " + " | ".join(f"k={k}: s to target" for k in lags) + " |",
            "|---" * (2 + len(lags)) + "|"]
   for seed in sorted(target):
     cells = [fmt(time.get((k, seed))) if (k, seed) in time else "no run" for k in lags]
     lines.append(f"| {seed} | {100 * target[seed]:.1f} | " + " | ".join(cells) + " |")
-  for k in lags[1:]:
+  for k in (k for k in lags if k != 0):
     pairs = [(time[(k, s)], time[(0, s)]) for s in sorted(target) if time.get((k, s)) and time.get((0, s))]
-    lines.append(f"- {verdicts.Diff(f'log(time k={k} / time sync)', [math.log(a / b) for a, b in pairs], unit='').text()}")
+    d = verdicts.Diff(f"log(time k={k} / time sync)", [math.log(a / b) for a, b in pairs], unit="")
+    lines.append(f"- {d.text()}")
   return lines
 
 

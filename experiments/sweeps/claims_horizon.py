@@ -38,9 +38,10 @@ def get_sweep(arg: str = "") -> list[dict]:
   ]
   if not set(a["tiers"]) <= {1, 2, 3}:
     raise ValueError(f"sweep argument tiers={'+'.join(map(str, a['tiers']))}: each tier must be 1, 2 or 3")
-  units = name_units(product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL)))  # names before
-  tier_of = [i + 1 for i, t in enumerate(tiers) for _ in t]                  # the lengths differ or tiers
-  units = [u for u, t in zip(units, tier_of) if t in set(a["tiers"])]         # are dropped: they stay
+  # Named before the lengths differ or tiers are dropped, so that a unit's name never depends on either.
+  units = name_units(product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL)))
+  tier_of = [i + 1 for i, t in enumerate(tiers) for _ in t]
+  units = [u for u, t in zip(units, tier_of) if t in set(a["tiers"])]
   extend = {int(s) for s in a["extend"]}
   for u in units:
     if u["config.seed"] in extend:
