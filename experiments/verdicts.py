@@ -208,6 +208,12 @@ def time_to(evals: list[tuple[float, float]], target: float) -> Optional[float]:
   return next((t for t, acc in evals if acc >= target), None)
 
 
+def log_time_ratio(k: int, t_k: dict, t_sync: dict) -> Diff:
+  """Seed-paired log(time to target at lag k / sync's) over the seeds where both reached it."""
+  return Diff(f"log(time k={k} / time sync)", [math.log(t_k[s] / t_sync[s]) for s in sorted(t_k)
+                                               if t_k[s] and t_sync.get(s)], unit="")
+
+
 def c5(runs: list[dict], lags=C5_LAGS) -> Verdict:
   """runs: {'lag', 'seed', 'endpoint', 'evals': [(seconds since RL start, greedy accuracy)]}; lag 0 = sync."""
   sync = {r["seed"]: r for r in runs if r["lag"] == 0}
@@ -223,8 +229,7 @@ def c5(runs: list[dict], lags=C5_LAGS) -> Verdict:
   for k in lags:
     t = {r["seed"]: time_to(r["evals"], target) for r in runs if r["lag"] == k}
     never = sorted(s for s, v in t.items() if v is None)
-    d = Diff(f"log(time k={k} / time sync)", [math.log(t[s] / t_sync[s]) for s in sorted(t)
-                                               if t[s] is not None and t_sync.get(s)], unit="")
+    d = log_time_ratio(k, t, t_sync)
     parts.append(f"k={k}: time to target {', '.join(fmt(t[s]) for s in sorted(t)) or 'no runs'}; {d.text()}")
     if d.n < 2:
       thin.append(str(k))

@@ -117,9 +117,9 @@ def per_seed_target_rows(runs: list[dict]) -> list[str]:
   for seed in sorted(target):
     cells = [fmt(time.get((k, seed))) if (k, seed) in time else "no run" for k in lags]
     lines.append(f"| {seed} | {100 * target[seed]:.1f} | " + " | ".join(cells) + " |")
+  sync = {s: t for (lag, s), t in time.items() if lag == 0}
   for k in (k for k in lags if k != 0):
-    pairs = [(time[(k, s)], time[(0, s)]) for s in sorted(target) if time.get((k, s)) and time.get((0, s))]
-    d = verdicts.Diff(f"log(time k={k} / time sync)", [math.log(a / b) for a, b in pairs], unit="")
+    d = verdicts.log_time_ratio(k, {s: t for (lag, s), t in time.items() if lag == k}, sync)
     lines.append(f"- {d.text()}")
   return lines
 

@@ -36,12 +36,13 @@ def get_sweep(arg: str = "") -> list[dict]:
       _seed_major(chain(sync, table(["vcpo"], K)), range(4, 6)),
       _seed_major(table(["vcpo", "seq_tis"], a["c4_lag"]), range(3)),
   ]
-  if not set(a["tiers"]) <= {1, 2, 3}:
+  keep = set(a["tiers"])
+  if not keep <= {1, 2, 3}:
     raise ValueError(f"sweep argument tiers={'+'.join(map(str, a['tiers']))}: each tier must be 1, 2 or 3")
   # Named before the lengths differ or tiers are dropped, so that a unit's name never depends on either.
   units = name_units(product(chain(*tiers), fixed({"rl.steps": a["steps"]}), fixed(EVAL)))
   tier_of = [i + 1 for i, t in enumerate(tiers) for _ in t]
-  units = [u for u, t in zip(units, tier_of) if t in set(a["tiers"])]
+  units = [u for u, t in zip(units, tier_of) if t in keep]
   extend = {int(s) for s in a["extend"]}
   for u in units:
     if u["config.seed"] in extend:
