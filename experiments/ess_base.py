@@ -167,8 +167,7 @@ def verdict(summary: dict) -> str:
 
 def main(argv=None) -> dict:
   argv = sys.argv[1:] if argv is None else argv
-  overrides = argv[argv.index("--") + 1:] if "--" in argv else []
-  argv = argv[:argv.index("--")] if "--" in argv else argv
+  argv, overrides = timed_job.split_overrides(argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--root", default="workdir/ess_base")
   parser.add_argument("--out", default="docs/results/ess_base")

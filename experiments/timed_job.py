@@ -8,6 +8,14 @@ import subprocess
 import time
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(the driver's own flags, the job's config overrides): everything after a lone `--` goes to every job."""
+  if "--" not in argv:
+    return list(argv), []
+  cut = argv.index("--")
+  return argv[:cut], argv[cut + 1:]
+
+
 def run(workdir: str, argv: list[str]) -> str:
   """Runs (or resumes) argv unless workdir holds result.json; stdout and stderr go to workdir/log.txt, the wall
   minutes of every launch add up in workdir/timing.json."""

@@ -178,8 +178,7 @@ def readme(summary: dict, cmd: str, eval_size: int, title: str = TITLE) -> str:
 
 def main(argv=None) -> None:
   argv = sys.argv[1:] if argv is None else argv
-  overrides = argv[argv.index("--") + 1:] if "--" in argv else []
-  argv = argv[:argv.index("--")] if "--" in argv else argv
+  argv, overrides = timed_job.split_overrides(argv)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--root", default="runs/tools")
   parser.add_argument("--seeds", default="0,1,2")

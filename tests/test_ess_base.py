@@ -68,3 +68,10 @@ def test_command_sets_dtype_and_keeps_the_settings():
   assert "--config=experiments/configs/pilot.py:trace" in cmd and "--config.rl.max_lag=0" in cmd
   assert "--config.rl.mode=http" in cmd and "--config.model.dtype=bfloat16" in cmd
   assert cmd[-1] == "--config.seed=3" and f"--config.rl.steps={ess_base.RL_STEPS}" in cmd
+
+
+def test_split_overrides_sends_what_follows_a_lone_dashdash_to_the_jobs():
+  assert timed_job.split_overrides(["--root=r", "--", "--config.seed=3", "--x=1"]) == (
+      ["--root=r"], ["--config.seed=3", "--x=1"])
+  assert timed_job.split_overrides(["--root=r"]) == (["--root=r"], [])
+  assert timed_job.split_overrides(["--", "--a=--"]) == ([], ["--a=--"])
