@@ -97,3 +97,15 @@ def test_claims_horizon_tiers_and_the_extension_keeps_names():
   # C5's units copy the horizon units' warm starts (--warm_starts_from): the same key per seed
   horizon = {u.config["seed"]: u.warm_start_key for u in units}
   assert all(u.warm_start_key == horizon[u.config["seed"]] for u in _units("c5.py"))
+
+
+def test_studies_rerun_on_seeds_they_never_used():
+  units, other = _units("claims_horizon.py"), _units("claims_horizon.py:first_seed=6,extend=6")
+  assert [u.config["seed"] for u in other] == [u.config["seed"] + 6 for u in units]
+  assert [u.labels for u in other] == [u.labels for u in units]
+  assert not {u.name for u in other} & {u.name for u in units}
+  assert {u.config["seed"] for u in other if u.config["rl"]["steps"] == 600} == {6}
+  c5 = _units("c5.py:first_seed=6,seeds=2")
+  assert [u.config["seed"] for u in c5] == [6, 6, 6, 7, 7, 7]
+  horizon = {u.config["seed"]: u.warm_start_key for u in other}
+  assert all(u.warm_start_key == horizon[u.config["seed"]] for u in c5)
