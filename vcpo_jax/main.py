@@ -9,7 +9,7 @@ from ml_collections import config_flags
 
 from vcpo_jax.job import train
 from vcpo_jax.parallel import processes
-from vcpo_jax.rollout.servers import launcher
+from vcpo_jax.rollout.servers import placement
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -31,7 +31,7 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck run)
   # Before JAX touches a device: on a GPU shared with embedded servers, no process preallocates most of it.
-  launcher.configure_learner(launcher.config_plan(_CONFIG.value))
+  placement.configure_learner(placement.config_plan(_CONFIG.value))
   processes.initialize(_CONFIG.value.get("distributed"))  # before JAX touches a device; no-op for 1 process
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 

@@ -20,7 +20,7 @@ from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import backend as backend_lib
 from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
-from vcpo_jax.rollout.servers import launcher
+from vcpo_jax.rollout.servers import placement
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -242,5 +242,5 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
   _validate_algo(config)
   if config.rollout.num_servers < 1 and not config.rollout.server_urls:
     _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")
-  launcher.parse_cpus(config.rollout.get("server_cpus", ""))   # a bad CPU list fails before any work
+  placement.parse_cpus(config.rollout.get("server_cpus", ""))   # a bad CPU list fails before any work
   return model_cfg

@@ -99,7 +99,7 @@ BACKEND_FACTS = {
     "host_params": "takes the learner's params as host numpy arrays (an in-process backend keeps host copies); "
                    "otherwise it gets the sharded device arrays and exports them itself",
     "embedded_servers": "starts embedded SGLang-protocol server processes unless rollout.server_urls is set "
-                        "(the launcher plans devices for them before the learner takes its own)",
+                        "(the job plans devices for them before the learner takes its own)",
 }
 # rl.mode -> backend factory (config, ctx) -> RolloutBackend. A new backend is one module and one line here;
 # implementations are imported when chosen (the HTTP stack is not loaded for the emulator).

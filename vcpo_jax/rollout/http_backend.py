@@ -13,7 +13,7 @@ import ml_collections
 from vcpo_jax.model import hf
 from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
-from vcpo_jax.rollout.servers import launcher, publisher as publisher_lib
+from vcpo_jax.rollout.servers import launcher, placement, publisher as publisher_lib
 
 
 def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:
@@ -103,8 +103,8 @@ class HttpBackend(backend.RolloutBackend):
     self._servers = await asyncio.to_thread(
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
         base_port=self.cfg.base_port, log_dir=os.path.join(workdir, "logs"),
-        weight_version=wire, envs=launcher.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
-        cpus=launcher.parse_cpus(self.cfg.server_cpus),
+        weight_version=wire, envs=placement.rollout_plan(self.cfg, self.cfg.num_servers).server_envs,
+        cpus=placement.parse_cpus(self.cfg.server_cpus),
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     # A cache named in the environment is shared (the test suite's jobs share one per run).
                     "--compilation-cache-dir",
