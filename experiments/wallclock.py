@@ -65,13 +65,14 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
     steps, acc = run.evals(metric)
     runs.append({"name": run.name, "lag": run.lag, "seed": run.seed, "endpoint": analysis.endpoint(steps, acc),
                  "rl_seconds": parsed["rl_seconds"], "rl_steps": int(run.config["rl"]["steps"]),
-                 "phases": {p: _median(run.series.get(f"throughput/{p}_seconds")) for p in PHASES},
+                 "phases": {p: _median(run.series.get(f"throughput/{p}_seconds")) for p in (*PHASES, LOOP_CPU)},
                  "evals": [(t, m[metric]) for _, t, m in parsed["evals"] if metric in m],
                  "steps": [s for s, _, m in parsed["evals"] if metric in m]})
   return runs, left_out
 
 
 PHASES = ("wait", "learn", "publish")  # a step's seconds waiting for rollouts, updating, publishing (train.py)
+LOOP_CPU = "learn_loop_cpu"  # the event loop's CPU seconds during the update (client work beside the learner)
 
 
 def _median(series) -> float | None:
@@ -85,20 +86,21 @@ def steps_per_hour_rows(runs: list[dict]) -> list[str]:
   from experiments import analysis  # noqa: PLC0415
   rate = {(r["lag"], r["seed"]): 3600 * r["rl_steps"] / r["rl_seconds"] for r in runs if r.get("rl_seconds")}
   lines = ["| k | runs | RL steps per hour (mean ± 95% CI) | / sync's, seed-paired (mean ± 95% CI) | "
-           "step s: wait for rollouts | learn | publish | overlap ceiling (sync) |", "|---" * 8 + "|"]
+           "step s: wait for rollouts | learn | publish | overlap ceiling (sync) | event-loop CPU s during learn |",
+           "|---" * 9 + "|"]
   for k in sorted({lag for lag, _ in rate}):
     mine = {s: v for (lag, s), v in rate.items() if lag == k}
     m, h = analysis.mean_ci([v / rate[(0, s)] for s, v in mine.items() if (0, s) in rate])
     ratio = "-" if not math.isfinite(m) else f"{m:.2f}" + (f" ± {h:.2f}" if math.isfinite(h) else " (n=1)")
     phase = {p: [r["phases"][p] for r in runs if r["lag"] == k and (r.get("phases") or {}).get(p) is not None]
-             for p in PHASES}
+             for p in (*PHASES, LOOP_CPU)}
     mean = {p: sum(v) / len(v) if v else None for p, v in phase.items()}
-    cells = ["-" if mean[p] is None else f"{mean[p]:.2f}" for p in PHASES]
-    ceiling = "-"
-    if k == 0 and None not in mean.values() and max(mean["wait"], mean["learn"] + mean["publish"]) > 0:
-      ceiling = f"{sum(mean.values()) / max(mean['wait'], mean['learn'] + mean['publish']):.2f}x"
+    cell = lambda p: "-" if mean[p] is None else f"{mean[p]:.2f}"  # noqa: E731
+    ceiling, step = "-", [mean[p] for p in PHASES]
+    if k == 0 and None not in step and max(mean["wait"], mean["learn"] + mean["publish"]) > 0:
+      ceiling = f"{sum(step) / max(mean['wait'], mean['learn'] + mean['publish']):.2f}x"
     lines.append(f"| {k} | {len(mine)} | {analysis.format_mean_ci(list(mine.values()), scale=1.0)} | "
-                 f"{ratio if k else '1'} | {' | '.join(cells)} | {ceiling} |")
+                 f"{ratio if k else '1'} | {' | '.join(cell(p) for p in PHASES)} | {ceiling} | {cell(LOOP_CPU)} |")
   return lines
 
 

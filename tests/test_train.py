@@ -209,10 +209,15 @@ class FixedBackend(backend.RolloutBackend):
     self.ctx, self.groups_per_step, self.group_size, self.rewards = ctx, groups_per_step, group_size, rewards
     self.calls, self.served = [], 0
     self.ticks, self.ticks_at = 0, {}  # event-loop turns of a background task, seen at each call
+    self.busy, self.busy_at = 0.0, {}  # the CPU seconds those turns spent, seen at each call
 
-  async def _tick(self):  # stands in for a server's generation work on the event loop
+  async def _tick(self):  # stands in for the client's work on the event loop (parsing responses, scheduling)
     while True:
       self.ticks += 1
+      start = time.thread_time()
+      while time.thread_time() - start < 0.002:
+        pass
+      self.busy += time.thread_time() - start
       await asyncio.sleep(0.005)
 
   async def start(self, version, params):
@@ -233,11 +238,13 @@ class FixedBackend(backend.RolloutBackend):
     self.served += len(groups)
     self.calls.append(("next_groups", version))
     self.ticks_at[("next_groups", version)] = self.ticks
+    self.busy_at[("next_groups", version)] = self.busy
     return groups
 
   async def publish(self, version, params):
     self.calls.append(("publish", version))
     self.ticks_at[("publish", version)] = self.ticks
+    self.busy_at[("publish", version)] = self.busy
 
   def stats(self):
     return {"rollout/fixed_groups_served": float(self.served)}
@@ -310,6 +317,10 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   assert rollouts.ticks_at[("publish", 1)] - rollouts.ticks_at[("next_groups", 0)] >= 10
   scalars = _jsonl(tmp_path / "metrics.jsonl")
   assert [s["step"] for s in scalars] == [1, 2]
+  # The loop's CPU during each update is the background work it did meanwhile, not the learner's compile.
+  for step, s in enumerate(scalars):
+    busy = rollouts.busy_at[("publish", step + 1)] - rollouts.busy_at[("next_groups", step)]
+    assert busy - 0.02 <= s["throughput/learn_loop_cpu_seconds"] <= busy + 0.25
   for s in scalars:
     assert s["reward/mean"] == pytest.approx(np.mean(rewards))
   assert scalars[-1]["rollout/fixed_groups_served"] == 2 * config.rl.prompts_per_step

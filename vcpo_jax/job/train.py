@@ -185,9 +185,11 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
     while run.step < run.config.rl.steps:
       t0 = time.perf_counter()
       groups, batch = await batching.next_batch(rollouts, run.step, run.layout)
-      t1 = time.perf_counter()
+      t1, cpu1 = time.perf_counter(), time.thread_time()
       step_metrics = await asyncio.to_thread(run.learn, batch)
-      t2 = time.perf_counter()
+      # This coroutine runs on the event loop's thread, so its thread CPU time over the update is the loop's
+      # work meanwhile (rollout client, scheduler, scoring): with the learner pinned to a core, it competes.
+      t2, loop_cpu = time.perf_counter(), time.thread_time() - cpu1
       refused = None
       try:
         await rollouts.publish(run.step + 1, run.rollout_params())
@@ -196,7 +198,7 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
       t3 = time.perf_counter()
       # Where the step's time went: waiting for rollouts is what asynchrony can hide behind the update.
       phases = {"throughput/wait_seconds": t1 - t0, "throughput/learn_seconds": t2 - t1,
-                "throughput/publish_seconds": t3 - t2}
+                "throughput/publish_seconds": t3 - t2, "throughput/learn_loop_cpu_seconds": loop_cpu}
       run.after_step(groups, step_metrics, {**rollouts.stats(), **phases}, t3 - t0, rollouts.state_dict)
       if refused is not None:
         raise refused
