@@ -22,6 +22,7 @@ def test_visible_gpus_reads_the_environment(environ, expected, tmp_path):
   assert placement.visible_gpus(environ, str(tmp_path / "none")) == expected
 
 
+@pytest.mark.integration  # runs a stand-in nvidia-smi (a process)
 def test_visible_gpus_counts_driver_entries(tmp_path):
   for name in ("0000:01:00.0", "0000:02:00.0"):
     (tmp_path / name).mkdir()
