@@ -176,3 +176,13 @@ def test_the_c5_row_comes_from_the_wallclock_page_or_says_not_run(tmp_path):
   text = horizon.write(str(tmp_path), str(out), plots=False, planned=200, seeds=(3, 3))
   row = f"| C5 | {verdicts.RULES['C5']} | {v.numbers} ([c5.md](c5.md)) | **reproduced** |"
   assert v.verdict == "reproduced" and row in text
+
+
+def test_the_page_reports_vcpo_against_seq_tis_at_both_lags(tmp_path):
+  for seed in range(2):
+    _unit(tmp_path, "sync", 0, seed, FLAT)
+    _unit(tmp_path, "vcpo", 32, seed, FLAT)
+    _unit(tmp_path, "seq_tis", 32, seed, [a - 0.1 * (seed + 1) for a in FLAT])  # 10 and 20 points below
+  text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200, seeds=(2, 2))
+  assert "vcpo@k=32 - seq_tis@k=32: +15.0 [-48.5, +78.5] pts, n=2" in text
+  assert "vcpo@k=8 - seq_tis@k=8: no paired seeds" in text
