@@ -188,7 +188,8 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
       t1, cpu1 = time.perf_counter(), time.thread_time()
       step_metrics = await asyncio.to_thread(run.learn, batch)
       # This coroutine runs on the event loop's thread, so its thread CPU time over the update is the loop's
-      # work meanwhile (rollout client, scheduler, scoring): with the learner pinned to a core, it competes.
+      # work meanwhile (rollout client, scheduler; not a reward pool's threads or processes): with the learner
+      # pinned to a core, that work competes with it.
       t2, loop_cpu = time.perf_counter(), time.thread_time() - cpu1
       refused = None
       try:
