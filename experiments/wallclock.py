@@ -65,7 +65,7 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
     steps, acc = run.evals(metric)
     runs.append({"name": run.name, "lag": run.lag, "seed": run.seed, "endpoint": analysis.endpoint(steps, acc),
                  "rl_seconds": parsed["rl_seconds"], "rl_steps": int(run.config["rl"]["steps"]),
-                 "phases": {p: _median(run.series.get(f"throughput/{p}_seconds")) for p in (*PHASES, LOOP_CPU)},
+                 "phases": {p: _median(run.series.get(f"throughput/{p}_seconds")) for p in MEDIANS},
                  "evals": [(t, m[metric]) for _, t, m in parsed["evals"] if metric in m],
                  "steps": [s for s, _, m in parsed["evals"] if metric in m]})
   return runs, left_out
@@ -73,6 +73,7 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
 
 PHASES = ("wait", "learn", "publish")  # a step's seconds waiting for rollouts, updating, publishing (train.py)
 LOOP_CPU = "learn_loop_cpu"  # the event loop's CPU seconds during the update (client work beside the learner)
+MEDIANS = (*PHASES, LOOP_CPU)  # the throughput/<name>_seconds series each run's table cells come from
 
 
 def _median(series) -> float | None:
@@ -93,7 +94,7 @@ def steps_per_hour_rows(runs: list[dict]) -> list[str]:
     m, h = analysis.mean_ci([v / rate[(0, s)] for s, v in mine.items() if (0, s) in rate])
     ratio = "-" if not math.isfinite(m) else f"{m:.2f}" + (f" ± {h:.2f}" if math.isfinite(h) else " (n=1)")
     phase = {p: [r["phases"][p] for r in runs if r["lag"] == k and (r.get("phases") or {}).get(p) is not None]
-             for p in (*PHASES, LOOP_CPU)}
+             for p in MEDIANS}
     mean = {p: sum(v) / len(v) if v else None for p, v in phase.items()}
     cell = lambda p: "-" if mean[p] is None else f"{mean[p]:.2f}"  # noqa: E731
     ceiling, step = "-", [mean[p] for p in PHASES]

@@ -22,7 +22,7 @@ def test_server_that_cannot_start_reports_its_output(tmp_path):
 
 _PARENT = """
 import sys, time
-from vcpo_jax.rollout.servers import launcher, placement
+from vcpo_jax.rollout.servers import launcher
 s = launcher.EmbeddedServer(sys.argv[1], weights_root=sys.argv[2], log_dir=sys.argv[2]).start()
 s.wait_healthy(timeout=300)
 print(s.proc.pid, flush=True)

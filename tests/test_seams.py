@@ -104,7 +104,7 @@ def test_backends_declare_their_needs(mode, host_params, embedded):
   config.rl.mode = mode
   assert backend.needs(config, "host_params") is host_params
   assert backend.needs(config, "embedded_servers") is embedded
-  # The launcher plans servers from the declared need (no servers with rollout.server_urls).
+  # The device plan counts servers from the declared need (no servers with rollout.server_urls).
   assert len(placement.config_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs) == (1 if embedded else 0)
   config.rollout.server_urls = "http://127.0.0.1:1"
   assert placement.config_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs == ()
