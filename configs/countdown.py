@@ -138,6 +138,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       request_timeout=120.0,
       max_retries=4,
       keep_versions=3,         # exported weight directories kept on disk
+      # How each new version reaches the servers (docs/sglang.md): "disk" (export, update_weights_from_disk) or
+      # "wire" (a torch process group, bf16 buckets broadcast from the learner; needs torch). The first load,
+      # a restarted server and a failed wire update always go by disk.
+      publish="disk",
+      wire_bucket_mb=512.0,    # bytes per broadcast bucket (SGLang's flattened_bucket)
+      wire_backend="auto",     # auto (nccl on GPUs, else gloo) | gloo | nccl
+      wire_timeout_s=60.0,     # deadline of the group's forming, of each bucket's broadcast and HTTP call
+      wire_master_address="",  # where servers reach the learner ("" = loopback for local servers, else hostname)
       # GPUs (ignored on CPU). "" = automatic: one GPU is shared by the learner and the servers; with more,
       # servers take the last GPUs and the learner the rest. Else comma-separated GPU indices, one per server.
       server_devices="",

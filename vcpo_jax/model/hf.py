@@ -305,3 +305,33 @@ def import_hf(model_dir: str, *, cfg: config_lib.ModelConfig | None = None, shar
       else:
         _set(params, path, jax.make_array_from_callback(want, _get(shardings, path), read))
   return params, cfg
+
+
+# Public names for the weight wire (rollout/servers/wire_pack.py packs the same tensors the exporter writes).
+get_path = _get
+tensors_with_layer = _with_layer_index
+
+
+def params_from_hf_tensors(tensors: dict[str, np.ndarray], cfg: config_lib.ModelConfig) -> dict:
+  """Host params from HF-named arrays (a wire update's tensors); errors name the tensor and both shapes."""
+  expected = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+  dtype = np.dtype(cfg.jnp_param_dtype)
+  leaves: dict = {}
+  for path, name, transpose in tensor_names(cfg):
+    leaves.setdefault(path, []).append((name, transpose))
+  params: dict = {}
+  for path, parts in leaves.items():
+    want = tuple(_get(expected, path).shape)
+    stacked = cfg.scan_layers and path[0] == "layers"
+    layer_shape = want[1:] if stacked else want
+    blocks = []
+    for name, transpose in parts:
+      if name not in tensors:
+        raise ValueError(f"missing tensor {name!r}")
+      arr = np.asarray(tensors[name])
+      want_hf = layer_shape[::-1] if transpose else layer_shape
+      if tuple(arr.shape) != want_hf:
+        raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want_hf}")
+      blocks.append(np.ascontiguousarray(arr.T if transpose else arr).astype(dtype, copy=False))
+    _set(params, path, np.stack(blocks) if stacked else blocks[0])
+  return params

@@ -14,6 +14,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
 from vcpo_jax.rollout.servers import launcher, placement, publisher as publisher_lib
+from vcpo_jax.rollout.servers import wire as wire_lib, wire_group
 
 
 def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:
@@ -56,6 +57,14 @@ class HttpBackendConfig:
   server_devices: str = backend.config_field("rollout", "")
   learner_memory_fraction: float = backend.config_field("rollout", 0.0)
   server_memory_fraction: float = backend.config_field("rollout", 0.0)
+  # How versions after the first reach the servers: "disk" (export + update_weights_from_disk) or "wire"
+  # (a torch group, buckets broadcast from the learner; rollout/servers/wire.py).
+  publish: str = backend.config_field("rollout", "disk")
+  publish_dtype: str = backend.config_field("rollout", "auto")
+  wire_bucket_mb: float = backend.config_field("rollout", 512.0)
+  wire_backend: str = backend.config_field("rollout", "auto")
+  wire_timeout_s: float = backend.config_field("rollout", 60.0)
+  wire_master_address: str = backend.config_field("rollout", "")
   server_cpus: str = backend.config_field("rollout", "")
 
 
@@ -85,6 +94,13 @@ class HttpBackend(backend.RolloutBackend):
     # External servers were launched on the job's starting weights; exports and served models are checked
     # against them (embedded servers: against the directory they are started on).
     self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)
+    if cfg.publish not in ("disk", "wire"):
+      raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: must be 'disk' or 'wire'")
+    if cfg.publish == "wire":
+      try:
+        wire_group.require_torch()
+      except ImportError as e:
+        raise ValueError(f"invalid config: rollout.publish='wire': {e}") from e
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
@@ -122,7 +138,7 @@ class HttpBackend(backend.RolloutBackend):
     await self._client.start()
     self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
                                                     keep_last=self.cfg.keep_versions,
-                                                    reference_dir=self.reference_dir)
+                                                    reference_dir=self.reference_dir, wire=self._wire_sender(urls))
     if self.urls:  # external servers: check what they serve, then load the starting weights explicitly
       await self._publisher.check_servers()
       await self._publisher.publish(params, version)
@@ -137,6 +153,15 @@ class HttpBackend(backend.RolloutBackend):
         on_complete=self.ctx.rewarder.score_group, pass_example=self.episodes is not None)
     if self._restored is not None:
       self._sched.load_state_dict(self._restored)
+
+  def _wire_sender(self, urls: list[str]) -> Optional[wire_lib.WireSender]:
+    if self.cfg.publish != "wire":
+      return None
+    dtype = wire_lib.served_dtype(self.cfg.publish_dtype, self.reference_dir, self.ctx.model_cfg)
+    address = self.cfg.wire_master_address or wire_lib.master_address(urls)
+    return wire_lib.WireSender(self.ctx.model_cfg, dtype, bucket_mb=self.cfg.wire_bucket_mb,
+                               backend=self.cfg.wire_backend, timeout_s=self.cfg.wire_timeout_s,
+                               master_address=address)
 
   async def next_groups(self, version: int) -> list[types.Group]:
     return await self._sched.next_batch(version)

@@ -6,6 +6,11 @@ and the client resumes them as prompt + partial output, so every token is comput
 its version tag names, and the prefix cache is flushed with each update. `pause_mode="in_place"` keeps
 requests running across the update (flush_cache false; the servers need --disable-radix-cache), but the
 resumed tokens then attend to KV computed by the old weights: see docs/sglang.md.
+
+With a `wire` sender (rollout.publish=wire) every version after the first goes over the weight group instead
+(wire.py): pause and begin on every in-sync server, the buckets, then end, confirm and continue. A server
+whose wire update fails, and one found out of sync, is resynced from a disk export of the same version before
+it is routed to again; the first load, restarts and resyncs always go by disk.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import aiohttp
 from vcpo_jax.rollout import protocol
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import admin, checkpoint_spec, weight_store
+from vcpo_jax.rollout.servers import wire as wire_lib
 
 PAUSE_MODES = ("abort", "in_place")
 log = logging.getLogger(__name__)
@@ -48,14 +54,15 @@ class WeightPublisher:
   def __init__(self, export_fn: weight_store.ExportFn, root_dir: str,
                client_or_urls: Union[client_lib.RolloutClient, Iterable[str]], *, keep_last: int = 3,
                timeout: float = 300.0, resync_interval: float = 5.0, pause_mode: str = "abort",
-               update_attempts: int = 3, reference_dir: Optional[str] = None):
+               update_attempts: int = 3, reference_dir: Optional[str] = None,
+               wire: Optional[wire_lib.WireSender] = None):
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
       raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     if not timeout > 0 or not resync_interval > 0:
       raise ValueError(f"timeout and resync_interval must be > 0, got {timeout!r}, {resync_interval!r}")
     if pause_mode not in PAUSE_MODES:
       raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-    self._export, self.root_dir = export_fn, os.path.abspath(root_dir)
+    self._export_fn, self.root_dir = export_fn, os.path.abspath(root_dir)
     os.makedirs(self.root_dir, exist_ok=True)
     if isinstance(client_or_urls, client_lib.RolloutClient):
       self.client, self.urls = client_or_urls, client_or_urls.urls
@@ -69,7 +76,8 @@ class WeightPublisher:
     self.latest_dir: Optional[str] = None
     self.out_of_sync: dict[str, str] = {}  # url -> last error
     self.stats = {"published": 0, "server_failures": 0, "resynced": 0, "version_mismatches": 0,
-                  "cache_not_flushed_retries": 0, "refused_shapes": 0, "stale_connection_retries": 0}
+                  "cache_not_flushed_retries": 0, "refused_shapes": 0, "stale_connection_retries": 0,
+                  "wire_versions": 0, "wire_failures": 0, "wire_groups": 0, "disk_resync_exports": 0}
     self.pause_seconds: list[float] = []  # per server and update: pause -> continue
     self._reference: Optional[dict] = None  # the served model's shapes (checkpoint_spec.read_spec)
     self._reference_source = "the first export"
@@ -83,6 +91,16 @@ class WeightPublisher:
     self._lock = asyncio.Lock()
     self._admin = admin.AdminSession(timeout, self._count)
     self._resync_task: Optional[asyncio.Task] = None
+    self.wire = wire
+    self.latest_dir_version: Optional[int] = None  # the version latest_dir holds (wire versions have none)
+    self.wire_seconds: list[float] = []  # per wire version: first pause -> last continue
+    if wire is not None:
+      self._wire_admin = admin.AdminSession(wire.timeout_s, self._count)
+      if self._reference is not None:
+        problem = wire_lib.manifest_mismatch(wire.tensors, self._reference)
+        if problem is not None:
+          raise PublishError(f"refusing to send weights over the wire: {problem} "
+                             f"(reference: {self._reference_source})")
 
   def _count(self, key: str, n: int = 1) -> None:
     self.stats[key] += n
@@ -97,16 +115,16 @@ class WeightPublisher:
     async with self._lock:
       if self._reference is None:
         await self._adopt_served_spec()
-      try:  # checked before the rename: root/vN (maybe the last good directory) is untouched by a refusal
-        path = await asyncio.to_thread(weight_store.export_version, self._export, params, self.root_dir, version,
-                                       functools.partial(self._check_export, version))
-      except PublishError:
-        self._count("refused_shapes")
-        raise
-      self.latest_version, self.latest_dir = version, path
       if self.client is not None:
         self.client.required_version = version
-      results = await asyncio.gather(*(self._sync(url, version, path) for url in self.urls))
+      if self.wire is not None and self.latest_dir is not None:
+        by_url = await self._publish_wire(params, version)
+        results = [by_url[u] for u in self.urls]
+        path = f"the wire ({protocol.version_to_wire(version)})"
+      else:
+        path = await self._export(params, version)
+        results = await asyncio.gather(*(self._sync(url, version, path) for url in self.urls))
+      self.latest_version = version
       await asyncio.to_thread(weight_store.delete_old, self.root_dir, self.keep_last)
     self._count("published")
     if not any(ok for ok, _ in results) and all(isinstance(err, admin.Rejected) for _, err in results):
@@ -116,11 +134,81 @@ class WeightPublisher:
       self._resync_task = asyncio.create_task(self._resync_loop())
     return {url: ok for url, (ok, _) in zip(self.urls, results)}
 
+  async def _export(self, params: Any, version: int) -> str:
+    """root/v{version}, exported and checked against the reference; latest_dir from then on."""
+    try:  # checked before the rename: root/vN (maybe the last good directory) is untouched by a refusal
+      path = await asyncio.to_thread(weight_store.export_version, self._export_fn, params, self.root_dir, version,
+                                     functools.partial(self._check_export, version))
+    except PublishError:
+      self._count("refused_shapes")
+      raise
+    self.latest_dir, self.latest_dir_version = path, version
+    return path
+
+  async def _publish_wire(self, params: Any, version: int) -> dict[str, tuple[bool, Optional[Exception]]]:
+    """The in-sync servers over the wire; the others, and any the wire fails, from a disk export of `version`."""
+    wire = protocol.version_to_wire(version)
+    behind = self._needs_sync()
+    members = [u for u in self.urls if u not in behind]
+    out: dict[str, tuple[bool, Optional[Exception]]] = {}
+    if members:
+      t0 = time.perf_counter()
+      try:
+        if self.wire._pg is None or self.wire.members != members:
+          self._count("wire_groups")
+        await self.wire.ensure_group(self._wire_admin, members)
+        await asyncio.gather(*(self._wire_open(u) for u in members))
+        timings = await self.wire.send(self._wire_admin, params, wire, flush_cache=self.pause_mode == "abort")
+        await asyncio.gather(*(self._wire_close(u, wire) for u in members))
+      except (wire_lib.WireError, aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
+        self._count("wire_failures")
+        log.error("wire update to %s failed: %r; resyncing %s from disk", wire, e, members)
+        await self.wire.teardown(self._wire_admin)
+        await asyncio.gather(*(self._wire_admin.call(u, "POST", "/end_weight_update", {}) for u in members),
+                             return_exceptions=True)
+        for u in members:
+          self.out_of_sync[u] = repr(e)
+          if self.client is not None:
+            self.client.set_enabled(u, False)
+        behind, members = self.urls, []
+      else:
+        self.wire_seconds.append(time.perf_counter() - t0)
+        self._count("wire_versions")
+        if self.client is not None:
+          self.client.gauge("publish_wire_seconds", self.wire_seconds[-1])
+          self.client.gauge("publish_wire_broadcast_seconds", timings["broadcast_s"])
+        out.update({u: (True, None) for u in members})
+    behind = [u for u in behind if u not in out]
+    if behind:
+      self._count("disk_resync_exports")
+      path = await self._export(params, version)
+      results = await asyncio.gather(*(self._sync(u, version, path, check_model=True) for u in behind))
+      out.update(zip(behind, results))
+      self._count("resynced", sum(ok for ok, _ in results))
+    return out
+
+  async def _wire_open(self, url: str) -> None:
+    """Out of routing, paused, and an update session open (SGLang refuses a wire update outside one)."""
+    if self.client is not None:
+      self.client.set_enabled(url, False)
+    await self._wire_admin.call(url, "POST", "/pause_generation", {"mode": self.pause_mode})
+    await self._wire_admin.call(url, "POST", "/begin_weight_update", {})
+
+  async def _wire_close(self, url: str, wire: str) -> None:
+    await self._wire_admin.call(url, "POST", "/end_weight_update", {})
+    await self._confirm(url, wire)
+    await self._wire_admin.call(url, "POST", "/continue_generation", {})
+    self.out_of_sync.pop(url, None)
+    if self.client is not None:
+      self.client.set_server_version(url, protocol.version_from_wire(wire))
+      self.client.set_enabled(url, True)
+
   async def resync(self) -> list[str]:
-    """Retries the latest version on every out-of-sync server; returns the urls brought back."""
+    """Retries the latest version on every out-of-sync server; returns the urls brought back. Under the wire,
+    only once a disk export of the latest version exists (else the next publish exports one for them)."""
     async with self._lock:
       urls = self._needs_sync()
-      if self.latest_dir is None or not urls:
+      if self.latest_dir is None or not urls or self.latest_dir_version != self.latest_version:
         return []
       problem = await asyncio.to_thread(self._dir_problem, self.latest_dir)
       if problem is not None:  # changed on disk since it passed: never send it
@@ -140,6 +228,9 @@ class WeightPublisher:
       await asyncio.gather(self._resync_task, return_exceptions=True)
       self._resync_task = None
     await self._admin.close()
+    if self.wire is not None:
+      await self.wire.teardown(self._wire_admin)
+      await self._wire_admin.close()
 
   # -- shapes ------------------------------------------------------------------------------------
   async def check_servers(self) -> None:

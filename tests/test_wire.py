@@ -1,0 +1,160 @@
+"""The weight wire against real embedded servers in one real gloo group: served weights, refusals, a server
+killed mid-broadcast."""
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from tests import fake_sglang
+from tests import waits
+from vcpo_jax.model import config as model_config
+from vcpo_jax.rollout.client import client as client_lib
+from vcpo_jax.rollout.servers import admin, publisher as publisher_lib, wire as wire_lib
+
+pytestmark = pytest.mark.integration
+VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
+CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+PARAMS = {}
+
+
+def _params(version):
+  if version not in PARAMS:
+    PARAMS[version] = fake_sglang.tiny_params(version)
+  return PARAMS[version]
+
+
+@pytest.fixture()
+def cluster(tmp_path):
+  init_dir = fake_sglang.export_tiny(_params(0), str(tmp_path / "init" / "v0"))
+  root = str(tmp_path / "weights")
+  os.makedirs(root)
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  servers = [fake_sglang.start_embedded(init_dir, root, cache, str(tmp_path / "logs")) for _ in range(2)]
+  try:
+    for s in servers:
+      s.wait_healthy(180)
+    yield {"servers": servers, "root": root, "init_dir": init_dir, "cache": cache, "logs": str(tmp_path / "logs")}
+  finally:
+    for s in servers:
+      s.stop()
+
+
+async def _served_logprobs(client, url_count):
+  params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+  groups = await asyncio.gather(*(client.generate([5, 6, 7 + i], params, n=2) for i in range(2 * url_count)))
+  return [s for g in groups for s in g]
+
+
+def _check(samples, version):
+  for s in samples:
+    assert list(s.token_versions) == [version] * len(s.output_ids)
+    ref = fake_sglang.reference_logprobs(_params(version), s.prompt_ids, s.output_ids)
+    np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
+
+
+def _sender(bucket_mb=0.01, cls=wire_lib.WireSender):
+  return cls(CFG, "float32", bucket_mb=bucket_mb, backend="gloo", timeout_s=20.0)
+
+
+def test_two_servers_in_one_group_serve_the_wire_published_weights(cluster):
+  urls = [s.url for s in cluster["servers"]]
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
+      sender = _sender()
+      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client,
+                                          reference_dir=cluster["init_dir"], wire=sender)
+      try:
+        assert await pub.publish(_params(1), 1) == {u: True for u in urls}  # the first load: by disk
+        assert pub.stats["wire_versions"] == 0 and sorted(os.listdir(cluster["root"])) == ["v1"]
+        for version in (2, 3):
+          assert await pub.publish(_params(version), version) == {u: True for u in urls}
+          infos = [await client.request_json(u, "GET", "/get_model_info") for u in urls]
+          assert [info["weight_version"] for _, info in infos] == [f"v{version}"] * 2
+        assert sorted(os.listdir(cluster["root"])) == ["v1"]  # no file for a wire version
+        assert pub.stats["wire_versions"] == 2 and pub.stats["wire_groups"] == 1 and len(sender.buckets) > 2
+        samples = await _served_logprobs(client, len(urls))
+      finally:
+        await pub.close()
+      return samples
+
+  samples = asyncio.run(run())
+  _check(samples, 3)  # float32 on the wire: the servers run exactly the learner's v3
+  assert {s.server_url for s in samples} == set(cluster["servers"][i].url for i in range(2))
+
+
+def test_an_update_outside_begin_end_or_the_group_is_refused(cluster):
+  url = cluster["servers"][0].url
+  body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "group_name": "g",
+          "load_format": "flattened_bucket"}
+
+  async def run():
+    session = admin.AdminSession(10.0, lambda *a: None)
+    try:
+      with pytest.raises(admin.Rejected, match="must run between begin_weight_update"):
+        await session.call(url, "POST", "/update_weights_from_distributed", body)
+      await session.call(url, "POST", "/begin_weight_update", {})
+      with pytest.raises(admin.Rejected, match="Group g not in"):
+        await session.call(url, "POST", "/update_weights_from_distributed", body)
+      await session.call(url, "POST", "/end_weight_update", {})
+      info = await session.call(url, "GET", "/get_model_info")
+      assert info["weight_version"] == "v0"
+    finally:
+      await session.close()
+
+  asyncio.run(run())
+
+
+class _KillMidway(wire_lib.WireSender):
+  """Kills one server once the first buckets of the second wire version went out."""
+  victim = None
+  sent = 0
+
+  def _bucket_tensor(self, params, i):
+    _KillMidway.sent += 1
+    if self.victim is not None and i == 2 and _KillMidway.sent > len(self.buckets):
+      self.victim.kill()
+      self.victim = None
+    return super()._bucket_tensor(params, i)
+
+
+def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_from_disk(cluster):
+  servers = cluster["servers"]
+  urls = [s.url for s in servers]
+
+  async def run():
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
+      sender = _sender(cls=_KillMidway)
+      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client,
+                                          reference_dir=cluster["init_dir"], wire=sender, resync_interval=0.5)
+      try:
+        await pub.publish(_params(1), 1)
+        assert await pub.publish(_params(2), 2) == {u: True for u in urls}
+        sender.victim = servers[1].proc
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result = await pub.publish(_params(3), 3)
+        took = loop.time() - t0
+        assert result == {urls[0]: True, urls[1]: False}
+        assert pub.stats["wire_failures"] == 1 and pub.stats["disk_resync_exports"] == 1
+        assert urls[1] in pub.out_of_sync and not client.is_enabled(urls[1])
+        # the survivor was half-updated by the wire, then resynced from the v3 export
+        assert sorted(os.listdir(cluster["root"])) == ["v1", "v3"]
+        samples = await _served_logprobs(client, 1)
+        assert {s.server_url for s in samples} == {urls[0]}
+        # the killed server comes back on its port: resynced from disk, then routed to again
+        servers[1].start()
+        servers[1].wait_healthy(180)
+        await waits.async_wait_until(lambda: urls[1] not in pub.out_of_sync, 120, "the restarted server resynced")
+        assert await pub.publish(_params(4), 4) == {u: True for u in urls}
+        assert pub.stats["wire_groups"] == 2 and pub.stats["wire_versions"] == 2
+        late = await _served_logprobs(client, 2)
+      finally:
+        await pub.close()
+      return took, samples, late
+
+  took, samples, late = asyncio.run(run())
+  assert took < 60  # within the wire's deadline (20 s) plus the disk resync, not SGLang's 30 minutes
+  _check(samples, 3)
+  _check(late, 4)

@@ -1,0 +1,78 @@
+"""Wire buckets: the packed bytes are the exporter's tensors, byte for byte, in SGLang's flattened-bucket layout."""
+import dataclasses
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from tests import fake_sglang
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf
+from vcpo_jax.model import transformer as model
+from vcpo_jax.rollout.servers import wire_pack
+
+CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+
+
+def _exported(params, cfg, tmp_path):
+  hf.export_hf(params, cfg, str(tmp_path / "x"))
+  return safetensors.numpy.load_file(str(tmp_path / "x" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_buckets_hold_the_exporters_tensors_byte_for_byte(tmp_path, dtype, scan):
+  cfg = dataclasses.replace(CFG, scan_layers=scan)
+  params = jax.device_get(model.init_params(cfg, jax.random.PRNGKey(3)))
+  want = _exported(params, cfg, tmp_path)
+  tensors = wire_pack.manifest(cfg, dtype)
+  assert [t.name for t in tensors] == list(dict.fromkeys(n for _, n, _ in hf.tensor_names(cfg)))
+  buckets = wire_pack.plan_buckets(tensors, 20_000)
+  assert len(buckets) > 2 and sorted(t.name for b in buckets for t in b) == sorted(want)
+  for bucket in buckets:
+    packed = np.asarray(wire_pack.pack_fn(bucket)(params))
+    assert packed.dtype == np.uint8 and packed.size == sum(t.nbytes for t in bucket)
+    np.testing.assert_array_equal(packed, wire_pack.pack_host(params, bucket, np.asarray))
+    got = wire_pack.unpack(packed, [t.name for t in bucket], [t.dtype for t in bucket],
+                           [t.shape for t in bucket])
+    for t in bucket:
+      ref = want[t.name].astype(np.float32).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+      assert got[t.name].shape == ref.shape
+      assert got[t.name].tobytes() == ref.tobytes(), t.name
+
+
+def _t(name, n, dtype):
+  return wire_pack.WireTensor(name, (n,), dtype, (name,), None, False)
+
+
+def test_a_bucket_of_mixed_dtypes_is_ordered_to_keep_every_offset_aligned():
+  mixed = [_t("a", 3, "bfloat16"), _t("b", 5, "float32"), _t("c", 1, "bfloat16"), _t("d", 2, "float32")]
+  with pytest.raises(ValueError, match="tensor b .* byte 6, not a multiple of 4"):
+    wire_pack.bucket_offsets(mixed)
+  (bucket,) = wire_pack.plan_buckets(mixed, 10**6)
+  assert [t.name for t in bucket] == ["b", "d", "a", "c"]
+  assert wire_pack.bucket_offsets(bucket) == [0, 20, 28, 34]
+  with pytest.raises(ValueError, match="Unaligned received tensor b: byte offset 6"):
+    wire_pack.unpack(np.zeros(36, np.uint8), ["a", "b"], ["bfloat16", "float32"], [[3], [5]])
+  with pytest.raises(ValueError, match="the bucket has 40 bytes, its tensors 36"):
+    wire_pack.unpack(np.zeros(40, np.uint8), ["b", "d", "a", "c"], ["float32", "float32", "bfloat16", "bfloat16"],
+                     [[5], [2], [3], [1]])
+
+
+def test_buckets_respect_their_size_and_a_large_tensor_goes_alone():
+  tensors = [_t("a", 10, "float32"), _t("b", 10, "float32"), _t("big", 100, "float32"), _t("c", 1, "float32")]
+  assert [[t.name for t in b] for b in wire_pack.plan_buckets(tensors, 80)] == [["a", "b"], ["big"], ["c"]]
+  with pytest.raises(ValueError, match="served dtype must be one of"):
+    wire_pack.manifest(CFG, "int8")
+
+
+def test_params_from_hf_tensors_inverts_the_export(tmp_path):
+  params = jax.device_get(model.init_params(CFG, jax.random.PRNGKey(1)))
+  back = hf.params_from_hf_tensors(_exported(params, CFG, tmp_path), CFG)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  tensors = _exported(params, CFG, tmp_path)
+  tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
+  with pytest.raises(ValueError, match="tensor 'model.norm.weight' has shape"):
+    hf.params_from_hf_tensors(tensors, CFG)

@@ -1,0 +1,136 @@
+"""Weight buckets for the wire: the exporter's HF tensors packed, in the served dtype, into flat uint8 buffers.
+
+SGLang's `load_format="flattened_bucket"` reads one uint8 buffer per bucket: the tensors back to back in the
+order of `names`, with no padding, each tensor's byte offset a multiple of its itemsize. Sorting a bucket's
+tensors by itemsize, largest first, meets that rule for any mix of dtypes (every size is a multiple of its own
+itemsize, so the running offset stays a multiple of each smaller one).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vcpo_jax.model import config as config_lib
+from vcpo_jax.model import hf
+from vcpo_jax.model import transformer as model_lib
+
+SERVED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class WireTensor:
+  """One HF tensor: its name, shape and dtype on the wire, and where it lives in our params."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+  path: tuple[str, ...]
+  layer: Optional[int]     # the layer of a stacked (scan) leaf, else None
+  transpose: bool
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(jnp.dtype(self.dtype)).itemsize
+
+
+def manifest(cfg: config_lib.ModelConfig, dtype: str) -> list[WireTensor]:
+  """Every tensor the exporter writes, in its order, with HF's shapes, cast to `dtype` on the wire."""
+  if dtype not in SERVED_DTYPES:
+    raise ValueError(f"the served dtype must be one of {SERVED_DTYPES}, got {dtype!r}")
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+  out = []
+  for layer, (path, name, transpose) in hf.tensors_with_layer(cfg):
+    shape = tuple(hf.get_path(params, path).shape)
+    if layer is not None:
+      shape = shape[1:]
+    out.append(WireTensor(name, shape[::-1] if transpose else shape, dtype, path, layer, transpose))
+  return out
+
+
+def plan_buckets(tensors: Sequence[WireTensor], bucket_bytes: int) -> list[list[WireTensor]]:
+  """Consecutive tensors grouped into buckets of at most bucket_bytes (a larger tensor goes alone), each
+  bucket ordered by itemsize, largest first (the alignment rule above)."""
+  if bucket_bytes < 1:
+    raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+  buckets: list[list[WireTensor]] = []
+  current: list[WireTensor] = []
+  size = 0
+  for t in tensors:
+    if current and size + t.nbytes > bucket_bytes:
+      buckets.append(current)
+      current, size = [], 0
+    current.append(t)
+    size += t.nbytes
+  if current:
+    buckets.append(current)
+  itemsize = lambda t: np.dtype(jnp.dtype(t.dtype)).itemsize
+  return [sorted(b, key=itemsize, reverse=True) for b in buckets]
+
+
+def bucket_offsets(bucket: Sequence[WireTensor]) -> list[int]:
+  """Byte offset of each tensor in the bucket; raises where one would break the alignment rule."""
+  offsets, offset = [], 0
+  for t in bucket:
+    itemsize = np.dtype(jnp.dtype(t.dtype)).itemsize
+    if offset % itemsize:
+      raise ValueError(f"tensor {t.name} ({t.dtype}) would start at byte {offset}, not a multiple of {itemsize}")
+    offsets.append(offset)
+    offset += t.nbytes
+  return offsets
+
+
+def _leaf_bytes(leaf, t: WireTensor):
+  x = leaf[t.layer] if t.layer is not None else leaf
+  x = (x.T if t.transpose else x).astype(jnp.dtype(t.dtype))
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) if x.dtype.itemsize > 1 else x.reshape(-1)
+
+
+def pack_fn(bucket: Sequence[WireTensor], out_sharding=None):
+  """A jitted (params -> uint8[bucket bytes]) for one bucket; replicated output by default on a mesh, so the
+  caller takes one device's copy (a sharded array cannot go through DLPack)."""
+  bucket = tuple(bucket)
+  bucket_offsets(bucket)
+
+  def pack(params):
+    parts = [_leaf_bytes(hf.get_path(params, t.path), t) for t in bucket]
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+  return jax.jit(pack, out_shardings=out_sharding)
+
+
+def pack_host(params: Any, bucket: Sequence[WireTensor], to_host) -> np.ndarray:
+  """The same bytes built on the host from `to_host(leaf)` copies (a learner over several processes: each
+  leaf is gathered to process 0, as the exporter gathers it)."""
+  bucket_offsets(bucket)
+  parts, leaves = [], {}
+  for t in bucket:
+    if t.path not in leaves:
+      leaves[t.path] = to_host(hf.get_path(params, t.path))
+    x = leaves[t.path][t.layer] if t.layer is not None else leaves[t.path]
+    x = np.ascontiguousarray(x.T if t.transpose else x).astype(jnp.dtype(t.dtype))
+    parts.append(x.reshape(-1).view(np.uint8))
+  return np.concatenate(parts)
+
+
+def unpack(buffer_u8: np.ndarray, names: Sequence[str], dtypes: Sequence[str],
+           shapes: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+  """The receiving side: a bucket's bytes back into named arrays (checks the alignment rule and the size)."""
+  buffer_u8 = np.asarray(buffer_u8).reshape(-1)
+  out, offset = {}, 0
+  for name, dtype, shape in zip(names, dtypes, shapes):
+    if dtype not in SERVED_DTYPES:
+      raise ValueError(f"tensor {name}: dtype {dtype!r} is not one of {SERVED_DTYPES}")
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    if offset % np_dtype.itemsize:
+      raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+    size = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    if offset + size > buffer_u8.size:
+      raise ValueError(f"tensor {name} ends at byte {offset + size}, past the bucket's {buffer_u8.size}")
+    out[name] = buffer_u8[offset:offset + size].view(np_dtype).reshape(tuple(shape))
+    offset += size
+  if offset != buffer_u8.size:
+    raise ValueError(f"the bucket has {buffer_u8.size} bytes, its tensors {offset}")
+  return out
