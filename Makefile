@@ -70,9 +70,10 @@ gpu-wheels:
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
 
-# The check's second call: the unit tier on the GPU (with the first it outgrows one 600 s device call).
+# The check's second call: the shortened job and the unit tier on the GPU (with the first they outgrow one
+# 600 s device call).
 gpu-check-unit:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,unit --budget-s 210 $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,job,unit --budget-s 410 $(GPU_CHECK_ARGS)
 
 # The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
 gpu-check-dry: $(VENV)/.dev

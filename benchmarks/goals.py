@@ -24,6 +24,8 @@ GOALS = (
     Goal("VCPO / GRPO step time <= 1.05x (H100, 0.5B shape)", ("learner_vcpo_over_grpo",), "gpu"),
     Goal("decode at B=256 >= 50% of the memory floor (H100, 0.5B shape)",
          ("decode_floor_fraction_b256",), "gpu"),
+    Goal("wire publish of the 0.5B shape <= 0.5 s per update (NCCL; gloo where NCCL cannot form on one GPU)",
+         ("wire_publish_nccl", "wire_publish_gloo"), "gpu"),
 )
 
 
@@ -35,6 +37,8 @@ GPU_CHECK_GOALS = (
     Goal("VCPO / GRPO step time <= 1.1x, bounded path (0.5B shape)", ("vcpo_bounded_over_grpo",), "gpu"),
     Goal("decode at B=256 >= 50% of the memory floor at the bandwidth measured in the same run (0.5B shape, bf16)",
          ("decode_floor_fraction_b256",), "gpu"),
+    Goal("wire publish of the 0.5B shape <= 0.5 s per update (NCCL; gloo where NCCL cannot form on one GPU)",
+         ("wire_publish_nccl", "wire_publish_gloo"), "gpu"),
 )
 
 

@@ -1,11 +1,11 @@
-"""`make gpu-check`: the prepared check for a bare GPU machine, in two calls of at most 550 s and 210 s.
+"""`make gpu-check`: the prepared check for a bare GPU machine, in two calls of at most 550 s and 410 s.
 
 Runs with the machine's own JAX (and the wheels `make gpu-wheels` carried for what it lacks, installed into a
 folder of their own with no network). Each part is a process under its own time limit: at the limit it gets
 SIGINT (pytest still writes its report), then what is left of its process tree is killed, the part is recorded
 as timed out, and the next part starts. Every part's limit also shrinks to what is left of --budget-s.
-The default parts (env, steps, decode, job) fit one device call; the unit tier is the second
-(`--parts env,unit`): together they outgrow the device tool's 600 s per call.
+The default parts (env, steps, decode, wire) fit one device call; the job and the unit tier are the second
+(`--parts env,job,unit --budget-s 410`): together they outgrow the device tool's 600 s per call.
 
 | part   | what it runs                                                                 | GPU limit | dry limit |
 | ------ | ---------------------------------------------------------------------------- | --------- | --------- |
@@ -14,6 +14,9 @@ The default parts (env, steps, decode, job) fit one device call; the unit tier i
 |        | peak device memory vs XLA's estimate (benchmarks.bench_gpu_step)             |           |           |
 | decode | 0.5B shape bf16 greedy, B=64 and 256: engine vs HF generate and vs the       |  140 s    |  120 s    |
 |        | memory floor (benchmarks.bench_gpu_decode)                                   |           |           |
+| wire   | 0.5B shape: one learner + one embedded server on the device, a weight update |  150 s    |  150 s    |
+|        | over the wire (NCCL, else gloo) beside disk; served == learner log-probs     |           |           |
+|        | (benchmarks.bench_gpu_wire)                                                  |           |           |
 | job    | the main job shortened: warm start + 20 RL steps, k=2, learner and one       |  200 s    |  150 s    |
 |        | embedded server on the one device (dry: configs/tiny.py, 2 RL steps)         |           |           |
 | unit   | the unit tier, JAX_PLATFORMS=cuda, 14 workers (dry: two test files, CPU)     |  180 s    |   90 s    |
@@ -64,10 +67,11 @@ class Part:
   dry_limit_s: float
 
 
-PARTS = (Part("env", 15, 60), Part("steps", 160, 160), Part("decode", 140, 120), Part("job", 200, 150),
-         Part("unit", 180, 90))
-DEFAULT_PARTS = ("env", "steps", "decode", "job")
-UNIT_CALL_BUDGET_S = 210.0  # the second call, `--parts env,unit --budget-s 210`
+PARTS = (Part("env", 15, 60), Part("steps", 160, 160), Part("decode", 140, 120), Part("wire", 150, 150),
+         Part("job", 200, 150), Part("unit", 180, 90))
+DEFAULT_PARTS = ("env", "steps", "decode", "wire")
+SECOND_CALL_PARTS = ("env", "job", "unit")
+SECOND_CALL_BUDGET_S = 410.0  # the second call, `--parts env,job,unit --budget-s 410`
 BENCH_LIMIT_MARGIN_S = 5.0  # a benchmark part's own deadline ends this long before its SIGINT
 
 
@@ -87,8 +91,10 @@ def part_command(name: str, ctx: Context) -> tuple[list[str], dict]:
   py, quick = ctx.python, (["--quick"] if ctx.dry else [])
   if name == "env":
     return [py, "-m", "benchmarks.environment"], {}
-  if name in ("steps", "decode"):  # decode shares the device with torch (HF generate): JAX must not take 75%
-    return [py, "-m", f"benchmarks.bench_gpu_{'step' if name == 'steps' else 'decode'}", "--json",
+  if name in ("steps", "decode", "wire"):  # decode and wire share the device with torch (and wire with a
+    # server process): JAX must not take 75%
+    module = {"steps": "step", "decode": "decode", "wire": "wire"}[name]
+    return [py, "-m", f"benchmarks.bench_gpu_{module}", "--json",
             ctx.path(f"{name}.json")] + quick, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   if name == "job":
     config = "configs/tiny.py" if ctx.dry else "configs/countdown.py"

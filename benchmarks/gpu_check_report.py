@@ -107,7 +107,7 @@ def log_counts(path: str) -> dict:
 
 def collect(work: str, parts: list[dict], *, dry: bool, command: str, started: float) -> dict:
   figures = []
-  for name in ("steps", "decode"):
+  for name in ("steps", "decode", "wire"):
     if any(p["part"] == name for p in parts):
       figures += read_json(os.path.join(work, f"{name}.json"), []) or []
   return {"environment": environment(work), "command": command,

@@ -79,8 +79,10 @@ def test_parts_have_a_command_and_fit_the_budget():
   ctx = gpu_check.Context(dry=False, work="/w", python="py", rl_steps=20)
   limits = {p.name: p.limit_s for p in gpu_check.PARTS}
   assert sum(limits[n] for n in gpu_check.DEFAULT_PARTS) + 10 <= gpu_check.BUDGET_S
-  assert limits["env"] + limits["unit"] + 10 <= gpu_check.UNIT_CALL_BUDGET_S
-  assert set(limits) == set(gpu_check.DEFAULT_PARTS) | {"unit"}
+  assert sum(limits[n] for n in gpu_check.SECOND_CALL_PARTS) + 10 <= gpu_check.SECOND_CALL_BUDGET_S
+  assert set(limits) == set(gpu_check.DEFAULT_PARTS) | set(gpu_check.SECOND_CALL_PARTS)
+  wire, extra = gpu_check.part_command("wire", ctx)
+  assert wire[1:3] == ["-m", "benchmarks.bench_gpu_wire"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   job, extra = gpu_check.part_command("job", ctx)
   assert "--config=configs/countdown.py" in job and "--config.rl.steps=20" in job and "--config.rl.max_lag=2" in job
   unit, extra = gpu_check.part_command("unit", ctx)
@@ -127,26 +129,26 @@ def test_a_part_past_its_limit_is_stopped_with_its_children(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1800)
 def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   out = tmp_path / "out"
   env = {k: v for k, v in os.environ.items() if k != "OUT"}
   # Wide limits: this checks the code path, and a loaded 2-core machine can take minutes per part.
   limits = [f"--limit={name}={seconds}" for name, seconds in
-            (("env", 120), ("steps", 300), ("decode", 300), ("job", 300), ("unit", 200))]
+            (("env", 120), ("steps", 300), ("decode", 300), ("wire", 300), ("job", 300), ("unit", 200))]
   proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out),
-                         "--budget-s", "1300"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                        timeout=1400)
+                         "--budget-s", "1600"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=1700)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(os.listdir(out)) == ["details.tar.gz", "gpu_check.json", "gpu_check.log", "results-gpu.md"]
   results = json.loads((out / "gpu_check.json").read_text())
   parts = {p["part"]: p for p in results["parts"]}
-  assert list(parts) == ["env", "steps", "decode", "job", "unit"]
+  assert list(parts) == ["env", "steps", "decode", "wire", "job", "unit"]
   assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), (out / "gpu_check.log").read_text()
   figures = {f["key"]: f for f in results["figures"]}
   for key in ("gpu_matmul_peak", "grpo_mfu", "vcpo_book_keeping_over_grpo", "vcpo_bounded_over_grpo",
               "peak_memory_grpo", "peak_memory_vcpo_bounded", "hbm_bandwidth", "decode_floor_fraction_b4",
-              "decode_engine_vs_hf_b2", "decode_engine_vs_hf_b4"):
+              "decode_engine_vs_hf_b2", "decode_engine_vs_hf_b4", "wire_publish_gloo", "disk_publish"):
     assert key in figures and not figures[key]["error"], (key, figures.get(key))
   assert figures["peak_memory_grpo"]["details"]["xla_memory"]["peak_estimate_bytes"] > 0
   job = results["job"]
@@ -161,11 +163,12 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
                       "async k=2, learner and one embedded server on one device)", "## Unit tier", "## Details"]
   assert "python3 -m benchmarks.gpu_check --dry" in md and "backend: cpu" in md
   goal_rows = [line for line in md.split("## Goals")[1].split("##")[0].splitlines() if line.startswith("| ")]
-  assert len(goal_rows) == 2 + 4 and all("unverified on GPU" in row for row in goal_rows[2:5])
+  assert figures["wire_served_equal_gloo"]["value"] == 1.0  # the wire-updated server serves the learner's weights
+  assert len(goal_rows) == 2 + 5 and all("unverified on GPU" in row for row in goal_rows[2:5] + goal_rows[6:])
   assert "not in this run" in goal_rows[5]  # the B=256 decode goal: the dry mode decodes at B=2 and 4
   with tarfile.open(out / "details.tar.gz") as tar:
     names = set(tar.getnames())
-  assert {"unit.xml", "steps.json", "decode.json", "job/result.json", "job/metrics.jsonl", "env.log",
+  assert {"unit.xml", "steps.json", "decode.json", "wire.json", "job/result.json", "job/metrics.jsonl", "env.log",
           "job.log"} <= names
   assert not os.path.exists(os.path.join(REPO_ROOT, "benchmarks", "results-gpu.md")) or "dry" not in open(
       os.path.join(REPO_ROOT, "benchmarks", "results-gpu.md")).read()

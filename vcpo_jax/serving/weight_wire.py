@@ -48,21 +48,21 @@ async def handle_init_group(request: web.Request) -> web.Response:
   try:
     address, port = body["master_address"], int(body["master_port"])
     rank, world = int(body["rank_offset"]), int(body["world_size"])
-    pg = await asyncio.to_thread(wire_group.join, address, port, rank, world, group, body.get("backend", "nccl"),
-                                 RECEIVE_TIMEOUT_S)
+    backend = body.get("backend", "nccl")
+    pg = await asyncio.to_thread(wire_group.join, address, port, rank, world, group, backend, RECEIVE_TIMEOUT_S)
   except Exception as e:  # noqa: BLE001 -- SGLang answers any failure as success: false
     return _answer(False, f"Failed to initialize custom process group: {e}.")
-  wire["groups"][group] = pg
+  wire["groups"][group] = (pg, backend)
   return _answer(True, "Succeeded to initialize custom process group.")
 
 
 async def handle_destroy_group(request: web.Request) -> web.Response:
   wire = request.app["wire"]
   body = await _body(request, ("group_name",))
-  pg = wire["groups"].pop(body.get("group_name", "weight_update_group"), None)
-  if pg is None:
+  entry = wire["groups"].pop(body.get("group_name", "weight_update_group"), None)
+  if entry is None:
     return _answer(False, "The group to be destroyed does not exist.")
-  await asyncio.to_thread(wire_group.destroy, pg)
+  await asyncio.to_thread(wire_group.destroy, entry[0])
   return _answer(True, "Succeeded to destroy custom process group.")
 
 
@@ -78,14 +78,15 @@ async def handle_end(request: web.Request) -> web.Response:
   return _answer(True, "Weight update session closed.")
 
 
-def _receive(pg, names, dtypes, shapes) -> dict[str, np.ndarray]:
+def _receive(entry, names, dtypes, shapes) -> dict[str, np.ndarray]:
+  pg, backend = entry
   torch = wire_group.require_torch()
   size = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(jax.numpy.dtype(d)).itemsize
              for d, s in zip(dtypes, shapes))
   wire_pack.unpack(np.zeros(size, np.uint8), names, dtypes, shapes)  # the layout is checked before receiving
-  buf = torch.empty(size, dtype=torch.uint8)
+  buf = torch.empty(size, dtype=torch.uint8, device="cuda" if backend == "nccl" else "cpu")  # NCCL: GPU memory
   torch.distributed.broadcast(buf, src=0, group=pg)
-  return wire_pack.unpack(buf.numpy(), names, dtypes, shapes)
+  return wire_pack.unpack(buf.cpu().numpy(), names, dtypes, shapes)
 
 
 def _merged_params(engine, received: dict[str, np.ndarray]):
