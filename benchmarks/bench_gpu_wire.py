@@ -57,7 +57,7 @@ async def _timed(pub, params, version) -> float:
   return time.perf_counter() - t0
 
 
-async def _measure(cfg, tmp: str, repeats: int, backend: str, timeout_s: float) -> dict:
+async def _measure(cfg, tmp: str, repeats: int, backends: list[str], timeout_s: dict) -> dict:
   from vcpo_jax.model import hf
   from vcpo_jax.rollout.servers import launcher, publisher, wire
   p = [_params(cfg, s) for s in range(2)]
@@ -65,7 +65,7 @@ async def _measure(cfg, tmp: str, repeats: int, backend: str, timeout_s: float) 
   export = lambda params, out: hf.export_hf(params, cfg, out)
   server = launcher.EmbeddedServer(start, weights_root=tmp, log_dir=os.path.join(tmp, "logs"), weight_version="v0")
   server.start()
-  out: dict = {"backend_tried": backend}
+  out: dict = {"backends_tried": backends, "errors": {}}
   try:
     server.wait_healthy(600)
     ids = [int(i) for i in np.random.default_rng(0).integers(1, cfg.vocab_size, PROBE_LEN)]
@@ -76,19 +76,28 @@ async def _measure(cfg, tmp: str, repeats: int, backend: str, timeout_s: float) 
     out["disk_bytes"] = sum(os.path.getsize(os.path.join(disk.latest_dir, f)) for f in os.listdir(disk.latest_dir))
     probe_disk = _probe(server.url, ids)   # p[repeats % 2] by disk
     await disk.close()
-    sender = wire.WireSender(cfg, cfg.param_dtype, backend=backend, timeout_s=timeout_s)
-    pub = publisher.WeightPublisher(export, os.path.join(tmp, "wire"), [server.url], reference_dir=start,
-                                    wire=sender)
-    version = repeats + 2
-    await pub.publish(p[0], version)  # the first load: by disk
-    version += 1  # the first wire version forms the group and compiles the packing: timed apart
-    out["wire_first_s"] = await _timed(pub, p[0], version)
-    out["wire_s"] = []
-    for r in range(repeats):
+    version = repeats + 1
+    for backend in backends:  # NCCL first on a GPU; gloo where it cannot form
+      sender = wire.WireSender(cfg, cfg.param_dtype, backend=backend, timeout_s=timeout_s[backend])
+      pub = publisher.WeightPublisher(export, os.path.join(tmp, f"wire-{backend}"), [server.url],
+                                      reference_dir=start, wire=sender)
       version += 1
-      out["wire_s"].append(await _timed(pub, p[(r + 1) % 2], version))
+      await pub.publish(p[0], version)  # the first load: by disk
+      version += 1  # the first wire version forms the group and compiles the packing: timed apart
+      first = await _timed(pub, p[0], version)
       if pub.stats["wire_failures"]:
-        raise RuntimeError(f"the {sender.backend} wire failed: {next(iter(pub.out_of_sync.values()), '?')}")
+        out["errors"][backend] = pub.last_wire_error
+        await pub.close()
+        continue
+      out["wire_first_s"], out["wire_s"] = first, []
+      for r in range(repeats):
+        version += 1
+        out["wire_s"].append(await _timed(pub, p[(r + 1) % 2], version))
+      if pub.stats["wire_failures"] != 0:
+        raise RuntimeError(f"the {backend} wire failed after its first update: {pub.last_wire_error}")
+      break
+    else:
+      raise RuntimeError(f"no wire backend worked: {out['errors']}")
     last = p[repeats % 2]
     if last is not disk_last:
       raise AssertionError("the disk and wire rounds must end on the same weights")
@@ -107,35 +116,30 @@ def produce(quick: bool, figs: list[dict], json_path: str | None) -> list[dict]:
   cfg = bench_decode.main_job_model_config()
   repeats = 2 if quick else 3
   backends = ["nccl", "gloo"] if jax.default_backend() == "gpu" else ["gloo"]
-  for backend in backends:
-    with tempfile.TemporaryDirectory() as tmp:
-      try:
-        m = asyncio.run(_measure(cfg, tmp, repeats, backend, 30.0 if backend == "nccl" else 120.0))
-      except Exception as e:  # noqa: BLE001 -- NCCL on one GPU is expected to fail: recorded, then gloo
-        figs.append(records.failed_figure(f"wire_{backend}_error", f"wire publish ({backend}), one update",
-                                          f"{type(e).__name__}: {str(e)[:600]}", goal=GOAL_S))
-        records.emit_figures(figs, json_path)
-        continue
-    gb_wire, gb_disk = m["wire_bytes"] / 1e9, m["disk_bytes"] / 1e9
-    wire_s, disk_s = summary.summarize(m["wire_s"]), summary.summarize(m["disk_s"])
-    details = {k: v for k, v in m.items()}
-    figs += [
-        records.figure(f"wire_publish_{backend}", f"wire publish ({backend}, {cfg.param_dtype}), one update, "
-                       "learner and server on one device", unit="s", stats=wire_s, goal=GOAL_S, details=details,
-                       note=f"{gb_wire:.3f} GB in {m['buckets']} buckets; {wire_s.median / gb_wire:.2f} s/GB; the first "
-                       f"wire update (forms the group, compiles the packing) {m['wire_first_s']:.2f} s"),
-        records.figure("disk_publish", "disk publish (export + update_weights_from_disk), one update, same run",
-                       unit="s", stats=disk_s, details={"bytes": m["disk_bytes"]},
-                       note=f"{gb_disk:.3f} GB of files; {disk_s.median / gb_disk:.2f} s/GB"),
-        records.figure(f"wire_vs_disk_{backend}", "disk / wire seconds per update (same run)", unit="x",
-                       value=disk_s.median / wire_s.median),
-        records.figure(f"wire_served_equal_{backend}", "served prompt log-probs after the wire update equal "
-                       "those after the disk update of the same weights (1 = identical)", unit="",
-                       value=float(m["probe_equal"]),
-                       note=f"max |served - learner| = {m['probe_vs_learner']:.3g} ({PROBE_LEN}-token prompt)"),
-    ]
-    records.emit_figures(figs, json_path)
-    break
+  with tempfile.TemporaryDirectory() as tmp:
+    m = asyncio.run(_measure(cfg, tmp, repeats, backends, {"nccl": 30.0, "gloo": 120.0}))
+  for backend, error in m["errors"].items():  # NCCL on one GPU is expected to fail: recorded
+    figs.append(records.failed_figure(f"wire_{backend}_error", f"wire publish ({backend}), one update",
+                                      str(error)[:600]))
+  backend = m["backend"]
+  gb_wire, gb_disk = m["wire_bytes"] / 1e9, m["disk_bytes"] / 1e9
+  wire_s, disk_s = summary.summarize(m["wire_s"]), summary.summarize(m["disk_s"])
+  figs += [
+      records.figure(f"wire_publish_{backend}", f"wire publish ({backend}, {cfg.param_dtype}), one update, "
+                     "learner and server on one device", unit="s", stats=wire_s, goal=GOAL_S, details=m,
+                     note=f"{gb_wire:.3f} GB in {m['buckets']} buckets; {wire_s.median / gb_wire:.2f} s/GB; the first "
+                     f"wire update (forms the group, compiles the packing) {m['wire_first_s']:.2f} s"),
+      records.figure("disk_publish", "disk publish (export + update_weights_from_disk), one update, same run",
+                     unit="s", stats=disk_s, details={"bytes": m["disk_bytes"]},
+                     note=f"{gb_disk:.3f} GB of files; {disk_s.median / gb_disk:.2f} s/GB"),
+      records.figure(f"wire_vs_disk_{backend}", "disk / wire seconds per update (same run)", unit="x",
+                     value=disk_s.median / wire_s.median),
+      records.figure(f"wire_served_equal_{backend}", "served prompt log-probs after the wire update equal "
+                     "those after the disk update of the same weights (1 = identical)", unit="",
+                     value=float(m["probe_equal"]),
+                     note=f"max |served - learner| = {m['probe_vs_learner']:.3g} ({PROBE_LEN}-token prompt)"),
+  ]
+  records.emit_figures(figs, json_path)
   return figs
 
 

@@ -94,6 +94,7 @@ class WeightPublisher:
     self.wire = wire
     self.latest_dir_version: Optional[int] = None  # the version latest_dir holds (wire versions have none)
     self.wire_seconds: list[float] = []  # per wire version: first pause -> last continue
+    self.last_wire_error: Optional[str] = None
     if wire is not None:
       self._wire_admin = admin.AdminSession(wire.timeout_s, self._count)
       if self._reference is not None:
@@ -162,6 +163,7 @@ class WeightPublisher:
         await asyncio.gather(*(self._wire_close(u, wire) for u in members))
       except (wire_lib.WireError, aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as e:
         self._count("wire_failures")
+        self.last_wire_error = repr(e)
         log.error("wire update to %s failed: %r; resyncing %s from disk", wire, e, members)
         await self.wire.teardown(self._wire_admin)
         await asyncio.gather(*(self._wire_admin.call(u, "POST", "/end_weight_update", {}) for u in members),
