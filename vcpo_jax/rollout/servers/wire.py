@@ -145,7 +145,7 @@ class WireSender:
       self._pack_fns[i] = wire_pack.pack_fn(bucket)
     packed = self._pack_fns[i](params)
     packed = packed.addressable_shards[0].data if len(packed.sharding.device_set) > 1 else packed
-    on_host = packed.devices() <= set(jax.devices("cpu")) if jax.default_backend() != "cpu" else True
+    on_host = all(d.platform == "cpu" for d in packed.devices())
     if self.backend == "nccl" or on_host:  # DLPack hands the buffer to torch without a copy
       return self.torch.utils.dlpack.from_dlpack(packed)
     return self.torch.from_numpy(np.array(jax.device_get(packed)))  # gloo from a GPU: through host memory
