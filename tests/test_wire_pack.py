@@ -76,3 +76,29 @@ def test_params_from_hf_tensors_inverts_the_export(tmp_path):
   tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
   with pytest.raises(ValueError, match="tensor 'model.norm.weight' has shape"):
     hf.params_from_hf_tensors(tensors, CFG)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_the_embedded_receiver_replaces_exactly_the_received_tensors(tmp_path, scan):
+  import types
+  import jax.numpy as jnp
+  from vcpo_jax.serving import weight_wire
+  cfg = dataclasses.replace(CFG, scan_layers=scan)
+  old = jax.device_put(model.init_params(cfg, jax.random.PRNGKey(1)))
+  new = jax.device_get(model.init_params(cfg, jax.random.PRNGKey(2)))
+  tensors = _exported(new, cfg, tmp_path)
+  engine = types.SimpleNamespace(cfg=cfg, params=old)
+  half = {n: t for i, (n, t) in enumerate(sorted(tensors.items())) if i % 2 == 0}
+  got, _ = weight_wire._updated_params(engine, half)
+  replaced = wire_pack.unpack(  # what the receiver now holds, read back as HF tensors
+      wire_pack.pack_host(got, wire_pack.manifest(cfg, "float32"), np.asarray),
+      *zip(*[(t.name, t.dtype, t.shape) for t in wire_pack.manifest(cfg, "float32")]))
+  before = _exported(jax.device_get(old), cfg, tmp_path / "old")
+  for name in tensors:
+    np.testing.assert_array_equal(replaced[name], (half if name in half else before)[name])
+  got_all, _ = weight_wire._updated_params(engine, tensors)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got_all, new)
+  assert jax.tree.structure(got_all) == jax.tree.structure(old) and all(
+      isinstance(x, jnp.ndarray) for x in jax.tree.leaves(got_all))
+  with pytest.raises(ValueError, match="tensor 'model.norm.weight' has shape"):
+    weight_wire._updated_params(engine, {"model.norm.weight": np.zeros(3, np.float32)})

@@ -89,19 +89,32 @@ def _receive(entry, names, dtypes, shapes) -> dict[str, np.ndarray]:
   return wire_pack.unpack(buf.cpu().numpy(), names, dtypes, shapes)
 
 
-def _merged_params(engine, received: dict[str, np.ndarray]):
-  """The served params with the received HF tensors in place of theirs (host arrays)."""
+def _updated_params(engine, received: dict[str, np.ndarray]):
+  """The served params with the received HF tensors in place of theirs; the other leaves stay where they are
+  on the device (a bucket moves only its own bytes)."""
   cfg = engine.cfg
-  current = jax.device_get(engine.params)
-  tensors = {}
+  params = jax.tree.map(lambda x: x, engine.params)  # new containers, the same arrays
+  dtype = np.dtype(cfg.jnp_param_dtype)
+  layers: dict = {}
   for layer, (path, name, transpose) in hf.tensors_with_layer(cfg):
-    if name in received:
-      tensors[name] = received[name]
+    if name not in received:
+      continue
+    arr = np.asarray(received[name])
+    arr = np.ascontiguousarray(arr.T if transpose else arr).astype(dtype, copy=False)
+    leaf = hf.get_path(params, path)
+    want = tuple(leaf.shape[1:] if layer is not None else leaf.shape)
+    if arr.shape != want:
+      raise ValueError(f"tensor {name!r} has shape {arr.shape[::-1] if transpose else arr.shape}, expected "
+                       f"{want[::-1] if transpose else want}")
+    if layer is None:
+      hf.set_path(params, path, jax.device_put(arr, leaf.sharding))
     else:
-      leaf = hf.get_path(current, path)
-      leaf = leaf[layer] if layer is not None else leaf
-      tensors[name] = leaf.T if transpose else leaf
-  return hf.params_from_hf_tensors(tensors, cfg), cfg
+      layers.setdefault(path, []).append((layer, arr))
+  for path, items in layers.items():
+    leaf = hf.get_path(params, path)
+    index = np.array([i for i, _ in items])
+    hf.set_path(params, path, leaf.at[index].set(np.stack([a for _, a in items])))
+  return params, cfg
 
 
 async def handle_update(request: web.Request) -> web.Response:
@@ -123,7 +136,7 @@ async def handle_update(request: web.Request) -> web.Response:
   version = body.get("weight_version")
   try:
     received = await asyncio.to_thread(_receive, wire["groups"][group], names, dtypes, shapes)
-    await st.engine.update_weights(lambda: _merged_params(st.engine, received), version,
+    await st.engine.update_weights(lambda: _updated_params(st.engine, received), version,
                                    abort_all=bool(body.get("abort_all_requests", False)))
   except Exception as e:  # noqa: BLE001 -- as SGLang: the update failed, the server goes on
     log.error("update_weights_from_distributed failed: %r", e)
