@@ -138,6 +138,12 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       request_timeout=120.0,
       max_retries=4,
       keep_versions=3,         # exported weight directories kept on disk
+      # dtype of the exported weights: "auto" = what the servers serve (the starting weights' config.json
+      # torch_dtype: float32 for the embedded server, bfloat16 for a bf16 checkpoint), or bfloat16 | float32.
+      publish_dtype="auto",
+      # where versions are exported: "" = WORKDIR/weights; a RAM-backed directory (/dev/shm/<job>, one per job)
+      # skips the disk; it must be readable by the servers.
+      publish_dir="",
       # How each new version reaches the servers (docs/sglang.md): "disk" (export, update_weights_from_disk) or
       # "wire" (a torch process group, bf16 buckets broadcast from the learner; needs torch). The first load,
       # a restarted server and a failed wire update always go by disk.

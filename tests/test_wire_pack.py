@@ -35,6 +35,10 @@ def test_buckets_hold_the_exporters_tensors_byte_for_byte(tmp_path, dtype, scan)
     packed = np.asarray(wire_pack.pack_fn(bucket)(params))
     assert packed.dtype == np.uint8 and packed.size == sum(t.nbytes for t in bucket)
     np.testing.assert_array_equal(packed, wire_pack.pack_host(params, bucket, np.asarray))
+    from vcpo_jax.model import hf_export
+    layout = hf_export.hf_layout(params, cfg, dtype)  # what the job's publisher hands the wire
+    from_layout = wire_pack.pack_layout_fn(bucket, hf_export.leaf_specs(cfg))(layout.leaves)
+    np.testing.assert_array_equal(np.asarray(from_layout), packed)
     got = wire_pack.unpack(packed, [t.name for t in bucket], [t.dtype for t in bucket],
                            [t.shape for t in bucket])
     for t in bucket:

@@ -20,7 +20,7 @@ from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import backend as backend_lib
 from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
-from vcpo_jax.rollout.servers import placement
+from vcpo_jax.rollout.servers import placement, weight_store
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -247,4 +247,7 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
   if config.rollout.num_servers < 1 and not config.rollout.server_urls:
     _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")
   placement.parse_cpus(config.rollout.get("server_cpus", ""))   # a bad CPU list fails before any work
+  weight_store.publish_dtype(config.rollout.get("publish_dtype", "auto"), None, model_cfg.param_dtype)
+  if config.rollout.get("publish_dir", ""):  # made if missing and checked writable before any work
+    weight_store.publish_root(config.rollout.publish_dir, "")
   return model_cfg

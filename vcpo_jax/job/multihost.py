@@ -42,6 +42,12 @@ class LeaderBackend(backend_lib.RolloutBackend):
     with processes.leader_gathers(params, f"publish/{version}"):
       await self.inner.publish(version, self._params(params))
 
+  async def wait_published(self) -> None:
+    await self.inner.wait_published()
+
+  def last_publish_seconds(self):
+    return self.inner.last_publish_seconds()
+
   def stats(self):
     return self.inner.stats()
 

@@ -192,17 +192,23 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
       # pinned to a core, that work competes with it.
       t2, loop_cpu = time.perf_counter(), time.thread_time() - cpu1
       refused = None
-      try:
+      try:  # may return before the version is live: the export and the install then overlap the next step
         await rollouts.publish(run.step + 1, run.rollout_params())
       except PublishError as e:  # the step is done: its metrics (with the refusal counter) are written first
         refused = e
       t3 = time.perf_counter()
       # Where the step's time went: waiting for rollouts is what asynchrony can hide behind the update.
+      # publish_blocked: the learner's wait (the previous publish, the copy); publish: the latest publish's own
+      # duration, which a background publish spends beside the next step.
+      own = rollouts.last_publish_seconds()
       phases = {"throughput/wait_seconds": t1 - t0, "throughput/learn_seconds": t2 - t1,
-                "throughput/publish_seconds": t3 - t2, "throughput/learn_loop_cpu_seconds": loop_cpu}
+                "throughput/publish_blocked_seconds": t3 - t2,
+                "throughput/publish_seconds": t3 - t2 if own is None else own,
+                "throughput/learn_loop_cpu_seconds": loop_cpu}
       run.after_step(groups, step_metrics, {**rollouts.stats(), **phases}, t3 - t0, rollouts.state_dict)
       if refused is not None:
         raise refused
+    await rollouts.wait_published()  # the last version is live (or its refusal ends the job) before close
   finally:
     await rollouts.close()
 

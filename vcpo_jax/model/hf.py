@@ -6,20 +6,16 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from typing import Any
 
 import jax
 import numpy as np
 import safetensors
-import safetensors.numpy
 
 from vcpo_jax.model import config as config_lib
 from vcpo_jax.model import transformer as model_lib
 
-
-from vcpo_jax.parallel import processes
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 _WEIGHTS_FILE = "model.safetensors"
@@ -131,50 +127,12 @@ def replace_directory(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def _with_layer_index(cfg: config_lib.ModelConfig):
-  """(layer index of a stacked leaf or None, (path, HF name, transpose)) for every tensor."""
-  for path, name, transpose in tensor_names(cfg):
-    layer = int(name.split(".")[2]) if cfg.scan_layers and path[0] == "layers" else None
-    yield layer, (path, name, transpose)
+def export_hf(params, cfg: config_lib.ModelConfig, out_dir: str, tokenizer=None, dtype: str | None = None) -> str:
+  """Writes a HF directory atomically, its tensors in `dtype` (default cfg.param_dtype); returns out_dir.
 
-
-def export_hf(params, cfg: config_lib.ModelConfig, out_dir: str, tokenizer=None) -> str:
-  """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir."""
-  out_dir = os.path.abspath(out_dir)
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-  try:
-    tensors, stacked = {}, {}
-    for i, (path, name, transpose) in _with_layer_index(cfg):
-      if i is None:
-        # Device -> host one tensor at a time (gathered over the processes when sharded across hosts).
-        arr = processes.to_host(_get(params, path))
-      else:  # a layer of a stacked leaf: the leaf comes to host once, then is cut into HF's per-layer tensors
-        if path not in stacked:
-          stacked[path] = processes.to_host(_get(params, path))
-        arr = stacked[path][i]
-      tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
-    safetensors.numpy.save_file(tensors, os.path.join(tmp, _WEIGHTS_FILE), metadata={"format": "pt"})
-    eos = bos = stop = None
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-      eos, bos = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "bos_id", None)
-      stop = list(getattr(tokenizer, "stop_ids", ())) or eos
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(hf_config(cfg, bos_token_id=bos, eos_token_id=eos), f, indent=2)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-      # Every stop id, so generate() in transformers and SGLang's default stop set end where we do.
-      json.dump({"bos_token_id": bos, "eos_token_id": stop, "do_sample": False}, f, indent=2)
-    _write_tokenizer(tokenizer, tmp)
-    # Readable by a server running as another user (safetensors writes its file 0600).
-    for name in os.listdir(tmp):
-      os.chmod(os.path.join(tmp, name), 0o644)
-    os.chmod(tmp, 0o755)
-    replace_directory(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return out_dir
+  The transposes and the cast run on the params' devices in one jitted call (hf_export.py)."""
+  from vcpo_jax.model import hf_export  # it builds on this module
+  return hf_export.export(params, cfg, out_dir, tokenizer, dtype)
 
 
 def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> config_lib.ModelConfig:
@@ -310,7 +268,13 @@ def import_hf(model_dir: str, *, cfg: config_lib.ModelConfig | None = None, shar
 # Public names for the weight wire (rollout/servers/wire_pack.py packs the same tensors the exporter writes).
 get_path = _get
 set_path = _set
-tensors_with_layer = _with_layer_index
+
+
+def tensors_with_layer(cfg: config_lib.ModelConfig):
+  """(layer index of a stacked leaf or None, (path, HF name, transpose)) for every tensor, in export order."""
+  for path, name, transpose in tensor_names(cfg):
+    layer = int(name.split(".")[2]) if cfg.scan_layers and path[0] == "layers" else None
+    yield layer, (path, name, transpose)
 
 
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], cfg: config_lib.ModelConfig) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import ml_collections
 
@@ -51,7 +51,16 @@ class RolloutBackend(abc.ABC):
 
   @abc.abstractmethod
   async def publish(self, version: int, params: Any) -> None:
-    """Makes learner version `version` the one new generation uses."""
+    """Makes learner version `version` the one new generation uses. It may return before the version is live
+    (it then runs in the background: the next publish, or wait_published, waits for it and raises its error);
+    the params may be donated to the next learner step as soon as it returns."""
+
+  async def wait_published(self) -> None:
+    """Waits for a publish still running in the background; raises its error (e.g. PublishError)."""
+
+  def last_publish_seconds(self) -> Optional[float]:
+    """How long the latest background publish took (None: publish() does all its work before returning)."""
+    return None
 
   def stats(self) -> dict[str, float]:
     """Flat numeric metrics logged with every step (TensorBoard names)."""

@@ -10,10 +10,11 @@ from typing import Any, Optional
 
 import ml_collections
 
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf_export
+from vcpo_jax.parallel import processes
 from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
-from vcpo_jax.rollout.servers import launcher, placement, publisher as publisher_lib
+from vcpo_jax.rollout.servers import background, launcher, placement, publisher as publisher_lib, weight_store
 from vcpo_jax.rollout.servers import wire as wire_lib, wire_group
 
 
@@ -54,13 +55,14 @@ class HttpBackendConfig:
   request_timeout: float = backend.config_field("rollout")
   max_retries: int = backend.config_field("rollout")
   keep_versions: int = backend.config_field("rollout")
+  publish_dtype: str = backend.config_field("rollout", "auto")
+  publish_dir: str = backend.config_field("rollout", "")
   server_devices: str = backend.config_field("rollout", "")
   learner_memory_fraction: float = backend.config_field("rollout", 0.0)
   server_memory_fraction: float = backend.config_field("rollout", 0.0)
   # How versions after the first reach the servers: "disk" (export + update_weights_from_disk) or "wire"
   # (a torch group, buckets broadcast from the learner; rollout/servers/wire.py).
   publish: str = backend.config_field("rollout", "disk")
-  publish_dtype: str = backend.config_field("rollout", "auto")
   wire_bucket_mb: float = backend.config_field("rollout", 512.0)
   wire_backend: str = backend.config_field("rollout", "auto")
   wire_timeout_s: float = backend.config_field("rollout", 60.0)
@@ -73,6 +75,9 @@ class HttpBackend(backend.RolloutBackend):
 
   Embedded servers start from the exported starting weights; external servers (server_urls) get them
   published. Each group is scored in the scheduler's completion hook, as soon as its samples arrive.
+  A publish runs in the background (one process): publish() waits for the previous one, dispatches the
+  HF-layout copy of the params in the served dtype on their devices, and returns; the scheduler admits new
+  groups at the version the servers serve until the publish has landed, so rows keep truthful version tags.
   """
 
   def __init__(self, ctx: backend.RolloutContext, cfg: HttpBackendConfig):
@@ -85,15 +90,18 @@ class HttpBackend(backend.RolloutBackend):
                             "sampling_seed": cfg.seed}
     self.group_size, self.batch_groups, self.max_lag = cfg.group_size, cfg.prompts_per_step, cfg.max_lag
     self.urls = [u.strip() for u in cfg.server_urls.split(",") if u.strip()]
-    self.weights_root = os.path.join(ctx.workdir, "weights")
+    self.weights_root = weight_store.publish_root(cfg.publish_dir, ctx.workdir)
     self._servers: list = []  # embedded servers this backend started (and stops)
     self._client: Optional[client_lib.RolloutClient] = None
     self._publisher: Optional[publisher_lib.WeightPublisher] = None
     self._sched: Optional[scheduler_lib.RolloutScheduler] = None
     self._restored: Optional[dict] = None
+    self._pending = background.BackgroundPublish()
+    self._background = not processes.multi_process()  # followers join a publish's gathers only inside publish()
     # External servers were launched on the job's starting weights; exports and served models are checked
     # against them (embedded servers: against the directory they are started on).
     self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)
+    self.export_dtype = weight_store.publish_dtype(cfg.publish_dtype, self.reference_dir, ctx.model_cfg.param_dtype)
     if cfg.publish not in ("disk", "wire"):
       raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: must be 'disk' or 'wire'")
     if cfg.publish == "wire":
@@ -106,14 +114,17 @@ class HttpBackend(backend.RolloutBackend):
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
     return cls(ctx, backend.read_config(HttpBackendConfig, config))
 
-  def _export(self, params: Any, out_dir: str) -> None:
-    hf.export_hf(params, self.ctx.model_cfg, out_dir, self.ctx.tokenizer)
+  def _layout(self, params: Any) -> hf_export.HfLayout:
+    return hf_export.hf_layout(params, self.ctx.model_cfg, self.export_dtype)
+
+  def _export(self, layout: hf_export.HfLayout, out_dir: str) -> None:
+    hf_export.write_hf(layout, out_dir, self.ctx.tokenizer)
 
   async def _start_embedded(self, version: int, params: Any) -> list[str]:
     """Embedded servers start directly from the current version's directory."""
     wire = protocol.version_to_wire(version)
     first_dir = os.path.join(self.weights_root, wire)
-    await asyncio.to_thread(self._export, params, first_dir)
+    await asyncio.to_thread(self._export, self._layout(params), first_dir)
     self.reference_dir = first_dir
     workdir = self.ctx.workdir
     self._servers = await asyncio.to_thread(
@@ -141,7 +152,7 @@ class HttpBackend(backend.RolloutBackend):
                                                     reference_dir=self.reference_dir, wire=self._wire_sender(urls))
     if self.urls:  # external servers: check what they serve, then load the starting weights explicitly
       await self._publisher.check_servers()
-      await self._publisher.publish(params, version)
+      await self._publisher.publish(self._layout(params), version)
     if self.sampling_params["temperature"] != 1.0:  # SGLang's log-probs are scaled unless told otherwise
       await self._client.check_raw_logprobs(self.sampling_params["temperature"], list(range(1, 9)))
     generate = self._client.generate
@@ -153,11 +164,12 @@ class HttpBackend(backend.RolloutBackend):
         on_complete=self.ctx.rewarder.score_group, pass_example=self.episodes is not None)
     if self._restored is not None:
       self._sched.load_state_dict(self._restored)
+    self._sched.set_served_version(version)
 
   def _wire_sender(self, urls: list[str]) -> Optional[wire_lib.WireSender]:
     if self.cfg.publish != "wire":
       return None
-    dtype = wire_lib.served_dtype(self.cfg.publish_dtype, self.reference_dir, self.ctx.model_cfg)
+    dtype = self.export_dtype  # the disk export's: a resync from disk serves the same bytes
     address = self.cfg.wire_master_address or wire_lib.master_address(urls)
     return wire_lib.WireSender(self.ctx.model_cfg, dtype, bucket_mb=self.cfg.wire_bucket_mb,
                                backend=self.cfg.wire_backend, timeout_s=self.cfg.wire_timeout_s,
@@ -167,7 +179,21 @@ class HttpBackend(backend.RolloutBackend):
     return await self._sched.next_batch(version)
 
   async def publish(self, version: int, params: Any) -> None:
-    await self._publisher.publish(params, version)
+    await self._pending.wait()  # versions go out in order; a refused one raises here
+    layout = self._layout(params)  # dispatched into fresh buffers: the next learner step may donate the params
+    self._pending.start(functools.partial(self._publish, layout, version))
+    if not self._background:
+      await self._pending.wait()
+
+  async def _publish(self, layout: hf_export.HfLayout, version: int) -> None:
+    await self._publisher.publish(layout, version)
+    self._sched.set_served_version(version)  # new groups may now start at this version
+
+  async def wait_published(self) -> None:
+    await self._pending.wait()
+
+  def last_publish_seconds(self) -> Optional[float]:
+    return self._pending.last_seconds if self._background else None
 
   def stats(self) -> dict[str, float]:
     out = flat_metrics(self._client.stats) if self._client is not None else {}
@@ -181,6 +207,7 @@ class HttpBackend(backend.RolloutBackend):
 
   async def close(self) -> None:
     try:
+      await self._pending.cancel()  # after a normal end nothing is pending (rl_loop waited for it)
       if self._sched is not None:
         await self._sched.close()
       if self._publisher is not None:

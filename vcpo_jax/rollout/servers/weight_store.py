@@ -57,3 +57,41 @@ def delete_old(root_dir: str, keep_last: int) -> None:
   dirs = version_dirs(root_dir)
   for version in sorted(dirs)[:-keep_last]:
     shutil.rmtree(dirs[version], ignore_errors=True)
+
+
+# -- where and in which dtype versions are exported (rollout.publish_dir, rollout.publish_dtype) ----------
+PUBLISH_DTYPES = ("auto", "bfloat16", "float32")
+
+
+def publish_dtype(value: str, reference_dir: Optional[str], param_dtype: str) -> str:
+  """The dtype exports are written in. "auto": the dtype the servers serve, i.e. the starting weights'
+  config.json torch_dtype (an embedded float32 server keeps float32 log-probs; a bf16 checkpoint gets bf16,
+  half the bytes); float16 is exported as float32 (lossless; the server casts). No reference: param_dtype."""
+  if value not in PUBLISH_DTYPES:
+    raise ValueError(f"invalid config: rollout.publish_dtype={value!r}: must be one of {list(PUBLISH_DTYPES)}")
+  if value != "auto":
+    return value
+  served = param_dtype
+  if reference_dir:
+    cfg = hf.read_config(reference_dir)
+    served = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+  return "bfloat16" if served == "bfloat16" else "float32"
+
+
+def publish_root(value: str, workdir: str) -> str:
+  """The directory versions are exported under: rollout.publish_dir (e.g. a RAM-backed /dev/shm/<job>), made
+  if missing and checked writable, or WORKDIR/weights when empty."""
+  if not isinstance(value, str):
+    raise ValueError(f"invalid config: rollout.publish_dir={value!r}: must be a string (\"\": under the workdir)")
+  if not value:
+    return os.path.join(workdir, "weights")
+  root = os.path.abspath(os.path.expanduser(value))
+  try:
+    os.makedirs(root, exist_ok=True)
+    probe = os.path.join(root, f".write-check-{uuid.uuid4().hex[:8]}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"invalid config: rollout.publish_dir={value!r}: must be a writable directory ({e})") from e
+  return root

@@ -9,9 +9,7 @@ tears the group down and resyncs those servers from disk.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import socket
 import time
 import urllib.parse
@@ -21,6 +19,7 @@ import jax
 import numpy as np
 
 from vcpo_jax.model import config as config_lib
+from vcpo_jax.model import hf_export
 from vcpo_jax.rollout.servers import admin as admin_lib
 from vcpo_jax.rollout.servers import wire_group, wire_pack
 from vcpo_jax.parallel import processes
@@ -40,22 +39,6 @@ def resolve_backend(backend: str) -> str:
   if backend != "auto":
     return backend
   return "nccl" if jax.default_backend() == "gpu" else "gloo"
-
-
-def served_dtype(setting: str, reference_dir: Optional[str], model_cfg: config_lib.ModelConfig) -> str:
-  """rollout.publish_dtype: as set, or ("auto") the dtype of the checkpoint the servers were started on."""
-  if setting != "auto":
-    if setting not in wire_pack.SERVED_DTYPES:
-      raise ValueError(f"invalid config: rollout.publish_dtype={setting!r}: must be 'auto' or one of "
-                       f"{wire_pack.SERVED_DTYPES}")
-    return setting
-  if reference_dir:
-    with open(os.path.join(reference_dir, "config.json")) as f:
-      cfg = json.load(f)
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-    if dtype in wire_pack.SERVED_DTYPES:
-      return dtype
-  return model_cfg.param_dtype
 
 
 def master_address(urls: Sequence[str]) -> str:
@@ -90,6 +73,7 @@ class WireSender:
                        f"{timeout_s!r}")
     self.torch = wire_group.require_torch()
     self.backend = resolve_backend(backend)
+    self.dtype = dtype
     self.tensors = wire_pack.manifest(model_cfg, dtype)
     self.buckets = wire_pack.plan_buckets(self.tensors, int(bucket_mb * 2**20))
     self.timeout_s, self.master_address = timeout_s, master_address
@@ -135,15 +119,24 @@ class WireSender:
 
   # -- one version -------------------------------------------------------------------------------
   def _bucket_tensor(self, params: Any, i: int):
-    """Bucket i as a torch uint8 tensor on the broadcast's device, packed on the learner's devices."""
+    """Bucket i as a torch uint8 tensor on the broadcast's device, packed on the learner's devices. `params`
+    is the publisher's payload: the HF layout the disk export also writes (hf_export.HfLayout), or params."""
     bucket = self.buckets[i]
+    layout = params if isinstance(params, hf_export.HfLayout) else None
+    if layout is not None and layout.dtype != self.dtype:
+      raise WireError(f"the layout is in {layout.dtype}, the wire sends {self.dtype}")
+    if layout is not None and not layout.on_device:  # several processes: gathered to process 0, as the export
+      params = wire_pack.params_tree(hf_export.leaf_specs(layout.cfg), layout.leaves)
+      layout = None
     leaves = jax.tree.leaves(params)
-    if leaves and isinstance(leaves[0], jax.Array) and not all(x.is_fully_addressable for x in leaves):
-      packed = wire_pack.pack_host(params, bucket, processes.to_host)  # gathered to process 0, as the exporter
-      return self.torch.from_numpy(packed)
-    if i not in self._pack_fns:
-      self._pack_fns[i] = wire_pack.pack_fn(bucket)
-    packed = self._pack_fns[i](params)
+    if layout is None and leaves and isinstance(leaves[0], jax.Array) and not all(
+        x.is_fully_addressable for x in leaves):
+      return self.torch.from_numpy(wire_pack.pack_host(params, bucket, processes.to_host))
+    key = (i, layout is not None)
+    if key not in self._pack_fns:
+      self._pack_fns[key] = (wire_pack.pack_layout_fn(bucket, hf_export.leaf_specs(layout.cfg)) if layout
+                             else wire_pack.pack_fn(bucket))
+    packed = self._pack_fns[key](layout.leaves if layout is not None else params)
     packed = packed.addressable_shards[0].data if len(packed.sharding.device_set) > 1 else packed
     on_host = all(d.platform == "cpu" for d in packed.devices())
     if self.backend == "nccl" or on_host:  # DLPack hands the buffer to torch without a copy

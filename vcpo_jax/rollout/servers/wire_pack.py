@@ -101,6 +101,33 @@ def pack_fn(bucket: Sequence[WireTensor], out_sharding=None):
   return jax.jit(pack, out_shardings=out_sharding)
 
 
+def pack_layout_fn(bucket: Sequence[WireTensor], specs: Sequence[tuple[tuple[str, ...], bool]], out_sharding=None):
+  """pack_fn for the export's HF layout (hf_export.HfLayout.leaves, in `specs` order): its leaves are already
+  transposed and cast, so a bucket only slices layers and concatenates bytes."""
+  bucket = tuple(bucket)
+  bucket_offsets(bucket)
+  position = {spec: j for j, spec in enumerate(specs)}
+
+  def pack(leaves):
+    parts = []
+    for t in bucket:
+      x = leaves[position[(t.path, t.transpose)]]
+      x = (x[t.layer] if t.layer is not None else x).astype(jnp.dtype(t.dtype))
+      parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) if x.dtype.itemsize > 1
+                   else x.reshape(-1))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+  return jax.jit(pack, out_shardings=out_sharding)
+
+
+def params_tree(specs: Sequence[tuple[tuple[str, ...], bool]], leaves: Sequence[Any]) -> dict:
+  """A params-like tree from (path, transpose) specs and their leaves (the layout of several processes)."""
+  tree: dict = {}
+  for (path, _), leaf in zip(specs, leaves):
+    hf.set_path(tree, path, leaf)
+  return tree
+
+
 def pack_host(params: Any, bucket: Sequence[WireTensor], to_host) -> np.ndarray:
   """The same bytes built on the host from `to_host(leaf)` copies (a learner over several processes: each
   leaf is gathered to process 0, as the exporter gathers it)."""
