@@ -158,3 +158,21 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
   assert took < 60  # within the wire's deadline (20 s) plus the disk resync, not SGLang's 30 minutes
   _check(samples, 3)
   _check(late, 4)
+
+
+def test_the_async_job_trains_with_publish_wire(tmp_path):
+  """The job (embedded server, k = 2) with rollout.publish=wire: versions after the first go over the group."""
+  import json
+  from tests.test_train import tiny_config
+  from vcpo_jax.job import train
+  config = tiny_config()
+  config.rl.max_lag = 2
+  config.rollout.publish = "wire"
+  result = train.train_and_evaluate(config, str(tmp_path))
+  assert result["steps"] == 3
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3] and max(r["lag/max"] for r in rows) <= 2
+  assert rows[-1]["rollout/publish_wire_versions"] >= 1
+  assert rows[-1].get("rollout/publish_wire_failures", 0) == 0
+  consumed = [i for line in open(tmp_path / "consumed.jsonl") for i in json.loads(line)["indices"]]
+  assert len(consumed) == len(set(consumed))
