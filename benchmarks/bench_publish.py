@@ -151,11 +151,27 @@ def disk_arm(dtype: str) -> Callable[[ArmContext], tuple[Any, str, list]]:
   return make
 
 
+def wire_arm(dtype: str, backend: str = "gloo") -> Callable[[ArmContext], tuple[Any, str, list]]:
+  """rollout.publish=wire: buckets of the same HF layout broadcast over a torch group (gloo on a CPU). The
+  server already runs v0 (the publisher adopts it), so every timed round goes over the wire; the first one
+  also forms the group and compiles the packing."""
+  def make(ctx: ArmContext):
+    from vcpo_jax.rollout.servers import publisher as publisher_lib, wire as wire_lib
+    export = TimedExport(ctx.tokenizer)
+    sender = wire_lib.WireSender(ctx.model_cfg, dtype, backend=backend, timeout_s=300.0)
+    pub = publisher_lib.WeightPublisher(export, ctx.root, [ctx.url], keep_last=ctx.keep_last,
+                                        reference_dir=ctx.reference_dir, wire=sender)
+    pub.adopt(0, ctx.reference_dir)
+    return pub, dtype, export.seconds
+  return make
+
+
 # name -> (ArmContext -> (publisher with publish(layout, version), pause_seconds, close(); the export dtype;
 # the list its export appends seconds to, or [] when it has no export)). The wire publisher adds its arm here.
 ARMS: dict[str, Callable[[ArmContext], tuple[Any, str, list]]] = {
     "disk float32": disk_arm("float32"),
     "disk bf16": disk_arm("bfloat16"),
+    "wire bf16 (gloo)": wire_arm("bfloat16"),
 }
 
 
@@ -179,6 +195,17 @@ async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids
       calls.append((current[0], path, time.perf_counter() - t0))
 
   pub._admin.call = timed_call
+  wire_call = getattr(pub, "_wire_admin", None) and pub._wire_admin.call
+
+  async def timed_wire_call(url, method, path, payload=None):
+    t0 = time.perf_counter()
+    try:
+      return await wire_call(url, method, path, payload)
+    finally:
+      calls.append((current[0], path, time.perf_counter() - t0))
+
+  if wire_call:
+    pub._wire_admin.call = timed_wire_call
   pending, rounds, versions = background.BackgroundPublish(), [], sorted(params_by_version)
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
     before = await prompt_logprobs(session, ctx.url, probe_ids)
@@ -206,7 +233,8 @@ async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids
     for r in rounds:
       mine = [(path, s) for v, path, s in calls if v == r["version"]]
       r["admin_calls"] = [[path.lstrip("/"), round(s, 4)] for path, s in mine]
-      r["update_s"] = sum(s for path, s in mine if path == "/update_weights_from_disk")
+      r["update_s"] = sum(s for path, s in mine if path in ("/update_weights_from_disk",
+                                                               "/update_weights_from_distributed"))
     for r, pause in zip(rounds, pub.pause_seconds[-len(rounds):]):
       r["pause_s"] = pause
     for r, export_s in zip(rounds, export_seconds[-len(rounds):] if export_seconds else [None] * len(rounds)):
@@ -275,7 +303,7 @@ PARTS = (
     ("publish_s", "whole publish, end to end (dispatch, export, check, update, confirm)", None),
     ("pause_s", "server out of routing (pause -> update -> confirm -> continue)", None),
     ("export_s", "export (host copy + model.safetensors)", None),
-    ("update_s", "SGLang /update_weights_from_disk", None),
+    ("update_s", "SGLang update calls (/update_weights_from_disk, or the wire's /update_weights_from_distributed, one per bucket)", None),
 )
 GOALS_PER_GB = {("disk bf16", "publish_s"): "<= 1.2"}  # the issue's goals (per GB, CPU)
 

@@ -153,6 +153,8 @@ class HttpBackend(backend.RolloutBackend):
     if self.urls:  # external servers: check what they serve, then load the starting weights explicitly
       await self._publisher.check_servers()
       await self._publisher.publish(self._layout(params), version)
+    else:  # embedded servers were started on this version's export
+      self._publisher.adopt(version, self.reference_dir)
     if self.sampling_params["temperature"] != 1.0:  # SGLang's log-probs are scaled unless told otherwise
       await self._client.check_raw_logprobs(self.sampling_params["temperature"], list(range(1, 9)))
     generate = self._client.generate

@@ -135,6 +135,12 @@ class WeightPublisher:
       self._resync_task = asyncio.create_task(self._resync_loop())
     return {url: ok for url, (ok, _) in zip(self.urls, results)}
 
+  def adopt(self, version: int, path: str) -> None:
+    """The servers were started on `path` as `version` (the embedded servers): no first load is needed, so
+    with the wire the next version already goes over it, and a resync sends `path` until a newer export."""
+    protocol.version_to_wire(version)
+    self.latest_version, self.latest_dir, self.latest_dir_version = version, os.path.abspath(path), version
+
   async def _export(self, params: Any, version: int) -> str:
     """root/v{version}, exported and checked against the reference; latest_dir from then on."""
     try:  # checked before the rename: root/vN (maybe the last good directory) is untouched by a refusal
@@ -175,6 +181,7 @@ class WeightPublisher:
         behind, members = self.urls, []
       else:
         self.wire_seconds.append(time.perf_counter() - t0)
+        self.pause_seconds += [self.wire_seconds[-1]] * len(members)  # paused together, group-formation included
         self._count("wire_versions")
         if self.client is not None:
           self.client.gauge("publish_wire_seconds", self.wire_seconds[-1])
