@@ -79,7 +79,8 @@ class WireSender:
     self.timeout_s, self.master_address = timeout_s, master_address
     self.members: list[str] = []
     self._pg: Any = None
-    self._pack_fns: dict[int, Any] = {}
+    self._pack_fns: dict[Any, Any] = {}
+    self._prefetched: Optional[asyncio.Task] = None
     self.bytes_per_version = sum(t.nbytes for t in self.tensors)
 
   # -- the group ---------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ class WireSender:
   async def teardown(self, admin: Optional[admin_lib.AdminSession]) -> None:
     """Destroys our side, then asks the members to drop theirs (best effort: a dead one cannot answer)."""
     pg, members = self._pg, self.members
-    self._pg, self.members = None, []
+    self._pg, self.members, self._prefetched = None, [], None
     if pg is None:
       return
     await asyncio.to_thread(wire_group.destroy, pg)
@@ -143,16 +144,24 @@ class WireSender:
       return self.torch.utils.dlpack.from_dlpack(packed)
     return self.torch.from_numpy(np.array(jax.device_get(packed)))  # gloo from a GPU: through host memory
 
+  def prefetch(self, params: Any) -> asyncio.Task:
+    """Starts packing the first bucket (before the servers are paused: packing is the learner's work)."""
+    self._prefetched = asyncio.create_task(asyncio.to_thread(self._bucket_tensor, params, 0))
+    return self._prefetched
+
   async def send(self, admin: admin_lib.AdminSession, params: Any, wire_version: str, *,
                  flush_cache: bool) -> dict[str, float]:
     """Every bucket to every member; returns timings. Raises WireError naming the bucket and the servers."""
     if self._pg is None:
       raise WireError("no weight group (ensure_group first)")
     pack_s = bcast_s = 0.0
+    pending, self._prefetched = self._prefetched or self.prefetch(params), None
     for i, bucket in enumerate(self.buckets):
       last = i == len(self.buckets) - 1
       t0 = time.perf_counter()
-      tensor = await asyncio.to_thread(self._bucket_tensor, params, i)
+      tensor = await pending
+      # the next bucket is packed while this one travels (the servers wait paused meanwhile)
+      pending = None if last else asyncio.create_task(asyncio.to_thread(self._bucket_tensor, params, i + 1))
       t1 = time.perf_counter()
       body = {"names": [t.name for t in bucket], "dtypes": [t.dtype for t in bucket],
               "shapes": [list(t.shape) for t in bucket], "group_name": GROUP_NAME,
@@ -170,5 +179,7 @@ class WireSender:
       failed += [f"{u}: {r!r:.300}" for u, r in zip(self.members, results[1:])
                  if not isinstance(r, BaseException) and not (isinstance(r, dict) and r.get("success") is True)]
       if failed:
+        if pending is not None:
+          await asyncio.gather(pending, return_exceptions=True)  # its thread runs to the end anyway
         raise WireError(f"bucket {i + 1}/{len(self.buckets)} failed: " + "; ".join(failed))
     return {"pack_s": pack_s, "broadcast_s": bcast_s}
