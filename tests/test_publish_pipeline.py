@@ -311,3 +311,11 @@ def test_close_during_an_in_flight_publish_cancels_it_cleanly():
     asyncio.run(train.rl_loop(run, backend))
   assert backend.closed and ("start", 2) in backend.log and ("live", 2) not in backend.log
   assert not backend.pending.in_flight
+
+
+def test_wallclock_counts_the_learners_wait_for_a_background_publish():
+  from experiments import wallclock
+  new = {"throughput/publish_seconds": {1: 9.0}, "throughput/publish_blocked_seconds": {1: 0.5}}
+  assert wallclock._phase_series(new, "publish") == {1: 0.5}
+  assert wallclock._phase_series({"throughput/publish_seconds": {1: 9.0}}, "publish") == {1: 9.0}  # older runs
+  assert wallclock._phase_series(new, "wait") is None
