@@ -65,7 +65,7 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
     steps, acc = run.evals(metric)
     runs.append({"name": run.name, "lag": run.lag, "seed": run.seed, "endpoint": analysis.endpoint(steps, acc),
                  "rl_seconds": parsed["rl_seconds"], "rl_steps": int(run.config["rl"]["steps"]),
-                 "phases": {p: _median(run.series.get(f"throughput/{p}_seconds")) for p in MEDIANS},
+                 "phases": {p: _median(_phase_series(run.series, p)) for p in MEDIANS},
                  "evals": [(t, m[metric]) for _, t, m in parsed["evals"] if metric in m],
                  "steps": [s for s, _, m in parsed["evals"] if metric in m]})
   return runs, left_out
@@ -74,6 +74,14 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
 PHASES = ("wait", "learn", "publish")  # a step's seconds waiting for rollouts, updating, publishing (train.py)
 LOOP_CPU = "learn_loop_cpu"  # the event loop's CPU seconds during the update (client work beside the learner)
 MEDIANS = (*PHASES, LOOP_CPU)  # the throughput/<name>_seconds series each run's table cells come from
+
+
+def _phase_series(series: dict, phase: str):
+  """A phase's per-step seconds. publish: the learner's wait for it (publish_blocked) where the run logged
+  that; a background publish's own duration (publish_seconds) overlaps the next step."""
+  if phase == "publish" and "throughput/publish_blocked_seconds" in series:
+    return series["throughput/publish_blocked_seconds"]
+  return series.get(f"throughput/{phase}_seconds")
 
 
 def _median(series) -> float | None:

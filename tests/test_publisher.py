@@ -441,10 +441,10 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
   import ml_collections
   from vcpo_jax.job import train
   from vcpo_jax.job import batching
-  from vcpo_jax.rollout import http_backend
+  from vcpo_jax.rollout import backend as backend_lib, http_backend
   procs, urls = _fake_servers(tmp_path, 1)
 
-  class Backend:  # the HTTP backend's publish and stats over a fake server; no generation needed
+  class Backend(backend_lib.RolloutBackend):  # the HTTP backend's publish and stats over a fake server
     def __init__(self):
       self.client = self.pub = None
       self.closed = False

@@ -1,4 +1,5 @@
 """benchmarks/bench_publish.py at the tiny shape against a real SGLang server: its fields, and the served weights."""
+import dataclasses
 import json
 import math
 import os
@@ -12,16 +13,19 @@ from tests.sglang.conftest import REPO, SGLANG_PYTHON, requires_sglang
 
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.slow,
               pytest.mark.timeout(1200)]
-REPEATS = 2  # with the job's keep_versions=3, v0 .. v2 stay on disk for the recompute
-PARTS = ("export_s", "update_s", "pause_s", "publish_s")
+REPEATS = 2  # with the job's keep_versions=3, every version an arm published stays on disk for the recompute
+PARTS = ("blocked_s", "publish_s", "export_s", "update_s", "pause_s")
+ARMS = ("disk float32", "disk bf16")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("publish")
   out = str(tmp / "results-publish")
+  # A float32 server: the served log-probs are then comparable with the learner's recompute of each export.
   argv = [sys.executable, "-m", "benchmarks.bench_publish", "--shape=tiny", f"--repeats={REPEATS}",
-          f"--workdir={tmp / 'work'}", f"--out={out}", f"--sglang-python={SGLANG_PYTHON}"]
+          f"--workdir={tmp / 'work'}", f"--out={out}", f"--sglang-python={SGLANG_PYTHON}",
+          "--server-dtype=float32", "--step-seconds=1", f"--arms={','.join(ARMS)}"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1100)
@@ -29,45 +33,64 @@ def result(tmp_path_factory):
   with open(out + ".json") as f:
     data = json.load(f)
   with open(out + ".md") as f:
-    return data, f.read(), str(tmp / "work" / "weights")
+    return data, f.read(), str(tmp / "work")
+
+
+def _version_dir(work, arm, version):
+  return os.path.join(work, "weights", "v0") if version == 0 else \
+      os.path.join(work, "arms", arm.replace(" ", "_"), f"v{version}")
 
 
 def test_figures_and_rounds(result):
-  data, md, root = result
-  figs = {f["key"]: f for f in data["figures"]}
-  gb = data["exported_bytes"] / 1e9
-  for part in PARTS:
-    seconds, per_gb = figs[f"publish_{part}"], figs[f"publish_{part}_per_gb"]
-    assert seconds["error"] is None and seconds["stats"]["n"] == REPEATS
-    assert 0 < seconds["value"] < 600 and math.isclose(per_gb["value"], seconds["value"] / gb, rel_tol=1e-9)
-  assert figs["learner_step_s"]["value"] is None and "not measured" in figs["learner_step_s"]["note"]
-  assert [r["version"] for r in data["rounds"]] == list(range(1, REPEATS + 1))
-  for r in data["rounds"]:
-    assert r["served_weight_version"] == f"v{r['version']}" and r["update_calls"] >= 1
-    assert r["update_s"] <= r["pause_s"] <= r["publish_s"]
-  # The bytes are the exported tensors' (read back independently) plus a little JSON.
+  from benchmarks import bench_publish  # noqa: PLC0415
   from safetensors.numpy import load_file  # noqa: PLC0415
-  tensors = load_file(os.path.join(root, "v0", "model.safetensors"))
-  assert data["param_bytes"] == sum(t.nbytes for t in tensors.values())
-  assert data["param_count"] == sum(t.size for t in tensors.values())
-  assert data["param_bytes"] <= data["exported_bytes"] < data["param_bytes"] + 2_000_000
-  assert {r["size"] for r in data["estimates"]} == {"0.5b", "1.5b", "7b"}
+  data, md, work = result
+  figs = {f["key"]: f for f in data["figures"]}
+  assert list(data["arms"]) == list(ARMS)
+  for i, arm in enumerate(ARMS):
+    m = data["arms"][arm]
+    gb = m["published_bytes"] / 1e9
+    for part in PARTS:
+      key = f"{bench_publish._slug(arm)}_{part}"
+      seconds, per_gb = figs[key], figs[f"{key}_per_gb"]
+      assert seconds["error"] is None and seconds["stats"]["n"] == REPEATS
+      assert 0 <= seconds["value"] < 600 and math.isclose(per_gb["value"], seconds["value"] / gb, rel_tol=1e-9)
+    versions = [r["version"] for r in m["rounds"]]
+    assert versions == list(range(1 + i * REPEATS, 1 + (i + 1) * REPEATS))
+    for r in m["rounds"]:
+      assert r["update_s"] <= r["pause_s"] <= r["publish_s"] and r["blocked_s"] >= r["dispatch_s"]
+    # The bytes are the arm's exported tensors, read back independently, in its dtype.
+    tensors = load_file(os.path.join(_version_dir(work, arm, versions[-1]), "model.safetensors"))
+    assert m["published_bytes"] == sum(t.nbytes for t in tensors.values())
+    assert {str(t.dtype) for t in tensors.values()} == {"float32" if arm == "disk float32" else "bfloat16"}
+  assert data["arms"]["disk bf16"]["published_bytes"] * 2 == data["arms"]["disk float32"]["published_bytes"]
+  assert {(r["size"], r["arm"]) for r in data["estimates"]} == {(s, a) for s in ("0.5b", "1.5b", "7b") for a in ARMS}
+  assert figs["learner_step_s"]["value"] is None and "not measured" in figs["learner_step_s"]["note"]
   assert md.splitlines()[2] == f"`{data['command']}`" and "--shape=tiny" in data["command"]
 
 
-def test_served_weights_are_the_published_ones(result):
-  """The probe's served log-probs before and after match the learner's float32 recompute of v0 and the last
-  version's exported weights, and the two differ: the server runs the new weights."""
+@pytest.mark.parametrize("index", range(len(ARMS)))
+def test_served_weights_are_the_published_ones(result, index):
+  """Each arm's probe before and after match the learner's float32 recompute of the version served before it
+  and of its last export, and the two differ: the server runs the new weights."""
+  import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from vcpo_jax.model import hf, transformer  # noqa: PLC0415
-  data, _, root = result
-  probe = data["probe"]
+  data, _, work = result
+  arm = ARMS[index]
+  probe = data["arms"][arm]["probe"]
   tokens = jnp.asarray([probe["ids"]], jnp.int32)
+  before = index * REPEATS  # v0, or the previous arm's last version
+  after = before + REPEATS
   recomputed = {}
-  for version in (0, REPEATS):
-    params, cfg = hf.import_hf(os.path.join(root, f"v{version}"))
+  for version, owner in ((before, ARMS[index - 1] if index else arm), (after, arm)):
+    params, cfg = hf.import_hf(_version_dir(work, owner, version))
+    # The served float32 model: a bf16 export's values, exactly, in float32.
+    cfg = dataclasses.replace(cfg, param_dtype="float32", dtype="float32")
+    params = jax.tree.map(lambda x: np.asarray(x).astype(np.float32), params)
     recomputed[version] = np.asarray(transformer.token_logprobs(params, cfg, tokens, jnp.ones_like(tokens)))[0, 1:]
-  assert probe["version_before"] == "v0" and probe["version_after"] == f"v{REPEATS}"
-  np.testing.assert_allclose(probe["logprobs_before"], recomputed[0], atol=1e-4)
-  np.testing.assert_allclose(probe["logprobs_after"], recomputed[REPEATS], atol=1e-4)
-  assert np.abs(recomputed[0] - recomputed[REPEATS]).max() > 1e-2
+  assert probe["version_before"] == f"v{before}" and probe["version_after"] == f"v{after}"
+  np.testing.assert_allclose(probe["logprobs_before"], recomputed[before], atol=1e-4)
+  np.testing.assert_allclose(probe["logprobs_after"], recomputed[after], atol=1e-4)
+  assert np.abs(recomputed[before] - recomputed[after]).max() > 1e-2
+
