@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 
+from vcpo_jax import orphans
 from vcpo_jax.tasks import sandbox_launcher
 
 # What `SandboxResult.kind` can be, so a tool can count errors by kind.
@@ -108,6 +109,7 @@ def _run(code: str, limits: SandboxLimits, workdir: str, start: float) -> Sandbo
     (out, err, status), truncated, killed_for = _collect(proc, status_r, limits, start + limits.wall_seconds)
   finally:
     _kill_group(proc)  # whatever is left; the leader is not reaped yet, so its group id cannot be reused
+    orphans.reap_session(proc.pid)  # what the kill orphaned, where this process is PID 1 (a container)
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()
