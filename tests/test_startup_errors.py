@@ -62,3 +62,19 @@ def test_the_traceback_when_asked_for(tmp_path):
   assert r.returncode == 1
   assert "Traceback (most recent call last)" in r.stderr
   assert "ConfigError: invalid config: rl.max_lag=-1: must be an int >= 0" in r.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args,line", [
+    (["--config=configs/countdown.py", "--config.rl.max_lagg=1"],
+     'error: rl.max_lagg: not a config field; did you mean "max_lag"?'),
+    (["--config=configs/countdown.py", "--config.rl.max_lag=abc"],
+     "error: rl.max_lag: invalid literal for int() with base 10: 'abc'"),
+    (["--config=configs/no_such_config.py"],
+     "error: config: cannot load the config file: [Errno 2] No such file or directory: "
+     "'configs/no_such_config.py'"),
+])
+def test_bad_flags_and_config_files_are_one_line(tmp_path, args, line):
+  r = subprocess.run([sys.executable, "-m", "vcpo_jax.main", f"--workdir={tmp_path / 'w'}", *args],
+                     capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert (r.returncode, r.stderr.strip().splitlines()) == (2, [line]), r.stderr[-3000:]

@@ -35,14 +35,20 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck run)
   try:
+    config = _CONFIG.value
+    config.keys()  # a config file that failed to load raises on first use
+  except OSError as e:
+    startup_errors.exit_if_config_file_error(e, traceback_wanted)
+    raise
+  try:
     # Before JAX touches a device: on a GPU shared with embedded servers, no process preallocates most of it.
-    placement.configure_learner(placement.config_plan(_CONFIG.value))
-    processes.initialize(_CONFIG.value.get("distributed"))  # before JAX touches a device; no-op for 1 process
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    placement.configure_learner(placement.config_plan(config))
+    processes.initialize(config.get("distributed"))  # before JAX touches a device; no-op for 1 process
+    train.train_and_evaluate(config, _WORKDIR.value)
   except ValueError as e:
     startup_errors.exit_if_config_error(e, traceback_wanted)
     raise
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=startup_errors.parse_flags)

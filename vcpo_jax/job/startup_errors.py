@@ -1,9 +1,12 @@
 """Config and data errors as one line a person can read (`error: <field>: <reason>`, exit status 2)."""
 from __future__ import annotations
 
+import os
 import re
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+from absl import flags
 
 EXIT_STATUS = 2  # a usage error, as a shell tool reports one; unexpected failures keep Python's 1
 PREFIX = "invalid config: "  # how every config check's ValueError begins, wherever it is raised
@@ -63,3 +66,43 @@ def exit_if_config_error(e: BaseException, traceback_wanted: bool) -> None:
   if line is not None and not traceback_wanted:
     print(line, file=sys.stderr)
     raise SystemExit(EXIT_STATUS)
+
+
+def _exit(line: str) -> None:
+  print(" ".join(line.splitlines()), file=sys.stderr)
+  raise SystemExit(EXIT_STATUS)
+
+
+def _override_named(key: str, argv: Sequence[str]) -> str | None:
+  """The `--config.<path>` override whose path has the component `key`, as `<path>`."""
+  for arg in argv:
+    path = arg.split("=", 1)[0].removeprefix("--config.")
+    if arg.startswith("--config.") and key in path.split("."):
+      return path
+  return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (app.run's flags_parser) with its errors as one line and exit status 2: a value of
+  the wrong type, an unknown or missing flag, an override that names no config field."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:  # `flag --config.rl.max_lag=abc: invalid literal ...`, unknown or missing flags
+    m = re.match(r"flag --(?:config\.)?([\w.-]+)=.*?: (.*)", str(e), re.S)
+    _exit(f"error: {m[1]}: {m[2]}" if m else f"error: flags: {e}")
+  except (AttributeError, KeyError) as e:  # ml_collections: an override naming no field ("Did you mean ...")
+    text = str(e.args[0]) if e.args else str(e)
+    key = re.match(r"""\W*(\w+)""", text)
+    path = key and _override_named(key[1], argv)
+    if path is None or os.environ.get(TRACEBACK_VAR):
+      raise
+    hint = re.search(r'Did you mean "(\w+)"', text)
+    _exit(f"error: {path}: not a config field" + (f'; did you mean "{hint[1]}"?' if hint else ""))
+  return []  # not reached
+
+
+def exit_if_config_file_error(e: OSError, traceback_wanted: bool) -> None:
+  """The --config file could not be loaded (ml_collections reports it when the config is first read)."""
+  if not traceback_wanted:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    _exit(f"error: config: cannot load the config file: {lines[-1] if lines else e}")
