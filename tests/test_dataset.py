@@ -2,6 +2,7 @@
 prompts through the chat template, warm-start targets, context fitting, and every bad input's error."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 from configs import dataset as dataset_config
 from experiments import make_word_problems
 from vcpo_jax import tasks
-from vcpo_jax.job import configuration, data
+from vcpo_jax.job import configuration, data, startup_errors
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.tasks import dataset_files
 
@@ -205,17 +206,22 @@ def test_prompt_the_task_tokenizer_cannot_encode_is_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-def _bad(tmp_path, rows=None, raw=None, name="bad.jsonl", **options):
+def _bad_files(tmp_path, rows=None, raw=None, name="bad.jsonl", **options):
   path = tmp_path / name
   if raw is not None:
     path.write_bytes(raw)
   elif rows is not None:
     _write_jsonl(path, rows)
   good = _write_jsonl(tmp_path / "good.jsonl", [{"question": "q", "answer": "1"}])
-  return tasks.get_task("dataset", train_files=str(path), eval_files=good, **options)
+  return dict(train_files=str(path), eval_files=good, **options)
 
 
-@pytest.mark.parametrize("kwargs,message", [
+def _bad(tmp_path, **kwargs):
+  return tasks.get_task("dataset", **_bad_files(tmp_path, **kwargs))
+
+
+# Every bad input docs/data.md lists ("Bad input"), and the error each gives.
+BAD_INPUTS = [
     (dict(), r"task.options.dataset.train_files: dataset file '.*bad.jsonl' does not exist"),
     (dict(raw=b""), r"bad.jsonl' has no rows"),
     (dict(raw=b"\n\n"), r"bad.jsonl' has no rows"),
@@ -246,10 +252,38 @@ def _bad(tmp_path, rows=None, raw=None, name="bad.jsonl", **options):
     (dict(rows=[{"question": "q", "answer": "1"}], verifier_by_source="bad=nothing"),
      r"verifier_by_source\['bad'\]='nothing': unknown verifier"),
     (dict(rows=[{"question": "q", "answer": "1"}], schema="csv"), r"schema='csv': must be one of"),
-])
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_INPUTS)
 def test_bad_input_is_an_error_naming_file_row_and_field(tmp_path, kwargs, message):
   with pytest.raises(ValueError, match=message):
     _bad(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_INPUTS)
+def test_bad_input_in_the_job_config_is_one_line_and_exit_status_2(tmp_path, capsys, kwargs, message):
+  """What `python -m vcpo_jax.main` prints for it (main.py calls exit_if_config_error): one line naming the
+  deepest field, the file and the row, never the whole options section, and exit status 2."""
+  config = dataset_config.get_config()
+  config.task.options.dataset.update(_bad_files(tmp_path, **kwargs))
+  with pytest.raises(ValueError) as raised:
+    configuration.validate_config(config)
+  with pytest.raises(SystemExit) as exited:
+    startup_errors.exit_if_config_error(raised.value, traceback_wanted=False)
+  assert exited.value.code == 2
+  line = capsys.readouterr().err
+  assert line.count("\n") == 1 and line.startswith("error: task.options.dataset"), line
+  field_value_why = re.fullmatch(r"(.*?)='(.*?)': (.*)", message)  # the raw error's `field='value': why`
+  if field_value_why:  # reads `field: why ... (got 'value')`
+    field, value, why = field_value_why.groups()
+    assert re.search(field + ": " + why, line) and f"(got '{value}')" in line, line
+  else:
+    assert re.search(message, line), line
+  assert "'answer_key': 'answer'" not in line  # no dump of the section
+  if "bad." in message:
+    assert str(tmp_path / "bad.") in line  # the file, by its path
+  startup_errors.exit_if_config_error(raised.value, traceback_wanted=True)  # asked for: the caller re-raises
 
 
 def test_no_files_and_config_errors_name_the_config_field(word_problems):

@@ -1,6 +1,7 @@
 """The code sandbox contains what model-written code can do: each attack is run in a real process, counted by kind."""
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import uuid
 
 import pytest
 
-from vcpo_jax.tasks.sandbox import KINDS, SandboxLimits, run_python
+from vcpo_jax.tasks import sandbox
+from vcpo_jax.tasks.sandbox import KINDS, SandboxLimits, run_python, sandbox_launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A uid range of the tests' own, so leftover processes of the sandbox can be found by uid.
@@ -48,6 +50,21 @@ def test_normal_code_returns_its_output():
   result = run_python("print(2**100)", FAST)
   assert (result.kind, result.exit_code, result.stdout) == ("ok", 0, f"{2**100}\n")
   assert result.kind in KINDS and not result.stdout_truncated
+
+
+def test_a_caller_whose_interpreter_lives_under_tmp(monkeypatch):
+  """A clone with its venv under /tmp: the sandbox's own /tmp hides that path, so it runs the real file."""
+  venv = tempfile.mkdtemp(dir="/tmp", prefix="vcpo sandbox venv ")
+  try:
+    os.symlink(os.path.realpath(sys.executable), os.path.join(venv, "python"))
+    monkeypatch.setattr(sys, "executable", os.path.join(venv, "python"))
+    result = run_python("print(2 + 2)", FAST)
+    assert (result.kind, result.stdout) == ("ok", "4\n"), result.stderr
+    for drop_privileges in (False, True):  # a non-root caller keeps its interpreter; root may need another
+      chosen = sandbox._default_python(drop_privileges)
+      assert not chosen.startswith("/tmp/") and os.access(chosen, os.X_OK), chosen
+  finally:
+    shutil.rmtree(venv)
 
 
 def test_nonzero_exit_and_stderr():
@@ -112,7 +129,11 @@ def test_writes_outside_its_directory_land_nowhere():
   assert not any(os.path.exists(path) for path in targets), result.stdout
   if os.geteuid() == 0:
     assert "uid" in result.isolation
-    assert f"refused {ROOT / name} PermissionError" in result.stdout  # the repository is not writable
+    # The repository is not writable; where the clone lives under a directory the sandbox replaces with its own
+    # tmpfs (a clone under /tmp), it is not even there.
+    hidden = "tmp" in result.isolation and any(
+        os.path.realpath(ROOT).startswith(d + "/") for d in sandbox_launcher.PRIVATE_DIRS)
+    assert f"refused {ROOT / name} {'FileNotFoundError' if hidden else 'PermissionError'}" in result.stdout
   assert result.stdout.splitlines()[0].endswith(" []")  # it starts in an empty directory
 
 

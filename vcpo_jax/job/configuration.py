@@ -12,6 +12,7 @@ import ml_collections
 
 from vcpo_jax import tasks
 from vcpo_jax.algo import losses
+from vcpo_jax.job.startup_errors import ConfigError
 from vcpo_jax.learner import config as learner_config_lib
 from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
@@ -26,7 +27,7 @@ AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole gro
 
 
 def _fail(field: str, value: Any, why: str):
-  raise ValueError(f"invalid config: {field}={value!r}: {why}")
+  raise ConfigError(field, value, why)
 
 
 # ------------------------------------------------------------------------------------- option sub-dicts
@@ -202,8 +203,9 @@ def _validate_scalars(config):
 
 def _validate_algo(config):
   a, rl = config.algo, config.rl
-  losses.ADVANTAGE_ESTIMATORS.get(a.advantage)   # unknown names are errors listing the known ones
-  losses.POLICY_LOSSES.get(a.policy_loss)
+  for field, registry in (("advantage", losses.ADVANTAGE_ESTIMATORS), ("policy_loss", losses.POLICY_LOSSES)):
+    if a[field] not in registry:
+      _fail(f"algo.{field}", a[field], f"unknown name; known names: {registry.names()}")
   if a.aggregation not in losses.AGGREGATIONS:
     _fail("algo.aggregation", a.aggregation, f"must be one of {sorted(losses.AGGREGATIONS)}")
   micro = a.micro_batch_size

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from vcpo_jax import orphans
+
 # Requests and replies are pickles framed by their length; the worker's stdin and original stdout carry them.
 _HEADER = struct.Struct("<Q")
 
@@ -86,6 +88,7 @@ class _Worker:
         f.close()
       except OSError:
         pass
+    orphans.reap_session(self.proc.pid)  # what the kill orphaned, where this process is PID 1 (a container)
     try:
       self.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 
+from vcpo_jax import orphans
 from vcpo_jax.tasks import sandbox_launcher
 
 # What `SandboxResult.kind` can be, so a tool can count errors by kind.
@@ -108,6 +109,7 @@ def _run(code: str, limits: SandboxLimits, workdir: str, start: float) -> Sandbo
     (out, err, status), truncated, killed_for = _collect(proc, status_r, limits, start + limits.wall_seconds)
   finally:
     _kill_group(proc)  # whatever is left; the leader is not reaped yet, so its group id cannot be reused
+    orphans.reap_session(proc.pid)  # what the kill orphaned, where this process is PID 1 (a container)
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()
@@ -131,10 +133,14 @@ def _run(code: str, limits: SandboxLimits, workdir: str, start: float) -> Sandbo
 
 
 def _default_python(drop_privileges: bool) -> str:
-  """The caller's interpreter, unless privileges are dropped and other users cannot reach it or its stdlib."""
-  if not drop_privileges or all(map(_others_can_enter, (sys.executable, os.path.dirname(os.__file__)))):
-    return sys.executable
-  return "/usr/bin/python3"
+  """The caller's interpreter (its real file: -I -S ignores a venv), unless it or its stdlib lies under a
+  directory the sandbox replaces with its own tmpfs (a venv under /tmp), or privileges are dropped and other
+  users cannot reach them."""
+  paths = [os.path.realpath(p) for p in (sys.executable, os.path.dirname(os.__file__))]
+  hidden = any(p.startswith(d + "/") for p in paths for d in sandbox_launcher.PRIVATE_DIRS)
+  if hidden or (drop_privileges and not all(map(_others_can_enter, paths))):
+    return "/usr/bin/python3"
+  return paths[0]
 
 
 def _others_can_enter(path: str) -> bool:

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Mapping, Sequence
 
+from vcpo_jax import orphans
 from vcpo_jax.rollout.servers import placement
 
 
@@ -64,10 +65,10 @@ def end_process_tree(proc: subprocess.Popen, grace_s: float = 5.0):
         os.kill(pid, sig)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(is_alive(p) for p in pids):
-      time.sleep(0.1)
-      proc.poll()
+      time.sleep(0.1)  # the child stays unreaped (a zombie is not alive): its pid names its session below
     if not any(is_alive(p) for p in pids):
       break
+  orphans.reap_session(proc.pid, grace_s)  # what the kill orphaned, where this process is PID 1 (a container)
   with contextlib.suppress(subprocess.TimeoutExpired):
     proc.communicate(timeout=grace_s)
 
