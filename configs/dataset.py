@@ -5,7 +5,7 @@
   python -m vcpo_jax.main --config=configs/dataset.py:demo --workdir=runs/word_problems
 
 `arg`: '' (your files, the CPU model of configs/countdown.py), 'demo' (word problems from
-experiments/make_word_problems.py, written on first use to $VCPO_WORD_PROBLEMS or else workdir/word_problems
+vcpo_jax/tasks/files/word_problems.py, written on first use to $VCPO_WORD_PROBLEMS or else workdir/word_problems
 in this checkout, read as parquet) or 'demo_jsonl' (the same rows read from the JSONL files). For a pretrained model use
 configs/qwen2_5.py with --config.task.name=dataset and the same task options (docs/data.md).
 """
@@ -22,11 +22,11 @@ VARIANTS = ("", "demo", "demo_jsonl")
 
 
 def demo_files(ext: str, directory: str = DEMO_DIR) -> tuple[str, str]:
-  """(train, test) paths of the demo set, written by experiments.make_word_problems if absent."""
+  """(train, test) paths of the demo set, written by vcpo_jax.tasks.files.word_problems if absent."""
   directory = os.path.normpath(directory)
   train, test = (os.path.join(directory, f"{split}.{ext}") for split in ("train", "test"))
   if not (os.path.exists(train) and os.path.exists(test)):
-    from experiments import make_word_problems  # noqa: PLC0415 - only the demo needs it
+    from vcpo_jax.tasks.files import word_problems as make_word_problems  # noqa: PLC0415 - only the demo needs it
     make_word_problems.write(directory)
   return train, test
 

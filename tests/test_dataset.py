@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dataset as dataset_config
-from experiments import make_word_problems
+from vcpo_jax.tasks.files import word_problems as make_word_problems
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration, data
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import dataset_files
+from vcpo_jax.tasks.files import reading as dataset_files
 
 TOK = tokenizer_lib.build_tokenizer()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

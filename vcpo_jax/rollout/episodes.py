@@ -20,7 +20,8 @@ import numpy as np
 
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import multiturn, offload, protocol, types
+from vcpo_jax.calls import offload
+from vcpo_jax.rollout import multiturn, protocol, types
 
 
 def _as_reward(outcome: offload.Outcome) -> tuple[Optional[float], bool]:

@@ -6,16 +6,16 @@ import dataclasses
 
 # Each built-in task and environment module registers its class (base.register_task,
 # environment.register_environment) when imported here.
-from vcpo_jax.tasks.calculator import Calculator
+from vcpo_jax.tasks.environments.calculator import Calculator
 from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.arithmetic_code import ArithmeticCode
 from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
 from vcpo_jax.tasks.dataset import Dataset
-from vcpo_jax.tasks.environment import ENVIRONMENTS, Environment, register_environment
-from vcpo_jax.tasks.python_tool import PythonTool
-from vcpo_jax.tasks.tool_calls import ToolError
+from vcpo_jax.tasks.environments.base import ENVIRONMENTS, Environment, register_environment
+from vcpo_jax.tasks.environments.python_tool import PythonTool
+from vcpo_jax.tasks.environments.tool_calls import ToolError
 
 
 def get_task(name: str, *, render_prompt=None, **options) -> Task:

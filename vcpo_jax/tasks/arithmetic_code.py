@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import arithmetic, base, environment as environment_lib, python_tool
+from vcpo_jax.tasks import arithmetic, base
+from vcpo_jax.tasks.environments import base as environment_lib, python_tool
 
 # Kinds of wrong warm-start traces, and the default shares.
 WRONG_KINDS = "miscopy:0.5,misread:0.25,guess:0.25"

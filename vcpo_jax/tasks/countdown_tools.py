@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import base, calculator, countdown, environment as environment_lib
+from vcpo_jax.tasks import base, countdown
+from vcpo_jax.tasks.environments import base as environment_lib, calculator
 
 
 def compact(e: countdown.Expr) -> str:

@@ -12,7 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import base, dataset_files, verifiers
+from vcpo_jax.tasks import base
+from vcpo_jax.tasks.files import reading as dataset_files, verifiers
 
 FIELD = "task.options.dataset"
 # Room left for a warm-start target's wrong variant (a changed final number) beyond the reference's length.

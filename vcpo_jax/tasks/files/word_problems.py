@@ -1,6 +1,6 @@
 """Writes a generated word-problem set (numeric answers, with a solution column) as verl-schema parquet and JSONL.
 
-    python -m experiments.make_word_problems --out=DIR [--train_size=4000] [--test_size=512] [--seed=0]
+    python -m vcpo_jax.tasks.files.word_problems --out=DIR [--train_size=4000] [--test_size=512] [--seed=0]
 
 DIR gets train.parquet, test.parquet, train.jsonl and test.jsonl: the same rows in both formats, in verl's
 schema (`data_source`, `prompt` as chat messages, `ability`, `reward_model.ground_truth`, `extra_info`) plus a

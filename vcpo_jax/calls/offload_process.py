@@ -1,4 +1,4 @@
-"""A "process" CallPool's worker processes (`python -m vcpo_jax.rollout.offload_process`), replaced if late or dead."""
+"""A "process" CallPool's worker processes (`python -m vcpo_jax.calls.offload_process`), replaced if late or dead."""
 from __future__ import annotations
 
 import os
@@ -57,7 +57,7 @@ class _Worker:
 
   def __init__(self, memory_mb: int):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the caller's modules
-    cmd = [sys.executable, "-m", "vcpo_jax.rollout.offload_process", str(int(memory_mb))]
+    cmd = [sys.executable, "-m", "vcpo_jax.calls.offload_process", str(int(memory_mb))]
     # stdin/stdout carry frames; the worker's own prints go to its stderr (the job's log).
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
                                  start_new_session=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Callable, Optional
 
-from vcpo_jax.tasks import environment, safe_eval, tool_calls
+from vcpo_jax.tasks import safe_eval
+from vcpo_jax.tasks.environments import base as environment, tool_calls
 
 # EvalError message fragment -> the fixed phrase the model sees (first match wins; anything else: malformed).
 _ERROR_PHRASES = (("longer than", "too long"), ("not allowed", "bad character"), ("division by zero",

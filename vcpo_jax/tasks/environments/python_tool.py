@@ -16,7 +16,7 @@ import string
 import warnings
 from typing import Optional
 
-from vcpo_jax.tasks import environment, sandbox, tool_calls
+from vcpo_jax.tasks.environments import base as environment, sandbox, tool_calls
 
 # Markup a reply must not carry: the chat's special tokens, the tool format's tags and the answer's.
 _MARKUP_RE = re.compile(r"<\|[^<>|]{0,64}\|>|</?tool_call>|</?tool_response>|</?answer>|\\boxed\{")

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from vcpo_jax.tasks import sandbox_launcher
+from vcpo_jax.tasks.environments import sandbox_launcher
 
 # What `SandboxResult.kind` can be, so a tool can count errors by kind.
 KINDS = ("ok", "nonzero_exit", "syntax_error", "memory", "cpu_limit", "timeout", "output_limit", "killed",

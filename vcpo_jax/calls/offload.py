@@ -10,7 +10,7 @@ Three kinds, one interface:
 - "thread": a bounded thread pool, for functions that need the caller's objects (a per-episode environment).
   A call past its timeout is reported as one, but Python cannot stop a thread: it keeps its worker until it
   returns, so a pool whose threads all hang stops answering (each call then times out). Use it for trusted code.
-- "process": worker processes (`python -m vcpo_jax.rollout.offload_process`), each calling in its main thread, so
+- "process": worker processes (`python -m vcpo_jax.calls.offload_process`), each calling in its main thread, so
   libraries that time themselves out with signals (math-verify) work; a call past its timeout, or one that
   kills its process, costs that worker, which is replaced. Functions and arguments travel pickled: a function
   is sent by reference (module and name), so it must be importable in a fresh process.
@@ -23,7 +23,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Optional
 
-from vcpo_jax.rollout.offload_process import Workers, one_line
+from vcpo_jax.calls.offload_process import Workers, one_line
 
 KINDS = ("inline", "thread", "process")
 ERROR_KINDS = ("timeout", "exception", "crash")

@@ -21,7 +21,7 @@ import typing
 from typing import Any, Callable, Mapping, Optional
 
 from vcpo_jax import registry
-from vcpo_jax.tasks import tool_calls
+from vcpo_jax.tasks.environments import tool_calls
 
 
 _JSON_OF = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
