@@ -200,13 +200,13 @@ def _reward(episode_env: Any, completion: str) -> Any:
 def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional[int] = None
                ) -> Optional[EpisodeRunner]:
   """The episode runner of a task with a tool environment (None for single-turn tasks), calling in the
-  environment's pool (the job's tools pool; inline when none is set)."""
+  environment's pool (the job's tools pool, passed to the task; inline when None)."""
   env = task.environment()
   if env is None:
     return None
   return EpisodeRunner(env, encode=tokenizer.encode, decode=lambda ids: completion_text(tokenizer, ids),
                        stop_ids=tokenizer.stop_ids, max_new_tokens=max_new_tokens,
-                       context_length=context_length, pool=getattr(env, "pool", None))
+                       context_length=context_length, pool=env.pool)
 
 
 # The tools pool (config section `tools`): thread or inline only, since an episode's environment lives here.

@@ -18,14 +18,17 @@ from vcpo_jax.tasks.environments.python_tool import PythonTool
 from vcpo_jax.tasks.environments.tool_calls import ToolError
 
 
-def get_task(name: str, *, render_prompt=None, **options) -> Task:
+def get_task(name: str, *, render_prompt=None, tool_pool=None, **options) -> Task:
   """The task `name` built with `options`; unknown names or options raise ValueError listing the known ones.
   render_prompt (user text -> prompt text, e.g. a pretrained Tokenizer.chat_prompt) replaces the default
-  chat format."""
+  chat format; tool_pool (a calls.offload.CallPool) runs an environment's calls (None: inline)."""
   if name not in TASKS:
     raise ValueError(f"unknown task name {name!r}; known: {TASKS.names()}")
   entry = TASKS.get(name)
-  task = entry.fn(**dataclasses.asdict(entry.make_options(options)))
+  kwargs = dataclasses.asdict(entry.make_options(options))
+  if tool_pool is not None:
+    kwargs["tool_pool"] = tool_pool
+  task = entry.fn(**kwargs)
   return task if render_prompt is None else task.use_chat_template(render_prompt)
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from vcpo_jax import registry
 from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.tasks.environments import base as environment_lib
 
 SPLITS = ("train", "eval")
 _HASH_BUCKETS = 1 << 20
@@ -65,34 +66,59 @@ def _last_boxed(text: str) -> str | None:
   return None
 
 
-# name -> task class; options are the constructor's keyword parameters (--config.task.options.<name>.<field>).
+# name -> task class; options are the constructor's keyword parameters (--config.task.options.<name>.<field>),
+# less the objects the job passes in (NOT_OPTIONS).
 TASKS = registry.Registry("task", facts={})
+NOT_OPTIONS = ("tool_pool",)
 
 
 def register_task(cls):
   """Class decorator: registers a Task subclass under its `name`, its options taken from its constructor."""
-  TASKS.register(cls.name, options=registry.options_from_signature(cls.__init__, cls.name))(cls)
+  TASKS.register(cls.name, options=registry.options_from_signature(cls.__init__, cls.name, skip=NOT_OPTIONS))(cls)
   return cls
 
 
 class Task(abc.ABC):
-  """A verifiable task. Examples are JSON-serialisable dicts with at least 'task', 'key' and 'prompt'."""
+  """A verifiable task. Examples are JSON-serialisable dicts with at least 'task', 'key' and 'prompt'.
+
+  Every task may have a tool environment, set by its options `environment` (a registered name or a user's
+  'module:Class'; '' for none: single turn), `environment_options` ('option=value,...') and `max_turns` (model
+  turns per episode), and run its calls in `tool_pool` (a calls.offload.CallPool the job passes in; None:
+  inline). The base builds the environment, declares its tools in the chat template and gives the episode
+  runner its factory (environment()): a subclass only passes these arguments on."""
 
   name: str = ""
   # File-backed tasks (tasks/dataset.py) list their examples (train_examples) instead of drawing them.
   from_files: bool = False
 
-  def __init__(self, eval_fraction: float = 0.1):
+  def __init__(self, eval_fraction: float = 0.1, *, environment: str = "",
+               environment_options: str | Mapping[str, Any] = "", max_turns: int = 4, tool_pool=None):
     if not 0.0 < eval_fraction < 1.0:
       raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
     self.eval_fraction = float(eval_fraction)
-    # user message -> prompt text; a pretrained model's tokenizer replaces it with its own chat template.
-    self.render_prompt: Callable[[str], str] = tokenizer_lib.chat_prompt
+    self.tools: environment_lib.EnvironmentFactory | None = None
+    if environment:
+      if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+      options = registry.parse_options(environment_options, "environment_options")
+      self.tools = environment_lib.make(environment, max_turns=max_turns, pool=tool_pool, **options)
+    elif environment_options:
+      raise ValueError(f"environment_options={environment_options!r} needs an environment (environment='')")
+    # user message -> prompt text; a pretrained model's tokenizer replaces it with its own chat template (one
+    # with tool support, model.chat.ChatFormat, when the task has an environment).
+    self.use_chat_template(tokenizer_lib.TASK_CHAT if self.tools else tokenizer_lib.chat_prompt)
 
   def use_chat_template(self, render_prompt: Callable[[str], str]) -> "Task":
-    """Renders every later example's prompt with `render_prompt` (e.g. Tokenizer.chat_prompt); returns self."""
-    self.render_prompt = render_prompt
+    """Renders every later example's prompt with `render_prompt` (e.g. Tokenizer.chat_prompt); with an
+    environment, prompts declare its tools to the template and replies are its tool messages. Returns self."""
+    self.chat = render_prompt
+    self.render_prompt = (render_prompt if self.tools is None
+                          else environment_lib.tool_prompt(self.name, self.tools, render_prompt))
     return self
+
+  def tool_declarations(self) -> list[dict] | None:
+    """The environment's tools as the chat template declares them (None: no environment)."""
+    return None if self.tools is None else self.tools.declarations()
 
   @abc.abstractmethod
   def _draw(self, rng: np.random.Generator) -> Example:
@@ -120,10 +146,10 @@ class Task(abc.ABC):
     import a verifier's heavy dependencies outside the per-call timeout), or None."""
     return None
 
-  def environment(self):
-    """The environment of a multi-turn task (a tasks.environment.EnvironmentFactory, e.g. the calculator's), or
+  def environment(self) -> environment_lib.EnvironmentFactory | None:
+    """The environment of a multi-turn task (its factory: the tools, the pool, one instance per episode), or
     None: single turn."""
-    return None
+    return self.tools
 
   def train_examples(self) -> list[Example] | None:
     """A file-backed task's train problems in order (job/data.py shuffles them by epoch); None: drawn by

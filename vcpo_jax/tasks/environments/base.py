@@ -8,8 +8,9 @@ Write one by subclassing `Environment` (the shape of TRL's environment_factory):
   it returns the reply's content, or raises `tool_calls.ToolError` for a failure the model may read;
 - `reward(completion)` may return the episode's reward (None: the task's reward applies);
 - constructor keyword parameters (with defaults) are the environment's options.
-Register it with `@register_environment`; `make(name, ...)` gives the `EnvironmentFactory` a task and the
-episode runner use: it declares the tools, and `start(example)` makes each episode's environment.
+Register it with `@register_environment`, or name it as 'module:Class' (the task option `environment`);
+`make(name, ...)` gives the `EnvironmentFactory` a task and the episode runner use: it declares the tools, and
+`start(example)` makes each episode's environment.
 """
 from __future__ import annotations
 
@@ -118,9 +119,9 @@ class EnvironmentFactory:
   """An environment as a task and the episode runner use it: the tools' declarations and the call format
   (declarations, call_text, stop_strings, max_turns), and `start(example)`: a fresh instance, reset from the
   example, wrapped in a tool_calls.ToolEnvironment that parses, checks and answers its calls. `pool` (a
-  rollout.offload.CallPool, thread or inline: the instances live in this process) runs starts, calls and
-  episode rewards off the rollout event loop (the job sets it from the config section `tools`,
-  rollout.episodes.tool_pool)."""
+  calls.offload.CallPool, thread or inline: the instances live in this process; None: inline) runs starts,
+  calls and episode rewards off the rollout event loop (the job builds it from the config section `tools` and
+  passes it to the task, which passes it here)."""
 
   stop_strings = tool_calls.ToolEnvironment.stop_strings
 
@@ -159,15 +160,44 @@ class EnvironmentFactory:
     return self.start().respond(turn_text)
 
 
+def environment_class(spec: str, *, field: str = "environment") -> type:
+  """A registered environment's class by name, or the user's 'module:Class' (an Environment subclass, imported
+  now: a missing module or class is an error naming `field` and `spec`)."""
+  if not isinstance(spec, str) or not spec.strip():
+    raise ValueError(f"{field}={spec!r}: name an environment ({ENVIRONMENTS.names()}) or a 'module:Class'")
+  spec = spec.strip()
+  if ":" not in spec:
+    if spec not in ENVIRONMENTS:
+      raise ValueError(f"{field}={spec!r}: unknown environment; known: {ENVIRONMENTS.names()} or a "
+                       f"'module:Class'")
+    return ENVIRONMENTS.get(spec).fn
+  module_name, _, attr = spec.partition(":")
+  try:
+    cls = registry._resolve(spec)
+  except ImportError as e:
+    raise ValueError(f"{field}={spec!r}: cannot import module {module_name!r} ({e}); it must be importable "
+                     f"(on PYTHONPATH) in the job") from None
+  except AttributeError:
+    raise ValueError(f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+  if not (isinstance(cls, type) and issubclass(cls, Environment)):
+    raise ValueError(f"{field}={spec!r}: {attr!r} is not a subclass of {__name__}.Environment")
+  try:
+    tools_of(cls)
+  except TypeError as e:
+    raise ValueError(f"{field}={spec!r}: {e}") from None
+  return cls
+
+
 def make(name: str, *, max_turns: int = 4, max_call_chars: int = 256,
-         render_reply: Optional[Callable[[str], str]] = None, **options) -> EnvironmentFactory:
-  """The registered environment `name` with its options; unknown names or options are errors listing the
-  known ones."""
-  if name not in ENVIRONMENTS:
-    raise ValueError(f"unknown environment name={name!r}; known: {ENVIRONMENTS.names()}")
-  entry = ENVIRONMENTS.get(name)
-  return EnvironmentFactory(entry.fn, dataclasses.asdict(entry.make_options(options)), max_turns=max_turns,
-                            max_call_chars=max_call_chars, render_reply=render_reply)
+         render_reply: Optional[Callable[[str], str]] = None, pool=None, field: str = "environment",
+         **options) -> EnvironmentFactory:
+  """The environment `name` (registered, or a user's 'module:Class') with its options, its calls run in `pool`
+  (a calls.offload.CallPool; None: inline); unknown names or options are errors listing the known ones."""
+  cls = environment_class(name, field=field)
+  entry = ENVIRONMENTS.get(name) if name in ENVIRONMENTS else registry.Entry(
+      "environment", name, cls, registry.options_from_signature(cls.__init__, name), {})
+  return EnvironmentFactory(cls, dataclasses.asdict(entry.make_options(options)), max_turns=max_turns,
+                            max_call_chars=max_call_chars, render_reply=render_reply, pool=pool)
 
 
 def tool_prompt(task_name: str, tools: "EnvironmentFactory", render_prompt: Callable) -> Callable[[str], str]:

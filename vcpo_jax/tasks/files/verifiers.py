@@ -171,20 +171,8 @@ def parse_options(text: str, field: str) -> dict[str, dict[str, Any]]:
     name, dot, opt = name_opt.strip().partition(".")
     if not (eq and dot and name and opt):
       raise ValueError(f"{field}={text!r}: item {item!r} is not <verifier>.<option>=<value>")
-    out.setdefault(name, {})[opt.strip()] = _value(value.strip())
+    out.setdefault(name, {})[opt.strip()] = registry.parse_value(value.strip())
   return out
-
-
-def _value(text: str) -> Any:
-  if text.lower() in ("true", "false"):
-    return text.lower() == "true"
-  for cast in (int, float):
-    try:
-      return cast(text)
-    except ValueError:
-      pass
-  return text
-
 
 
 def by_source(verifiers_by_source: Mapping[str, Verifier], default: Verifier, example: dict,
