@@ -299,13 +299,13 @@ def _check_finished(root):
 
 @pytest.mark.slow
 def test_local_launcher_runs_two_tiny_units_then_skips_them(tmp_path):
-  first = _launch(tmp_path, "experiments.launch.local")
+  first = _launch(tmp_path, "experiments.launch")
   assert first.returncode == 0, first.stdout + first.stderr
   _check_finished(tmp_path / "runs")
-  again = _launch(tmp_path, "experiments.launch.local", timeout=120)
+  again = _launch(tmp_path, "experiments.launch", timeout=120)
   assert again.returncode == 0 and "2 done, 0 to run" in again.stdout, again.stdout + again.stderr
   # More steps, nothing else changed: both units resume from their last checkpoint and run on to step 3.
-  longer = _launch(tmp_path, "experiments.launch.local", extra=["--", "--config.rl.steps=3"])
+  longer = _launch(tmp_path, "experiments.launch", extra=["--", "--config.rl.steps=3"])
   assert longer.returncode == 0 and "(0 resume, 2 extend)" in longer.stdout, longer.stdout + longer.stderr
   for name in ("seq_tis-k1", "vcpo-k1"):
     unit = tmp_path / "runs" / name
@@ -313,7 +313,7 @@ def test_local_launcher_runs_two_tiny_units_then_skips_them(tmp_path):
     assert json.load(open(unit / "result_2.json"))["steps"] == 2
     steps = [json.loads(line)["step"] for line in open(unit / "metrics.jsonl") if line.strip()]
     assert 3 in steps and "resumed from checkpoint at step 2" in open(unit / workunit.LOG).read()
-  other = _launch(tmp_path, "experiments.launch.local", timeout=120, extra=["--", "--config.optim.learning_rate=0.5"])
+  other = _launch(tmp_path, "experiments.launch", timeout=120, extra=["--", "--config.optim.learning_rate=0.5"])
   assert other.returncode == 2 and "hold runs of a different config" in other.stderr
 
 
