@@ -39,7 +39,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.task.options.dataset.update(
       # Comma-separated JSONL / parquet paths; verl-schema rows or plain rows (question / answer / solution).
       train_files="", eval_files="",
-      verifier="math",               # math | gsm8k | exact | numeric | a 'module:function' of yours
+      verifier="math",               # a registered verifier (docs/configuration.md) or a 'module:function' of yours
   )
   c.task.eval_size = 512             # the first eval rows that fit the context (all when there are fewer)
   # Verifiers run in worker processes: killable at their timeout, and math-verify's own timeouts work there.

@@ -1,4 +1,4 @@
-"""Named choices (estimators, losses, rollout backends, tasks) registered with their facts and a typed options dataclass."""
+"""Named choices (estimators, losses, rollout backends, tasks, environments, verifiers) registered with their facts and a typed options dataclass."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The numbers behind each claim C1-C4 (vcpo-algorithm.md §7), paired by seed: a report section, not a verdict.
+"""The numbers behind each claim C1-C4 (as docs/results/study/README.md states them), paired by seed: a report section, not a verdict.
 
 Units of one seed share that seed's warm start (experiments/launch/local.py), so the comparison of two arms is
 made seed by seed: d_s = final_a(s) - final_b(s), reported as mean ± 95% Student-t interval over seeds with

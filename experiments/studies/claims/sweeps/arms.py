@@ -1,6 +1,6 @@
 """The study's arms as config overrides; every arm states its loss, advantage and ESS switch.
 
-Baselines use GRPO advantages and no ESS scaling (vcpo-algorithm.md §6, off-policy-stabilizers.md); loss
+Baselines use GRPO advantages and no ESS scaling (as docs/results/study/README.md states the arms); loss
 options are each loss's registered defaults unless stated. Every arm sets the learning rate explicitly so
 the lr-confound controls (sync at the effective learning rates ESS scaling produces) sit beside them.
 """
