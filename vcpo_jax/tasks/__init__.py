@@ -9,7 +9,7 @@ import dataclasses
 from vcpo_jax.tasks.environments.calculator import Calculator
 from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.arithmetic_code import ArithmeticCode
-from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
+from vcpo_jax.tasks.base import TASKS, Example, GeneratedTask, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
 from vcpo_jax.tasks.dataset import Dataset
@@ -43,5 +43,6 @@ def reward(example: Example, completion: str) -> float:
 
 
 __all__ = ["Arithmetic", "ArithmeticCode", "Calculator", "Countdown", "CountdownTools", "Dataset", "ENVIRONMENTS",
-           "Environment", "Example", "PythonTool", "SPLITS", "TASKS", "Task", "ToolError", "countdown_reward",
-           "extract_answer", "get_task", "register_environment", "register_task", "reward", "sft_completion"]
+           "Environment", "Example", "GeneratedTask", "PythonTool", "SPLITS", "TASKS", "Task", "ToolError",
+           "countdown_reward", "extract_answer", "get_task", "register_environment", "register_task", "reward",
+           "sft_completion"]

@@ -25,7 +25,7 @@ def parse_int_answer(completion: str) -> int | None:
 
 
 @base.register_task
-class Arithmetic(base.Task):
+class Arithmetic(base.GeneratedTask):
   """Knobs: operand digit counts in [min_digits, max_digits] (drawn per operand) and the allowed ops."""
 
   name = "arithmetic"

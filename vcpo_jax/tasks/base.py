@@ -79,7 +79,10 @@ def register_task(cls):
 
 
 class Task(abc.ABC):
-  """A verifiable task. Examples are JSON-serialisable dicts with at least 'task', 'key' and 'prompt'.
+  """A verifiable task, as the job uses one: problems (sample, eval_set; a file task's train_examples), their
+  reward, warm-start targets (sft_completion) and an optional tool environment. Examples are JSON-serialisable
+  dicts with at least 'task', 'key' and 'prompt'. Two implementations: GeneratedTask (problems drawn from a
+  seeded generator, split by a hash) and the file task (tasks/dataset.py: the user's rows, split by file).
 
   Every task may have a tool environment, set by its options `environment` (a registered name or a user's
   'module:Class'; '' for none: single turn), `environment_options` ('option=value,...') and `max_turns` (model
@@ -91,11 +94,8 @@ class Task(abc.ABC):
   # File-backed tasks (tasks/dataset.py) list their examples (train_examples) instead of drawing them.
   from_files: bool = False
 
-  def __init__(self, eval_fraction: float = 0.1, *, environment: str = "",
-               environment_options: str | Mapping[str, Any] = "", max_turns: int = 4, tool_pool=None):
-    if not 0.0 < eval_fraction < 1.0:
-      raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-    self.eval_fraction = float(eval_fraction)
+  def __init__(self, *, environment: str = "", environment_options: str | Mapping[str, Any] = "",
+               max_turns: int = 4, tool_pool=None):
     self.tools: environment_lib.EnvironmentFactory | None = None
     if environment:
       if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
@@ -119,10 +119,6 @@ class Task(abc.ABC):
   def tool_declarations(self) -> list[dict] | None:
     """The environment's tools as the chat template declares them (None: no environment)."""
     return None if self.tools is None else self.tools.declarations()
-
-  @abc.abstractmethod
-  def _draw(self, rng: np.random.Generator) -> Example:
-    """One random problem (any split), with its canonical 'key' and 'prompt'."""
 
   @abc.abstractmethod
   def reward(self, example: Example, completion: str) -> float:
@@ -156,6 +152,14 @@ class Task(abc.ABC):
     sample() from an index."""
     return None
 
+  @abc.abstractmethod
+  def sample(self, rng_or_seed: RngLike, n: int, split: str = "train") -> list[Example]:
+    """n problems of `split` ('train' or 'eval')."""
+
+  @abc.abstractmethod
+  def eval_set(self, n: int, seed: int = 0) -> list[Example]:
+    """The held-out problems the job evaluates on, a pure function of (the task, n, seed)."""
+
   def sft_examples(self) -> list[Example] | None:
     """A file-backed task's warm-start problems (None: drawn by sample())."""
     return self.train_examples()
@@ -165,6 +169,30 @@ class Task(abc.ABC):
     their knobs)."""
     del tok, max_seq_len, max_new_tokens
     return {}
+
+  def sft_completion(self, example: Example, rng: RngLike, error_rate: float) -> str:
+    """Reference solution, or with probability error_rate a plausible wrong one (reward 0)."""
+    if not 0.0 <= error_rate <= 1.0:
+      raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
+    rng = as_rng(rng)
+    if rng.random() < error_rate:
+      return self.wrong_completion(example, rng)
+    return self.reference_solution(example, rng)
+
+
+class GeneratedTask(Task):
+  """Problems drawn from a seeded generator (_draw), split into train and eval by a hash of each problem's
+  canonical key (a fixed eval_fraction of all problems), so the two never share one."""
+
+  def __init__(self, eval_fraction: float = 0.1, **environment):
+    if not 0.0 < eval_fraction < 1.0:
+      raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+    self.eval_fraction = float(eval_fraction)
+    super().__init__(**environment)
+
+  @abc.abstractmethod
+  def _draw(self, rng: np.random.Generator) -> Example:
+    """One random problem (any split), with its canonical 'key' and 'prompt'."""
 
   def split_of(self, example: Example) -> str:
     return split_of_key(example["key"], self.eval_fraction)
@@ -204,12 +232,3 @@ class Task(abc.ABC):
       raise ValueError(f"n={n} exceeds the distinct eval problems found for task {self.name!r} "
                        f"({len(out)}); raise eval_fraction={self.eval_fraction} or widen the knobs")
     return out
-
-  def sft_completion(self, example: Example, rng: RngLike, error_rate: float) -> str:
-    """Reference solution, or with probability error_rate a plausible wrong one (reward 0)."""
-    if not 0.0 <= error_rate <= 1.0:
-      raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
-    rng = as_rng(rng)
-    if rng.random() < error_rate:
-      return self.wrong_completion(example, rng)
-    return self.reference_solution(example, rng)

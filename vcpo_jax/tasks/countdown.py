@@ -79,7 +79,7 @@ def solve(numbers: list[int], target: int, ops: str = ALL_OPS,
 
 
 @base.register_task
-class Countdown(base.Task):
+class Countdown(base.GeneratedTask):
   """Knobs: how many numbers (num_numbers, or a min/max_numbers range), their range, max target, ops, and
   trace_checks: warm-start solutions first check that many other candidates, one `expr = value` line each,
   then state the answer's own line (longer responses: a sequence's log-weight sums many token log-ratios)."""

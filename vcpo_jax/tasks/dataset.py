@@ -118,9 +118,6 @@ class Dataset(base.Task):
     rows = self._kept(split)
     return [rows[int(i)] for i in base.as_rng(rng_or_seed).integers(len(rows), size=n)]
 
-  def _draw(self, rng: np.random.Generator) -> base.Example:
-    return self.sample(rng, 1)[0]
-
   def fit_context(self, tok, max_seq_len: int, max_new_tokens: int) -> dict[str, int]:
     """Keeps rows whose prompt + max_new_tokens fit max_seq_len (and, for the warm start, whose prompt +
     reference solution fit); returns the counts skipped. A prompt the tokenizer cannot encode is an error."""
