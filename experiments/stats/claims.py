@@ -10,7 +10,7 @@ from typing import Callable
 
 from experiments.stats import analysis
 
-Summary = dict  # report.run_summary's dict
+Summary = dict  # loader.run_summary's dict
 Finder = Callable[[str, int], dict]  # (arm, lag) -> {seed: summary}
 
 # (claim, label, (arm a, lag a or None = the study's largest lag), (arm b, lag b)): a - b

@@ -5,109 +5,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
-import json
 import math
 import os
-from typing import Optional
 
 import numpy as np
 
-from experiments.launch import workunit
-from experiments.stats import analysis, claims, verdicts
+from experiments.stats import analysis, claims, loader, verdicts
 
-ACC = "eval/greedy_accuracy"
-SAMPLED = "eval/sampled_accuracy"
 # (metric, title, log scale, (lower, upper) bound of the metric: CI bands are clipped to it)
-CURVES = ((ACC, "held-out greedy accuracy", False, (0.0, 1.0)), ("ess_ratio", "ESS ratio (log)", True, (0.0, 1.0)),
+CURVES = ((loader.ACC, "held-out greedy accuracy", False, (0.0, 1.0)), ("ess_ratio", "ESS ratio (log)", True, (0.0, 1.0)),
           ("grad_norm", "gradient norm before clipping (log)", True, (0.0, None)),
           ("lag/mean", "mean policy lag of the batch (steps)", False, (0.0, None)))
-
-
-@dataclasses.dataclass
-class Run:
-  name: str
-  arm: str
-  lag: int
-  seed: int
-  config: dict
-  record: dict
-  result: Optional[dict]                       # None while unfinished
-  series: dict[str, dict[int, float]]          # metric -> {step: value}; ACC includes the base at step 0
-
-  def evals(self, key: str = ACC) -> tuple[list[int], list[float]]:
-    steps = sorted(self.series.get(key, {}))
-    return steps, [self.series[key][s] for s in steps]
-
-
-def _read_json(path: str) -> Optional[dict]:
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def read_metrics(path: str) -> dict[str, dict[int, float]]:
-  """metrics.jsonl -> {metric: {step: value}}; a step logged twice (after a resume) keeps its last line."""
-  series: dict[str, dict[int, float]] = collections.defaultdict(dict)
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        if line.strip():
-          row = json.loads(line)
-          for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)):
-              series[key][int(row["step"])] = float(value)
-  return dict(series)
-
-
-def load_run(workdir: str) -> Optional[Run]:
-  record = _read_json(os.path.join(workdir, workunit.RECORD)) or {}
-  config = record.get("config") or _read_json(os.path.join(workdir, workunit.JOB_CONFIG))
-  if config is None:
-    return None
-  name = os.path.basename(workdir.rstrip("/"))
-  result = _read_json(os.path.join(workdir, workunit.RESULT))
-  series = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-  base = result["base"] if result else (_read_json(os.path.join(workdir, workunit.WARM_START_MARKER)) or {})
-  for key in (ACC, SAMPLED):
-    if key in base:
-      series.setdefault(key, {})[0] = float(base[key])
-  return Run(name=name, arm=str(record.get("labels", {}).get("arm", name.split("-k")[0])),
-             lag=int(config["rl"]["max_lag"]), seed=int(config["seed"]), config=config, record=record,
-             result=result, series=series)
-
-
-def load_runs(root: str) -> list[Run]:
-  runs = []
-  for name in sorted(os.listdir(root)):
-    path = os.path.join(root, name)
-    if os.path.isdir(path):
-      run = load_run(path)
-      if run is not None:
-        runs.append(run)
-  return runs
-
-
-def run_summary(run: Run, fraction: float, ess_threshold: float) -> dict:
-  steps, acc = run.evals()
-  ess = run.series.get("ess_ratio", {})
-  ess_steps = sorted(ess)
-  collapse = analysis.collapse_step(steps, acc, fraction) if len(steps) > 1 else None
-  drop = analysis.ess_drop_step(ess_steps, [ess[s] for s in ess_steps], ess_threshold) if ess_steps else None
-  final = run.result["final"] if run.result else {}
-  lr_scale = list(run.series.get("lr_scale", {}).values())
-  seconds = run.series.get("throughput/step_seconds", {})
-  at_k = list(run.series.get(f"lag/frac_{run.lag}", {}).values())
-  return {"final": final.get(ACC), "final_sampled": final.get(SAMPLED), "base": run.series.get(ACC, {}).get(0),
-          "endpoint": analysis.endpoint(*run.evals(ACC)), "endpoint_sampled": analysis.endpoint(*run.evals(SAMPLED)),
-          "median_ess": float(np.median(list(ess.values()))) if ess else None,
-          "lag_at_k": float(np.mean(at_k)) if at_k else None,  # mean over steps of the share of samples at lag k
-          "min_ess": min(ess.values()) if ess else None, "lr_scale": float(np.mean(lr_scale)) if lr_scale else None,
-          "collapse": collapse, "ess_drop": drop, "lead": analysis.lead_time(collapse, drop),
-          "rl_minutes": sum(seconds.values()) / 60 if seconds else None, "done": run.result is not None,
-          "steps": int(run.config["rl"]["steps"])}
 
 
 def _fmt(v, spec="{:.3f}") -> str:
@@ -119,14 +28,7 @@ def _mean_of(summaries: list[dict], key: str) -> str:
   return _fmt(float(np.mean(values)) if values else None, "{:.3g}")
 
 
-def group_runs(runs: list[Run]) -> dict[int, dict[str, list[Run]]]:
-  out: dict[int, dict[str, list[Run]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-  for run in sorted(runs, key=lambda r: (r.lag, r.arm, r.seed)):
-    out[run.lag][run.arm].append(run)
-  return out
-
-
-def lag_table(arms: dict[str, list[Run]], summaries: dict[str, dict], references: dict[str, float]) -> list[str]:
+def lag_table(arms: dict[str, list[loader.Run]], summaries: dict[str, dict], references: dict[str, float]) -> list[str]:
   lines = ["| arm | seeds (done) | final greedy acc % (mean ± 95% CI) | Δ vs k=0 (pts) | final sampled acc % "
            "| min ESS ratio (worst seed) | mean lr scale | collapsed (step) | ESS drop step | RL step min "
            "| endpoint greedy acc % (last 3 evals) | median ESS ratio (mean over seeds) | share of samples at lag k |",
@@ -177,7 +79,7 @@ def aggregate_table(rows) -> list[str]:
   return lines
 
 
-def lead_table(runs: list[Run], summaries) -> list[str]:
+def lead_table(runs: list[loader.Run], summaries) -> list[str]:
   lines = ["| unit | ESS drop step | collapse step | lead time (steps) |", "|---|---|---|---|"]
   rows = [(r, summaries[r.name]) for r in runs if summaries[r.name]["collapse"] is not None
           or summaries[r.name]["ess_drop"] is not None]
@@ -207,7 +109,7 @@ def _settings_of(c: dict) -> dict:
           "model": f"{c['model']['num_layers']} layers x {c['model']['hidden_size']}"}
 
 
-def _settings(runs: list[Run]) -> list[str]:
+def _settings(runs: list[loader.Run]) -> list[str]:
   """The config fields a reader needs (from the first unit); fields on which units differ are flagged."""
   first = _settings_of(runs[0].config)
   lines = [f"- `{k}`: {v}" for k, v in first.items()]
@@ -217,7 +119,7 @@ def _settings(runs: list[Run]) -> list[str]:
   return lines
 
 
-def _provenance(runs: list[Run]) -> list[str]:
+def _provenance(runs: list[loader.Run]) -> list[str]:
   launches = [r.record["launches"][-1] for r in runs if r.record.get("launches")]
   envs = [r.record["environment"] for r in runs if r.record.get("environment")]
   lines = []
@@ -237,12 +139,12 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
                  claims_metric: str = "endpoint", claims_lag: int | None = None) -> str:
   """Writes out/report.md (+ PNGs); returns the markdown. The claims section compares `claims_metric` (endpoint:
   mean of the last 3 evaluations; final: the last) at lag `claims_lag` (default: the largest)."""
-  runs = load_runs(root)
+  runs = loader.load_runs(root)
   if not runs:
     raise ValueError(f"no work units under {root!r} (expected <unit>/unit.json or <unit>/config.json)")
   os.makedirs(out, exist_ok=True)
-  summaries = {r.name: run_summary(r, fraction, ess_threshold) for r in runs}
-  groups = group_runs(runs)
+  summaries = {r.name: loader.run_summary(r, fraction, ess_threshold) for r in runs}
+  groups = loader.group_runs(runs)
   references = {}  # mean final accuracy of each arm's k = 0 runs
   for arm, arm_runs in groups.get(0, {}).items():
     finals = [summaries[r.name]["final"] for r in arm_runs if summaries[r.name]["final"] is not None]

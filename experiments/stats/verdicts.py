@@ -24,7 +24,7 @@ C5_LAGS = (2, 4)
 C5_TARGET_BELOW_SYNC_PTS = 2.0   # C5: the target is the sync runs' mean endpoint minus 2 points
 KEY = "endpoint"
 
-Summary = dict  # report.run_summary's dict (+ "steps": the run's RL steps)
+Summary = dict  # loader.run_summary's dict (+ "steps": the run's RL steps)
 Finder = Callable[[str, int], dict]  # (arm, lag) -> {seed: summary} of finished runs
 
 

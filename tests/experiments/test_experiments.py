@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from experiments.launch import local as launch, workunit
-from experiments.stats import analysis, report
+from experiments.stats import analysis, loader, report
 from experiments.launch.sweep import arm, chain, fixed, name_units, parse_arg, product, seeds, sweep, zipit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -230,9 +230,9 @@ def _synthetic_unit(root, arm_name, lag, seed, collapse_at=None, steps=40, eval_
              "throughput/step_seconds": 1.5}
       if step % eval_every == 0:
         acc = 0.0 if collapse_at and step >= collapse_at else 0.3 + 0.01 * step + 0.01 * seed
-        row.update({report.ACC: acc, report.SAMPLED: acc / 2})
+        row.update({loader.ACC: acc, loader.SAMPLED: acc / 2})
       f.write(json.dumps(row) + "\n")
-  json.dump({"base": {report.ACC: 0.3, report.SAMPLED: 0.15}, "final": {report.ACC: acc, report.SAMPLED: acc / 2},
+  json.dump({"base": {loader.ACC: 0.3, loader.SAMPLED: 0.15}, "final": {loader.ACC: acc, loader.SAMPLED: acc / 2},
              "steps": steps}, open(os.path.join(unit.workdir, workunit.RESULT), "w"))
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from experiments.launch import workunit
-from experiments.stats import report
+from experiments.stats import loader
 from experiments.studies.horizon import mechanism as mechanism_summary, page as horizon
 
 
@@ -25,18 +25,18 @@ def _unit(root, arm, lag, seed, accs, steps_per_eval=25, moment_ratio=None, fini
       if moment_ratio is not None:
         row.update({"opob/moment_ratio": moment_ratio, "opob/max_weight_share": 0.5})
       if step % steps_per_eval == 0:
-        row[report.ACC] = accs[step // steps_per_eval - 1]
+        row[loader.ACC] = accs[step // steps_per_eval - 1]
       f.write(json.dumps(row) + "\n")
   if finished:
     with open(os.path.join(workdir, workunit.RESULT), "w") as f:
-      json.dump({"base": {report.ACC: 0.40}, "final": {report.ACC: accs[-1]}, "steps": steps}, f)
+      json.dump({"base": {loader.ACC: 0.40}, "final": {loader.ACC: accs[-1]}, "steps": steps}, f)
 
 
 FLAT = [0.50, 0.60, 0.69, 0.70, 0.71, 0.70, 0.71, 0.71]          # last 3: 70.67, the 3 before: 70.0
 
 
 def _runs(root):
-  runs = report.load_runs(str(root))
+  runs = loader.load_runs(str(root))
   return {r.name: r for r in runs}
 
 
@@ -65,8 +65,8 @@ def test_c2_waits_for_extension_then_decides_by_the_margin(tmp_path):
   text = horizon.write(str(tmp_path), str(tmp_path / "out"), plots=False, planned=200, seeds=(4, 3))
   assert "**interim (3 of 4 planned seeds finished): reproduced**" in text
   runs = list(_runs(tmp_path).values())
-  groups = report.group_runs(runs)
-  summaries = {r.name: report.run_summary(r, 0.5, 0.1) for r in runs}
+  groups = loader.group_runs(runs)
+  summaries = {r.name: loader.run_summary(r, 0.5, 0.1) for r in runs}
   find = horizon.claims.finder(groups, summaries)
   assert horizon.c2(find, pending=[1]).verdict.startswith("pending: sync has not converged for seeds [1]")
   one = lambda arm, lag: {0: find(arm, lag)[0]} if find(arm, lag) else {}  # noqa: E731

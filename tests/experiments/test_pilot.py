@@ -5,7 +5,7 @@ import os
 import pytest
 
 from experiments.launch import workunit
-from experiments.stats import report
+from experiments.stats import loader, report
 from experiments.studies.claims import pilot
 from experiments.launch.sweep import arm
 
@@ -26,9 +26,9 @@ def _unit(root, name, lag, lr=1e-4, steps=40, seed=0):
              "mismatch/lagged/seq_logw_mean": -0.05 * lag_now, "reward/mean": 0.5,
              "response_length/mean": 10.0, "throughput/step_seconds": 2.0}
       if step % 10 == 0:
-        row[report.ACC] = 0.2 + 0.01 * step + (0.0 if lag == 0 else -0.1) + 0.01 * seed
+        row[loader.ACC] = 0.2 + 0.01 * step + (0.0 if lag == 0 else -0.1) + 0.01 * seed
       f.write(json.dumps(row) + "\n")
-  json.dump({"base": {report.ACC: 0.2}, "final": {report.ACC: 0.4}, "steps": steps},
+  json.dump({"base": {loader.ACC: 0.2}, "final": {loader.ACC: 0.4}, "steps": steps},
             open(os.path.join(unit.workdir, workunit.RESULT), "w"))
   return unit
 

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from experiments.launch import workunit
-from experiments.stats import analysis, report
+from experiments.stats import analysis, loader, report
 
 STEADY_SHARE = 0.999  # a step is steady when this share of its samples is at lag k
 DIP = 0.2
@@ -46,7 +46,7 @@ def _wall_minutes(workdir: str, record: dict) -> Optional[float]:
   return (os.path.getmtime(path) - start) / 60
 
 
-def unit_row(run: report.Run, root: str) -> dict:
+def unit_row(run: loader.Run, root: str) -> dict:
   k, series = run.lag, run.series
   steps = sorted(series.get("ess_ratio", {}))
   at_k = series.get(f"lag/frac_{k}", {})
@@ -62,7 +62,7 @@ def unit_row(run: report.Run, root: str) -> dict:
   return {
       "unit": run.name, "arm": run.arm, "k": k, "lr": run.config["optim"]["learning_rate"], "seed": run.seed,
       "steps_done": max(steps) if steps else 0, "steps": run.config["rl"]["steps"], "done": run.result is not None,
-      "steady_steps": len(steady), "base": series.get(report.ACC, {}).get(0),
+      "steady_steps": len(steady), "base": series.get(loader.ACC, {}).get(0),
       "evals": {int(s): a for s, a in zip(acc_steps, acc)}, "endpoint": analysis.endpoint(acc_steps, acc),
       "collapse": analysis.collapse_step(acc_steps, acc) if len(acc_steps) > 1 else None,
       "train_reward_last10": float(np.mean(reward)) if reward else None,
@@ -136,7 +136,7 @@ DEFAULT_CONFIG = "experiments/studies/claims/config.py"
 
 
 def write(root: str, out: str, estimate_sweep: Optional[list] = None, config: str = DEFAULT_CONFIG) -> str:
-  runs = report.load_runs(root)
+  runs = loader.load_runs(root)
   rows = [unit_row(r, root) for r in runs]
   os.makedirs(out, exist_ok=True)
   shas = sorted({r["git_sha"] for r in rows if r["git_sha"]})

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from experiments.stats import analysis, claims, report, verdicts
+from experiments.stats import analysis, claims, loader, report, verdicts
 from experiments.studies.horizon import mechanism as mechanism_summary
 from experiments.studies.horizon.sweep import EXTEND_STEPS, K  # C2's lag; an unconverged seed's extension
 
@@ -27,12 +27,12 @@ LEVEL_PTS = 5.0          # "comes within 5 points of sync's final level"
 ARMS = (("sync", 0), ("vcpo", K), ("ess_only", K), ("seq_tis", K), ("vcpo", C4_LAG), ("seq_tis", C4_LAG))
 
 
-def after_base(run: report.Run, upto: Optional[int] = None) -> list[float]:
+def after_base(run: loader.Run, upto: Optional[int] = None) -> list[float]:
   steps, acc = run.evals()
   return [a for s, a in zip(steps, acc) if 0 < s <= (upto or s)]
 
 
-def convergence(run: report.Run, upto: Optional[int] = None) -> Optional[tuple[float, float, bool]]:
+def convergence(run: loader.Run, upto: Optional[int] = None) -> Optional[tuple[float, float, bool]]:
   """(last-3 mean, mean of the 3 evaluations before, converged) of a run's greedy accuracy up to step `upto`
   (default: its end); None below 6 evaluations."""
   acc = after_base(run, upto)
@@ -43,7 +43,7 @@ def convergence(run: report.Run, upto: Optional[int] = None) -> Optional[tuple[f
   return last, before, abs(last - before) * 100 <= CONVERGED_PTS
 
 
-def to_extend(sync_runs: list[report.Run], planned_steps: int) -> list[int]:
+def to_extend(sync_runs: list[loader.Run], planned_steps: int) -> list[int]:
   """Seeds whose finished sync run has not converged at the planned length (extended runs are not re-checked)."""
   out = []
   for r in sync_runs:
@@ -53,23 +53,23 @@ def to_extend(sync_runs: list[report.Run], planned_steps: int) -> list[int]:
   return sorted(out)
 
 
-def steps_to_level(runs: list[report.Run], level: float, pts: float = LEVEL_PTS) -> Optional[int]:
+def steps_to_level(runs: list[loader.Run], level: float, pts: float = LEVEL_PTS) -> Optional[int]:
   """The first evaluation step at which the seed-mean greedy accuracy is within `pts` of (or above) `level`."""
-  steps, mean, _, _ = analysis.band([r.series.get(report.ACC, {}) for r in runs])
+  steps, mean, _, _ = analysis.band([r.series.get(loader.ACC, {}) for r in runs])
   return next((int(s) for s, m in zip(steps, mean) if m >= level - pts / 100), None)
 
 
-def last_step(run: report.Run) -> int:
+def last_step(run: loader.Run) -> int:
   """The last RL step a run has logged (0 before its first)."""
   return max(run.series.get("loss", {0: 0}))
 
 
-def median_of(run: report.Run, key: str) -> Optional[float]:
+def median_of(run: loader.Run, key: str) -> Optional[float]:
   values = [v for v in run.series.get(key, {}).values() if math.isfinite(v)]
   return float(np.median(values)) if values else None
 
 
-def interim(v: verdicts.Verdict, runs: list[report.Run], arms, planned_seeds: int) -> verdicts.Verdict:
+def interim(v: verdicts.Verdict, runs: list[loader.Run], arms, planned_seeds: int) -> verdicts.Verdict:
   """Marks a verdict reached before its planned seeds have finished in every arm (or while units of its arms
   still run or extend) as interim: more seeds can still change it, a precondition's included."""
   if v.verdict.startswith(("pending", "not decided yet", "not testable yet")):
@@ -106,7 +106,7 @@ def c2(find, pending: list[int]) -> verdicts.Verdict:
   return verdicts.Verdict("C2", rule, numbers, verdicts.equivalence(d, c))
 
 
-def convergence_table(sync_runs: list[report.Run], planned_steps: int) -> list[str]:
+def convergence_table(sync_runs: list[loader.Run], planned_steps: int) -> list[str]:
   """One row per sync seed at its end; an extended seed also shows the check at the planned length."""
   lines = ["| sync seed | at step | endpoint % (last 3 evals) | 3 evals before % | difference (pts) | converged |",
            "|---|---|---|---|---|---|"]
@@ -187,7 +187,7 @@ def accuracy_figure(arms: dict, path: str) -> None:
       steps, acc = r.evals()
       ax.plot(steps, acc, linewidth=0.8, alpha=0.7, linestyle="-" if r.result is not None else "--",
               label=f"seed {r.seed}")
-    done = [r.series.get(report.ACC, {}) for r in runs if r.result is not None]
+    done = [r.series.get(loader.ACC, {}) for r in runs if r.result is not None]
     steps, mean, _, _ = analysis.band(done)
     if steps:
       ax.plot(steps, mean, color="k", linewidth=2.0, label=f"mean of {len(done)}")
@@ -214,12 +214,12 @@ def c5_verdict(out: str) -> verdicts.Verdict:
 
 def write(root: str, out: str, plots: bool = True, planned: int = STEPS,
           seeds: tuple[int, int] = (C2_SEEDS, C4_SEEDS)) -> str:
-  runs = report.load_runs(root)
+  runs = loader.load_runs(root)
   if not runs:
     raise ValueError(f"no work units under {root!r}")
   os.makedirs(out, exist_ok=True)
-  summaries = {r.name: report.run_summary(r, analysis.COLLAPSE_FRACTION, analysis.ESS_DROP_THRESHOLD) for r in runs}
-  groups = report.group_runs(runs)
+  summaries = {r.name: loader.run_summary(r, analysis.COLLAPSE_FRACTION, analysis.ESS_DROP_THRESHOLD) for r in runs}
+  groups = loader.group_runs(runs)
   find = claims.finder(groups, summaries)
   sync_runs = groups.get(0, {}).get("sync", [])
   pending = to_extend(sync_runs, planned)

@@ -50,9 +50,9 @@ def c5_runs(root: str, metric: str = "eval/greedy_accuracy") -> tuple[list[dict]
   """The runs under a C5 sweep's root as verdicts.c5 takes them, and the names left out with why (unfinished;
   resumed, so that its wall clock spans two launches)."""
   from experiments.launch import workunit
-  from experiments.stats import analysis, report  # noqa: PLC0415  (numpy and the job config code)
+  from experiments.stats import analysis, loader  # noqa: PLC0415  (numpy and the job config code)
   runs, left_out = [], []
-  for run in report.load_runs(root):
+  for run in loader.load_runs(root):
     launches = len(run.record.get("launches", []))
     log_path = os.path.join(root, run.name, workunit.LOG)
     if run.result is None or not os.path.exists(log_path):
