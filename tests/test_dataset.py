@@ -434,3 +434,17 @@ def test_the_job_runs_your_files_with_the_python_tool_from_one_flag(tmp_path):
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   last = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][-1]
   assert {"tools/turns_per_episode", "tools/calls_per_episode", "tools/turn_capped_fraction"} <= set(last)
+
+
+def test_the_job_reads_your_files_once(tmp_path, monkeypatch):
+  """The job's start (validation, then the task it trains on) reads each file once."""
+  from vcpo_jax.job import warm_start  # noqa: PLC0415
+  rows = _plain_rows(tmp_path)
+  reads, real = [], dataset_files.read_records
+  monkeypatch.setattr(dataset_files, "read_records", lambda *a, **k: reads.append(k["field"]) or real(*a, **k))
+  config = dataset_config.get_config()
+  config.task.options.dataset.update(train_files=rows, eval_files=rows, verifier="numeric")
+  config.task.eval_size = 4
+  task = warm_start.starting_point(config)[2]
+  assert reads == ["task.options.dataset.train_files", "task.options.dataset.eval_files"]
+  assert len(task.train_examples()) == 8
