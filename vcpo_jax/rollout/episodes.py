@@ -7,7 +7,7 @@ run on past the marker and are cut there afterwards, which leaves the kept token
 Per-token versions are kept across turns, so an episode's lag is the learner version minus the oldest version
 among all its generated tokens. Tool outputs, turns and the episode's length are capped. Each episode gets its
 own environment (`env.start(example)`), and its calls and its episode reward run in the tools pool (a
-rollout.offload.CallPool with a per-call timeout), never on the event loop that generates the other episodes
+calls.offload.CallPool with a per-call timeout), never on the event loop that generates the other episodes
 and publishes weights: a call past the timeout is the error reply of kind 'timeout' and the episode goes on.
 """
 from __future__ import annotations

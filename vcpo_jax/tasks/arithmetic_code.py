@@ -1,7 +1,7 @@
 """Arithmetic with a Python tool: products too large to compute unaided, where `print(a*b)` in a `python` call is easy.
 
 Same problems, keys and reward as Arithmetic (the exact integer in the last answer block), with larger operands
-(4-6 digits) and the `python` environment (tasks.python_tool) declared to the chat template. Warm-start traces
+(4-6 digits) and the `python` environment (tasks.environments.python_tool) declared to the chat template. Warm-start traces
 call the tool in the template's format, read its reply and answer it: `<tool_call>{"name": "python",
 "arguments": {"code": "print(1234*56789)"}}</tool_call>`, the tool message `70077626`, `<answer>70077626</answer>`.
 Wrong traces (sft.error_rate) are the mistakes RL can remove, of the kinds in `wrong_kinds`: an operand
@@ -64,7 +64,7 @@ def _change_digit(n: int, rng: np.random.Generator, keep_leading: int = 1) -> in
 class ArithmeticCode(arithmetic.Arithmetic):
   """Arithmetic knobs (operand digits, ops), max_turns (model turns per episode, so max_turns - 1 calls),
   and the python environment's options: wall_seconds, cpu_seconds, memory_mb per call, exact_prints
-  (tasks.python_tool.PythonTool); wrong_kinds, the warm start's wrong traces ('kind:share,...', of KINDS)."""
+  (tasks.environments.python_tool.PythonTool); wrong_kinds, the warm start's wrong traces ('kind:share,...', of KINDS)."""
 
   name = "arithmetic_code"
 

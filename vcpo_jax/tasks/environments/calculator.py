@@ -1,6 +1,6 @@
-"""Calculator environment (tasks.environment): a `calculator` call with an `expression` is answered by its exact value.
+"""Calculator environment: a `calculator` call with an `expression` is answered by its exact value.
 
-Calls and replies use the chat template's tool format (tasks.tool_calls): `<tool_call>{"name": "calculator",
+Calls and replies use the chat template's tool format (tasks.environments.tool_calls): `<tool_call>{"name": "calculator",
 "arguments": {"expression": "6*5-3"}}</tool_call>` is answered by the tool message `27`. The expression runs
 through the project's own exact evaluator (safe_eval: a parser, never eval/exec). A reply is built only from
 the value's digits or from a fixed error phrase, never from the model's text, so a call cannot inject markup

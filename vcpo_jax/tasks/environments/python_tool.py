@@ -1,7 +1,7 @@
-"""Python code environment (tasks.environment): a `python` call with `code` runs it in the sandbox and replies its stdout.
+"""Python code environment: a `python` call with `code` runs it in the sandbox and replies its stdout.
 
 `<tool_call>{"name": "python", "arguments": {"code": "print(123*456)"}}</tool_call>` is answered by the tool
-message `56088`: the code ran in its own process under tasks.sandbox's limits (time, memory, output, processes,
+message `56088`: the code ran in its own process under tasks.environments.sandbox's limits (time, memory, output, processes,
 an empty directory, no network where the host allows it). A failure is the reply `error: <kind>: <the last
 line of stderr>` with the sandbox's kind (`syntax_error`, `nonzero_exit`, `timeout`, `cpu_limit`, `memory`,
 `output_limit`, ...), counted per kind as `tool/<kind>`. Output is the model's own text, so a reply keeps only

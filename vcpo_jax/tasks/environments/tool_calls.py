@@ -3,7 +3,7 @@
 A ToolEnvironment declares its tools to the chat template (`declarations()`, the `tools=[...]` JSON schemas),
 parses a turn's call, checks it against the called tool's schema and answers with the template's tool message
 (`render_reply`). Model-written garbage never raises: every failure is a fixed error reply, counted by kind.
-The tools are functions (`Tool.run`); tasks.environment derives them from an environment's typed methods.
+The tools are functions (`Tool.run`); tasks.environments.base derives them from an environment's typed methods.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class ToolEnvironment:
   (model.chat.ChatFormat.tool_reply), set by the task from the tokenizer it renders prompts with.
   reward: an episode-level reward (completion text -> float) or None (the task's reward applies).
   Its tools keep no state, so one object serves every episode (`start` returns it); an environment with
-  per-episode state is a tasks.environment.EnvironmentFactory, whose `start` makes one of these per episode."""
+  per-episode state is a tasks.environments.base.EnvironmentFactory, whose `start` makes one of these per episode."""
 
   stop_strings = (CALL_CLOSE,)
   reward: Optional[Callable[[str], Optional[float]]] = None
