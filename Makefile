@@ -79,7 +79,7 @@ gpu-check-unit:
 gpu-check-dry: $(VENV)/.dev
 	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
 
-# The results pipeline end to end in <= 15 min on 2 cores (experiments/sweeps/quick.py: 1 seed, 3 arms,
+# The results pipeline end to end in <= 15 min on 2 cores (experiments/studies/claims/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.
 QUICK_ROOT ?= workdir/quick
 $(VENV)/.report: $(VENV)/.runtime pyproject.toml
@@ -87,9 +87,9 @@ $(VENV)/.report: $(VENV)/.runtime pyproject.toml
 	touch $@
 
 reproduce-quick: $(VENV)/.report
-	$(PY) -m experiments.launch --config=configs/countdown.py:emulate --sweep=experiments/sweeps/quick.py \
+	$(PY) -m experiments.launch --config=configs/countdown.py:emulate --sweep=experiments/studies/claims/sweeps/quick.py \
 	  --root=$(QUICK_ROOT)
-	$(PY) -m experiments.report $(QUICK_ROOT) --out $(QUICK_ROOT)/report
+	$(PY) -m experiments.stats.report $(QUICK_ROOT) --out $(QUICK_ROOT)/report
 
 # docs/configuration.md from configs/countdown.py and the registries (tests/test_docs.py checks it is current).
 docs: $(VENV)/.runtime

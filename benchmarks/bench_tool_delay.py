@@ -20,8 +20,9 @@ import time
 import numpy as np
 
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.rollout import episodes, offload, types
-from vcpo_jax.tasks import environment, tool_calls
+from vcpo_jax.calls import offload
+from vcpo_jax.rollout import episodes, types
+from vcpo_jax.tasks.environments import base as environment, tool_calls
 
 TOK = build_tokenizer()
 

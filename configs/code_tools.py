@@ -2,7 +2,7 @@
 
 The main job's config (configs/countdown.py) with the arithmetic_code task: every rollout is an episode of up to
 task.options.arithmetic_code.max_turns model turns; a `<tool_call>{"name": "python", "arguments": {"code":
-...}}</tool_call>` runs the code in the sandbox (tasks/sandbox.py) and its stdout comes back as a
+...}}</tool_call>` runs the code in the sandbox (tasks/environments/sandbox.py) and its stdout comes back as a
 `<tool_response>` tool turn with mask 0. Async VCPO at k = 2 (rl.max_lag, the http backend), warm-started from
 traces that call the tool. Sized like configs/countdown_tools.py:search for 2 CPU cores.
 """

@@ -160,7 +160,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       learner_memory_fraction=0.0,
       server_memory_fraction=0.0,
       # CPUs every embedded server is confined to, as taskset writes them ("1", "8-15"); "" = the job's own.
-      # With the job pinned elsewhere (experiments.run_unit --cpu) learner and servers stop sharing cores.
+      # With the job pinned elsewhere (experiments.launch.run_unit --cpu) learner and servers stop sharing cores.
       server_cpus="",
   ))
 

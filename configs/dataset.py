@@ -5,7 +5,7 @@
   python -m vcpo_jax.main --config=configs/dataset.py:demo --workdir=runs/word_problems
 
 `arg`: '' (your files, the CPU model of configs/countdown.py), 'demo' (word problems from
-experiments/make_word_problems.py, written on first use to $VCPO_WORD_PROBLEMS or else workdir/word_problems
+vcpo_jax/tasks/files/word_problems.py, written on first use to $VCPO_WORD_PROBLEMS or else workdir/word_problems
 in this checkout, read as parquet) or 'demo_jsonl' (the same rows read from the JSONL files). For a pretrained model use
 configs/qwen2_5.py with --config.task.name=dataset and the same task options (docs/data.md).
 """
@@ -22,11 +22,11 @@ VARIANTS = ("", "demo", "demo_jsonl")
 
 
 def demo_files(ext: str, directory: str = DEMO_DIR) -> tuple[str, str]:
-  """(train, test) paths of the demo set, written by experiments.make_word_problems if absent."""
+  """(train, test) paths of the demo set, written by vcpo_jax.tasks.files.word_problems if absent."""
   directory = os.path.normpath(directory)
   train, test = (os.path.join(directory, f"{split}.{ext}") for split in ("train", "test"))
   if not (os.path.exists(train) and os.path.exists(test)):
-    from experiments import make_word_problems  # noqa: PLC0415 - only the demo needs it
+    from vcpo_jax.tasks.files import word_problems as make_word_problems  # noqa: PLC0415 - only the demo needs it
     make_word_problems.write(directory)
   return train, test
 
@@ -39,7 +39,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.task.options.dataset.update(
       # Comma-separated JSONL / parquet paths; verl-schema rows or plain rows (question / answer / solution).
       train_files="", eval_files="",
-      verifier="math",               # math | gsm8k | exact | numeric | a 'module:function' of yours
+      verifier="math",               # a registered verifier (docs/configuration.md) or a 'module:function' of yours
   )
   c.task.eval_size = 512             # the first eval rows that fit the context (all when there are fewer)
   # Verifiers run in worker processes: killable at their timeout, and math-verify's own timeouts work there.

@@ -1,1 +1,1 @@
-"""Experiment launcher, sweeps and ablation reports."""
+"""Research code around the package: launching (launch/), statistics (stats/) and one folder per study (studies/)."""

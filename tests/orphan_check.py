@@ -37,7 +37,7 @@ def hang_with_child(x):
 
 
 def _sandbox_kinds(n: int) -> list[str]:
-  from vcpo_jax.tasks import sandbox
+  from vcpo_jax.tasks.environments import sandbox
   quick, slow = sandbox.SandboxLimits(wall_seconds=0.5), sandbox.SandboxLimits(wall_seconds=20)
   kinds = []
   for _ in range(n):
@@ -48,7 +48,7 @@ def _sandbox_kinds(n: int) -> list[str]:
 
 def _reward_errors(n: int) -> list:
   import orphan_check  # this file as a module: the worker imports the functions from it
-  from vcpo_jax.rollout.offload import CallPool
+  from vcpo_jax.calls.offload import CallPool
   pool = CallPool("process", workers=2, timeout_s=1.0, name="reward")
   try:
     fns = [orphan_check.normal, orphan_check.hang, orphan_check.kill_self, orphan_check.hang_with_child]

@@ -34,7 +34,7 @@ def test_sandbox_escape_checks_pass_from_a_copy_under_tmp_with_a_space():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
     # The copy's package was the one tested, not the checkout's.
-    which = subprocess.run([sys.executable, "-c", "import vcpo_jax.tasks.sandbox as s; print(s.__file__)"],
+    which = subprocess.run([sys.executable, "-c", "import vcpo_jax.tasks.environments.sandbox as s; print(s.__file__)"],
                            cwd=clone, env=env, capture_output=True, text=True, timeout=120)
     assert which.stdout.strip().startswith(os.path.join(clone, "vcpo_jax")), which.stdout + which.stderr
   finally:

@@ -96,6 +96,8 @@ POINTER_DIRS = ("vcpo_jax", "configs", "experiments", "benchmarks", "third_party
 README_SECTION = re.compile(r"README(?:'s)? \"([^\"]+)\"")
 BARE_README = re.compile(r"(?<![\w/.])README(?!\.md|(?:'s)? \")")  # "see README": no section named
 DOCS_PATH = re.compile(r"(?<![\w/.])docs/[\w./-]*[\w/]")
+# A page named without its folder ("see report.md"); an upper-case stem is a placeholder ("writes OUT.md").
+BARE_MD = re.compile(r"(?<![\w/.$-])((?![A-Z_]+\.md)[\w-][\w.-]*\.md)\b")
 OUTSIDE_DESIGN = re.compile(r"(?<![\w])(?:\.\./)?(?:/work/)?shared/design/|(?<![\w/.])design/[\w.-]+\.md")
 ISSUE_NUMBER = re.compile(r"(?i)\bissues?\s*#\s*\d+|\bissues?\s+\d+\b|\(#\d+\b|^\s*(?:\"\"\")?#\d+\b")
 
@@ -123,7 +125,10 @@ def _headings(text: str) -> list[str]:
 
 @pytest.mark.integration  # `git ls-files`: a process
 def test_pointers_name_readme_sections_and_docs_that_exist():
+  """README sections, docs/ paths and bare page names ("vcpo-algorithm.md") that code, configs and scripts
+  point at all exist."""
   sections = {h.replace("`", "").lower() for h in _headings((ROOT / "README.md").read_text())}
+  names = {p.name for p in _tracked_files()}
   bad = []
   for path in _pointer_sources():
     if path == pathlib.Path(__file__):
@@ -134,6 +139,7 @@ def test_pointers_name_readme_sections_and_docs_that_exist():
               if s.replace("`", "").lower() not in sections]
       bad += [f"{where}: names README without a section" for _ in BARE_README.findall(line)]
       bad += [f"{where}: {d} does not exist" for d in DOCS_PATH.findall(line) if not (ROOT / d).exists()]
+      bad += [f"{where}: no tracked file is named {m}" for m in BARE_MD.findall(line) if m not in names]
       bad += [f"{where}: cites a design note outside the repository" for _ in OUTSIDE_DESIGN.findall(line)]
   assert not bad, "stale pointers:\n" + "\n".join(bad)
 
@@ -149,3 +155,8 @@ def test_no_issue_numbers_in_file_names_docs_headings_or_code():
     lines = path.read_text(errors="replace").splitlines() if path != pathlib.Path(__file__) else []
     bad += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(lines, 1) if ISSUE_NUMBER.search(line)]
   assert not bad, "issue numbers (describe the project as it is):\n" + "\n".join(bad)
+
+
+def test_a_bare_page_name_is_found_and_a_placeholder_is_not():
+  assert BARE_MD.findall("see vcpo-algorithm.md §7 and report.md") == ["vcpo-algorithm.md", "report.md"]
+  assert BARE_MD.findall("writes OUT.md, DIR/pilot.md and docs/x.md") == []

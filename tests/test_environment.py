@@ -1,4 +1,4 @@
-"""The environment interface (tasks/environment.py): tools from typed methods, one instance per episode, episode
+"""The environment interface (tasks/environments/base.py): tools from typed methods, one instance per episode, episode
 rewards, the config's choice, the task tokenizer with new tools, and calls in the tools pool off the event loop
 (a slow tool does not hold up the other episodes or a publish; a timed-out call is a counted error reply)."""
 import asyncio
@@ -12,8 +12,9 @@ import pytest
 
 from vcpo_jax import tasks
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.rollout import episodes, group_metrics, multiturn, offload, rewards, types
-from vcpo_jax.tasks import calculator, environment, tool_calls
+from vcpo_jax.calls import offload
+from vcpo_jax.rollout import episodes, group_metrics, multiturn, rewards, types
+from vcpo_jax.tasks.environments import base as environment, calculator, tool_calls
 
 TOK = build_tokenizer()
 END = "<|im_end|>"

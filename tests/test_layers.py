@@ -10,7 +10,7 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 # Lowest first. A module may import its own package and any lower rank; packages sharing a rank are siblings
 # that never import each other (algo/ and tasks/ both sit on the model and know nothing of one another; the
 # learner sees only batches and rollout/ only groups: the job builds the one from the other).
-RANKS = (("registry", "orphans"), ("parallel",), ("model",), ("algo", "tasks"), ("learner", "rollout"), ("serving",),
+RANKS = (("registry", "calls", "orphans"), ("parallel",), ("model",), ("algo", "tasks"), ("learner", "rollout"), ("serving",),
          ("job",), ("main",))
 RANK = {unit: i for i, units in enumerate(RANKS) for unit in units}
 # Lower packages a package may not import although its rank allows it: rollout/ is host-side asyncio that

@@ -60,7 +60,7 @@ def test_distributed_config_errors_name_the_field():
 
 
 def test_xm_multihost_gives_each_process_its_flags():
-  from experiments import xm_multihost  # noqa: PLC0415
+  from experiments.launch import xm_multihost  # noqa: PLC0415
   args = xm_multihost.process_args("configs/tiny.py", "w", 2, 1, 1234, False, ["--config.rl.steps=5"])
   assert args["config.distributed.process_id"] == "1" and args["config.distributed.num_processes"] == "2"
   assert args["config.distributed.coordinator_address"] == "localhost:1234"

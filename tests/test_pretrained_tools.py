@@ -10,7 +10,7 @@ from test_pretrained import qwen_style_tokenizer
 from vcpo_jax import tasks
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.rollout import episodes, types
-from vcpo_jax.tasks import calculator
+from vcpo_jax.tasks.environments import calculator
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""The python tool (tasks/python_tool.py) and the arithmetic_code task: replies cleaned of markup, exact prints equal
+"""The python tool (tasks/environments/python_tool.py) and the arithmetic_code task: replies cleaned of markup, exact prints equal
 to Python's, warm-start traces, the config's rows; with the real sandbox: error kinds and a whole episode."""
 import asyncio
 import random
@@ -9,8 +9,10 @@ import pytest
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.rollout import episodes, group_metrics, multiturn, offload, types
-from vcpo_jax.tasks import arithmetic_code, environment, python_tool, tool_calls
+from vcpo_jax.calls import offload
+from vcpo_jax.rollout import episodes, group_metrics, multiturn, types
+from vcpo_jax.tasks import arithmetic_code
+from vcpo_jax.tasks.environments import base as environment, python_tool, tool_calls
 
 TOK = build_tokenizer()
 END = "<|im_end|>"

@@ -10,7 +10,8 @@ import pytest
 
 from vcpo_jax import tasks
 from vcpo_jax.model.tokenizer import build_tokenizer
-from vcpo_jax.rollout import offload, rewards, types
+from vcpo_jax.calls import offload
+from vcpo_jax.rollout import rewards, types
 
 
 # Module-level so a worker process can import them by reference.

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from vcpo_jax.tasks import sandbox
-from vcpo_jax.tasks.sandbox import KINDS, SandboxLimits, run_python, sandbox_launcher
+from vcpo_jax.tasks.environments import sandbox
+from vcpo_jax.tasks.environments.sandbox import KINDS, SandboxLimits, run_python, sandbox_launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A uid range of the tests' own, so leftover processes of the sandbox can be found by uid.
@@ -200,7 +200,7 @@ def _wait_until(predicate, timeout_s: float) -> bool:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="finds the sandbox's processes by the uid it runs them as (root only)")
 def test_the_sandbox_dies_with_its_caller():
-  script = ("from vcpo_jax.tasks.sandbox import SandboxLimits, run_python\n"
+  script = ("from vcpo_jax.tasks.environments.sandbox import SandboxLimits, run_python\n"
             "run_python('import time\\ntime.sleep(60)', SandboxLimits(wall_seconds=60, uid_base=%d, uid_count=1))"
             % UID_BASE)
   caller = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -84,8 +84,10 @@ def test_the_old_task_kwargs_section_is_an_error_naming_its_replacement():
 def test_every_registered_task_has_an_options_sub_dict_with_its_constructor_defaults():
   config = countdown.get_config()
   assert sorted(config.task.options) == tasks.TASKS.names()
-  assert config.task.options.arithmetic.to_dict() == {"min_digits": 1, "max_digits": 3,
-                                                      "ops": tasks.arithmetic.ALL_OPS, "eval_fraction": 0.1}
+  assert config.task.options.arithmetic.to_dict() == {
+      "min_digits": 1, "max_digits": 3, "ops": tasks.arithmetic.ALL_OPS, "eval_fraction": 0.1,
+      "environment": "", "environment_options": "", "max_turns": 4}  # every task may have an environment
+  assert all("tool_pool" not in sub for sub in config.task.options.values())  # the job passes it in
 
 
 def test_the_old_mode_name_async_says_the_new_one():

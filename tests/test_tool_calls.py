@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import calculator, tool_calls
+from vcpo_jax.tasks.environments import calculator, tool_calls
 
 TOK = tokenizer_lib.build_tokenizer()
 CALC = calculator.environment_of(max_turns=3, max_result_chars=24, max_call_chars=120)

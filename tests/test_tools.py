@@ -13,7 +13,7 @@ from vcpo_jax.job import batching, configuration, data
 from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import episodes, group_metrics, multiturn, rewards, types
-from vcpo_jax.tasks import calculator, tool_calls
+from vcpo_jax.tasks.environments import calculator, tool_calls
 
 TOK = build_tokenizer()
 CALC = calculator.environment_of(max_turns=3, max_result_chars=24)

@@ -17,7 +17,7 @@ from vcpo_jax.model.tokenizer import build_tokenizer
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.rollout import episodes, multiturn, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as sched_lib
-from vcpo_jax.tasks import calculator, tool_calls
+from vcpo_jax.tasks.environments import calculator, tool_calls
 
 TOK = build_tokenizer()
 PROMPT = [5, 6, 7, 8]

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from vcpo_jax.tasks import verifiers
+from vcpo_jax.tasks.files import verifiers
 
 
 def _ex(gt):

@@ -1,4 +1,4 @@
-"""Named choices (estimators, losses, rollout backends, tasks) registered with their facts and a typed options dataclass."""
+"""Named choices (estimators, losses, rollout backends, tasks, environments, verifiers) registered with their facts and a typed options dataclass."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,16 +64,44 @@ class Entry:
     return self.options(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
-def options_from_signature(fn: Callable, name: str) -> type:
+def options_from_signature(fn: Callable, name: str, skip: tuple[str, ...] = ()) -> type:
   """A frozen options dataclass whose fields are `fn`'s keyword parameters with their defaults and types
-  (for choices configured by their constructor, such as tasks)."""
+  (for choices configured by their constructor, such as tasks); `skip` names parameters that are not options
+  (objects the job passes in, such as a task's tool pool)."""
   fields = []
   for p in list(inspect.signature(fn).parameters.values())[1:]:  # after self / the positional input
+    if p.name in skip:
+      continue
     if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
       raise TypeError(f"{name}: parameter {p.name!r} needs a default to be an option")
     fields.append((p.name, Any if p.annotation is p.empty else p.annotation, dataclasses.field(default=p.default)))
   return dataclasses.make_dataclass(f"{name.title().replace('_', '')}Options", fields, frozen=True,
                                     namespace={"__module__": fn.__module__})
+
+
+def parse_value(text: str) -> Any:
+  """An option's value written on a command line: true/false, an int, a float, else the text itself."""
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_options(text: str | Mapping[str, Any], field: str) -> dict[str, Any]:
+  """'wall_seconds=2,exact_prints=true' (or a mapping, passed through) -> {'wall_seconds': 2, ...}."""
+  if isinstance(text, Mapping):
+    return dict(text)
+  out = {}
+  for item in filter(None, (s.strip() for s in (text or "").split(","))):
+    key, eq, value = item.partition("=")
+    if not eq or not key.strip():
+      raise ValueError(f"{field}={text!r}: item {item!r} is not <option>=<value>")
+    out[key.strip()] = parse_value(value.strip())
+  return out
 
 
 def _resolve(target: str) -> Callable:

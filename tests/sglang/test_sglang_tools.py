@@ -15,7 +15,7 @@ from tests.sglang.conftest import requires_sglang, start_servers
 from tests.sglang.test_sglang_job import _env, _metrics  # noqa: F401  (the same job environment)
 from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout.client import client as client_lib
-from vcpo_jax.tasks import calculator
+from vcpo_jax.tasks.environments import calculator
 
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.timeout(3600)]
 CONFIG = "configs/countdown_tools.py"

@@ -257,6 +257,7 @@ def registries(config: ml_collections.ConfigDict) -> list[tuple[str, str, str, s
   from vcpo_jax import tasks  # noqa: PLC0415
   from vcpo_jax.algo import advantages, policy_losses  # noqa: PLC0415
   from vcpo_jax.rollout import backend  # noqa: PLC0415
+  from vcpo_jax.tasks.files import verifiers  # noqa: PLC0415
   field = "options" if "options" in config.task else "kwargs"
   per_name = all(isinstance(config.task[field].get(n), ml_collections.ConfigDict) for n in _names(tasks.TASKS))
   return [
@@ -270,15 +271,36 @@ def registries(config: ml_collections.ConfigDict) -> list[tuple[str, str, str, s
       ("task.name", "Tasks", "vcpo_jax/tasks/base.py",
        f"options: `--config.task.name=<name> --config.task.{field}.{'<name>.' if per_name else ''}<option>=...`.",
        tasks.TASKS),
+      ("task.options.<task>.environment", "Tool environments", "vcpo_jax/tasks/environments/base.py",
+       "any task's option `environment` names one (or your own `module:Class`; '' for none), "
+       "`environment_options` sets its options (`--config.task.options.<task>.environment_options="
+       "<option>=<value>,...`) and `max_turns` its model turns per episode.", tasks.ENVIRONMENTS),
+      ("task.options.dataset.verifier", "Verifiers", "vcpo_jax/tasks/files/verifiers.py",
+       "the dataset task's option `verifier` names one (or your own `module:function`), `verifier_by_source` "
+       "one per data source, `verifier_options` their options "
+       "(`--config.task.options.dataset.verifier_options=<name>.<option>=<value>,...`).", verifiers.VERIFIERS),
   ]
+
+
+def _choices(config: ml_collections.ConfigDict, chosen) -> dict[str, list[str]]:
+  """Config field -> the registered names it takes; `<task>` in a field stands for every task that has it."""
+  out = {}
+  for field, _, _, _, registry in chosen:
+    if "<task>" not in field:
+      out[field] = _names(registry)
+      continue
+    for task in config.task.get("options", {}):
+      path = field.replace("<task>", task)
+      if path.rsplit(".", 1)[-1] in config.task.options[task]:
+        out[path] = _names(registry)
+  return out
 
 
 def render() -> str:
   config = load_config()
   chosen = registries(config)
   lines = HEADER.rstrip("\n").splitlines()
-  lines += render_config(config, config_comments(CONFIG.read_text()),
-                         {field: _names(registry) for field, _, _, _, registry in chosen})
+  lines += render_config(config, config_comments(CONFIG.read_text()), _choices(config, chosen))
   for field, title, where, how, registry in chosen:
     lines += render_registry(f"{title} (`{field}`)", where, how, registry)
   return "\n".join(lines) + "\n"

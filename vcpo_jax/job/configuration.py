@@ -67,14 +67,17 @@ def task_options(config) -> dict:
   return _chosen_options(config.task.get("options"), config.task.name)
 
 
-def build_task(config, render_prompt=None):
-  """The job's task: task.name built with its options (render_prompt: a pretrained chat template); a
-  multi-turn task's environment calls its tools in the pool of the config section `tools`."""
-  task = tasks.get_task(config.task.name, render_prompt=render_prompt, **task_options(config))
-  env = task.environment()
-  if env is not None:
-    env.pool = episodes.tool_pool(config.get("tools"))
-  return task
+def build_task(config, render_prompt=None, *, with_pool: bool = True):
+  """The job's task: task.name built with its options (render_prompt: a pretrained chat template); a task with
+  an environment calls its tools in the pool of the config section `tools` (with_pool=False: inline, for a
+  check that plays no episode). Options the task refuses are an error naming task.options.<name>."""
+  pool = episodes.tool_pool(config.get("tools")) if with_pool else None
+  try:
+    return tasks.get_task(config.task.name, render_prompt=render_prompt, tool_pool=pool, **task_options(config))
+  except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses
+    if pool is not None:
+      pool.close()
+    _fail(f"task.options.{config.task.name}", task_options(config), str(e))
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -220,8 +223,10 @@ def _validate_algo(config):
   build_optimizer(config)  # schedule and algo.ess (checked by scale_by_ess)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConfig:
-  """Checks every field the job depends on before anything starts; errors name the field and value."""
+def validate_config(config: ml_collections.ConfigDict, *, with_task: bool = True) -> model_config.ModelConfig:
+  """Checks every field the job depends on before anything starts; errors name the field and value.
+  with_task=False leaves building the task (its options' check, its files read) to the caller, who builds it
+  next (job.warm_start.starting_point): the user's files are read once."""
   _validate_scalars(config)
   model_cfg = hf.model_config(config.model)  # with model.hf_path: the checkpoint's architecture
   tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
@@ -241,10 +246,8 @@ def validate_config(config: ml_collections.ConfigDict) -> model_config.ModelConf
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
   episodes.tool_pool(config.get("tools")).close()  # its own errors name the tools.<field>
-  try:
-    build_task(config)
-  except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses
-    _fail(f"task.options.{config.task.name}", task_options(config), str(e))
+  if with_task:
+    build_task(config, with_pool=False)
   _validate_algo(config)
   if config.rollout.num_servers < 1 and not config.rollout.server_urls:
     _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")

@@ -23,7 +23,7 @@ def starting_point(config):
   checkpoint's tokenizer with model.hf_path, else ours; prompts in that tokenizer's chat template (a file-backed
   task's rows too long for the context dropped). The job and
   export_base both call this, so servers started on export_base's weights start on the job's own."""
-  model_cfg = validate_config(config)
+  model_cfg = validate_config(config, with_task=False)  # the task is built (its files read) once, here
   tok = tokenizer_lib.for_model(config.model.get("hf_path", ""))
   task = build_task(config, render_prompt=tok.chat_prompt)
   task.fit_context(tok, model_cfg.max_seq_len, config.rl.max_new_tokens)  # files: too-long rows skipped, logged

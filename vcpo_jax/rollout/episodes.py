@@ -7,7 +7,7 @@ run on past the marker and are cut there afterwards, which leaves the kept token
 Per-token versions are kept across turns, so an episode's lag is the learner version minus the oldest version
 among all its generated tokens. Tool outputs, turns and the episode's length are capped. Each episode gets its
 own environment (`env.start(example)`), and its calls and its episode reward run in the tools pool (a
-rollout.offload.CallPool with a per-call timeout), never on the event loop that generates the other episodes
+calls.offload.CallPool with a per-call timeout), never on the event loop that generates the other episodes
 and publishes weights: a call past the timeout is the error reply of kind 'timeout' and the episode goes on.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import numpy as np
 
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import multiturn, offload, protocol, types
+from vcpo_jax.calls import offload
+from vcpo_jax.rollout import multiturn, protocol, types
 
 
 def _as_reward(outcome: offload.Outcome) -> tuple[Optional[float], bool]:
@@ -199,13 +200,13 @@ def _reward(episode_env: Any, completion: str) -> Any:
 def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional[int] = None
                ) -> Optional[EpisodeRunner]:
   """The episode runner of a task with a tool environment (None for single-turn tasks), calling in the
-  environment's pool (the job's tools pool; inline when none is set)."""
+  environment's pool (the job's tools pool, passed to the task; inline when None)."""
   env = task.environment()
   if env is None:
     return None
   return EpisodeRunner(env, encode=tokenizer.encode, decode=lambda ids: completion_text(tokenizer, ids),
                        stop_ids=tokenizer.stop_ids, max_new_tokens=max_new_tokens,
-                       context_length=context_length, pool=getattr(env, "pool", None))
+                       context_length=context_length, pool=env.pool)
 
 
 # The tools pool (config section `tools`): thread or inline only, since an episode's environment lives here.

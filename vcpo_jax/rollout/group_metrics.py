@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from vcpo_jax.rollout import types
-from vcpo_jax.tasks import tool_calls
+from vcpo_jax.tasks.environments import tool_calls
 
 
 def step_metrics(groups: Sequence[types.Group], *, seconds: float, max_lag: Optional[int]) -> dict[str, float]:

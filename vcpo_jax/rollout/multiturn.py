@@ -10,8 +10,8 @@ from vcpo_jax.rollout import types
 
 
 class Environment(Protocol):
-  """What a multi-turn environment offers (tasks.environment.EnvironmentFactory, e.g. the calculator's, or a
-  stateless tasks.tool_calls.ToolEnvironment): the call marker, the turn cap, and each episode's environment."""
+  """What a multi-turn environment offers (tasks.environments.base.EnvironmentFactory, e.g. the calculator's, or a
+  stateless tasks.environments.tool_calls.ToolEnvironment): the call marker, the turn cap, and each episode's environment."""
   stop_strings: tuple[str, ...]
   max_turns: int
 

@@ -12,7 +12,7 @@ import math
 import pickle
 from typing import Any, Callable, Sequence
 
-from vcpo_jax.rollout.offload import CallPool, Outcome
+from vcpo_jax.calls.offload import CallPool, Outcome
 from vcpo_jax.rollout.types import Group
 
 RewardFn = Callable[[dict, str], float]

@@ -26,7 +26,7 @@ class Sample:
   tool_calls: int = 0  # calls the environment answered
   tool_errors: int = 0  # answered calls that failed (malformed, division by zero, ...)
   turn_capped: bool = False  # ended by the environment's max_turns with a call still unanswered
-  tool_error_kinds: Optional[dict] = None  # failed calls by kind (tasks.tool_calls.ERROR_KINDS)
+  tool_error_kinds: Optional[dict] = None  # failed calls by kind (tasks.environments.tool_calls.ERROR_KINDS)
   env_reward: Optional[float] = None  # the environment's episode reward; None: the task's reward scores it
 
   @property

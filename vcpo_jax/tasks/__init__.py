@@ -6,26 +6,29 @@ import dataclasses
 
 # Each built-in task and environment module registers its class (base.register_task,
 # environment.register_environment) when imported here.
-from vcpo_jax.tasks.calculator import Calculator
+from vcpo_jax.tasks.environments.calculator import Calculator
 from vcpo_jax.tasks.arithmetic import Arithmetic
 from vcpo_jax.tasks.arithmetic_code import ArithmeticCode
-from vcpo_jax.tasks.base import TASKS, Example, SPLITS, Task, extract_answer, register_task
+from vcpo_jax.tasks.base import TASKS, Example, GeneratedTask, SPLITS, Task, extract_answer, register_task
 from vcpo_jax.tasks.countdown import Countdown, countdown_reward
 from vcpo_jax.tasks.countdown_tools import CountdownTools
 from vcpo_jax.tasks.dataset import Dataset
-from vcpo_jax.tasks.environment import ENVIRONMENTS, Environment, register_environment
-from vcpo_jax.tasks.python_tool import PythonTool
-from vcpo_jax.tasks.tool_calls import ToolError
+from vcpo_jax.tasks.environments.base import ENVIRONMENTS, Environment, register_environment
+from vcpo_jax.tasks.environments.python_tool import PythonTool
+from vcpo_jax.tasks.environments.tool_calls import ToolError
 
 
-def get_task(name: str, *, render_prompt=None, **options) -> Task:
+def get_task(name: str, *, render_prompt=None, tool_pool=None, **options) -> Task:
   """The task `name` built with `options`; unknown names or options raise ValueError listing the known ones.
   render_prompt (user text -> prompt text, e.g. a pretrained Tokenizer.chat_prompt) replaces the default
-  chat format."""
+  chat format; tool_pool (a calls.offload.CallPool) runs an environment's calls (None: inline)."""
   if name not in TASKS:
     raise ValueError(f"unknown task name {name!r}; known: {TASKS.names()}")
   entry = TASKS.get(name)
-  task = entry.fn(**dataclasses.asdict(entry.make_options(options)))
+  kwargs = dataclasses.asdict(entry.make_options(options))
+  if tool_pool is not None:
+    kwargs["tool_pool"] = tool_pool
+  task = entry.fn(**kwargs)
   return task if render_prompt is None else task.use_chat_template(render_prompt)
 
 
@@ -40,5 +43,6 @@ def reward(example: Example, completion: str) -> float:
 
 
 __all__ = ["Arithmetic", "ArithmeticCode", "Calculator", "Countdown", "CountdownTools", "Dataset", "ENVIRONMENTS",
-           "Environment", "Example", "PythonTool", "SPLITS", "TASKS", "Task", "ToolError", "countdown_reward",
-           "extract_answer", "get_task", "register_environment", "register_task", "reward", "sft_completion"]
+           "Environment", "Example", "GeneratedTask", "PythonTool", "SPLITS", "TASKS", "Task", "ToolError",
+           "countdown_reward", "extract_answer", "get_task", "register_environment", "register_task", "reward",
+           "sft_completion"]

@@ -25,14 +25,14 @@ def parse_int_answer(completion: str) -> int | None:
 
 
 @base.register_task
-class Arithmetic(base.Task):
+class Arithmetic(base.GeneratedTask):
   """Knobs: operand digit counts in [min_digits, max_digits] (drawn per operand) and the allowed ops."""
 
   name = "arithmetic"
 
   def __init__(self, min_digits: int = 1, max_digits: int = 3, ops: str = ALL_OPS,
-               eval_fraction: float = 0.1):
-    super().__init__(eval_fraction)
+               eval_fraction: float = 0.1, environment: str = "", environment_options: str = "", max_turns: int = 4, tool_pool=None):
+    super().__init__(eval_fraction, environment=environment, environment_options=environment_options, max_turns=max_turns, tool_pool=tool_pool)
     if not 1 <= min_digits <= max_digits <= 18:
       raise ValueError(f"need 1 <= min_digits <= max_digits <= 18, got min_digits={min_digits!r}, "
                        f"max_digits={max_digits!r}")

@@ -1,7 +1,7 @@
 """Arithmetic with a Python tool: products too large to compute unaided, where `print(a*b)` in a `python` call is easy.
 
 Same problems, keys and reward as Arithmetic (the exact integer in the last answer block), with larger operands
-(4-6 digits) and the `python` environment (tasks.python_tool) declared to the chat template. Warm-start traces
+(4-6 digits) and the `python` environment (tasks.environments.python_tool) declared to the chat template. Warm-start traces
 call the tool in the template's format, read its reply and answer it: `<tool_call>{"name": "python",
 "arguments": {"code": "print(1234*56789)"}}</tool_call>`, the tool message `70077626`, `<answer>70077626</answer>`.
 Wrong traces (sft.error_rate) are the mistakes RL can remove, of the kinds in `wrong_kinds`: an operand
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import arithmetic, base, environment as environment_lib, python_tool
+from vcpo_jax.tasks import arithmetic, base
+from vcpo_jax.tasks.environments import python_tool
 
 # Kinds of wrong warm-start traces, and the default shares.
 WRONG_KINDS = "miscopy:0.5,misread:0.25,guess:0.25"
@@ -64,27 +64,18 @@ def _change_digit(n: int, rng: np.random.Generator, keep_leading: int = 1) -> in
 class ArithmeticCode(arithmetic.Arithmetic):
   """Arithmetic knobs (operand digits, ops), max_turns (model turns per episode, so max_turns - 1 calls),
   and the python environment's options: wall_seconds, cpu_seconds, memory_mb per call, exact_prints
-  (tasks.python_tool.PythonTool); wrong_kinds, the warm start's wrong traces ('kind:share,...', of KINDS)."""
+  (tasks.environments.python_tool.PythonTool); wrong_kinds, the warm start's wrong traces ('kind:share,...', of KINDS)."""
 
   name = "arithmetic_code"
 
   def __init__(self, min_digits: int = 4, max_digits: int = 6, ops: str = "*", eval_fraction: float = 0.1,
                max_turns: int = 3, wall_seconds: float = 2.0, cpu_seconds: int = 1, memory_mb: int = 256,
-               exact_prints: bool = False, wrong_kinds: str = WRONG_KINDS):
+               exact_prints: bool = False, wrong_kinds: str = WRONG_KINDS, tool_pool=None):
     self.wrong_kinds = parse_wrong_kinds(wrong_kinds)
-    super().__init__(min_digits=min_digits, max_digits=max_digits, ops=ops, eval_fraction=eval_fraction)
-    self.tools = environment_lib.make("python", max_turns=max_turns, wall_seconds=wall_seconds,
-                                      cpu_seconds=cpu_seconds, memory_mb=memory_mb, exact_prints=exact_prints)
-    self.use_chat_template(tokenizer_lib.TASK_CHAT)
-
-  def use_chat_template(self, render_prompt) -> "ArithmeticCode":
-    """Prompts declare the python tool to the template and replies are its tool messages (render_prompt: a
-    Tokenizer.chat_prompt, model.chat.ChatFormat)."""
-    self.render_prompt = environment_lib.tool_prompt("arithmetic_code", self.tools, render_prompt)
-    return self
-
-  def environment(self) -> environment_lib.EnvironmentFactory:
-    return self.tools
+    super().__init__(min_digits=min_digits, max_digits=max_digits, ops=ops, eval_fraction=eval_fraction,
+                     environment="python", max_turns=max_turns, tool_pool=tool_pool,
+                     environment_options=dict(wall_seconds=wall_seconds, cpu_seconds=cpu_seconds,
+                                              memory_mb=memory_mb, exact_prints=exact_prints))
 
   def _run(self, a: int, op: str, b: int) -> tuple[str, int]:
     """A call printing `a op b` and the tool's reply to it, as an episode holds them; and the printed value.

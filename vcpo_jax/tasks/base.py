@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from vcpo_jax import registry
 from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.tasks.environments import base as environment_lib
 
 SPLITS = ("train", "eval")
 _HASH_BUCKETS = 1 << 20
@@ -65,38 +66,59 @@ def _last_boxed(text: str) -> str | None:
   return None
 
 
-# name -> task class; options are the constructor's keyword parameters (--config.task.options.<name>.<field>).
+# name -> task class; options are the constructor's keyword parameters (--config.task.options.<name>.<field>),
+# less the objects the job passes in (NOT_OPTIONS).
 TASKS = registry.Registry("task", facts={})
+NOT_OPTIONS = ("tool_pool",)
 
 
 def register_task(cls):
   """Class decorator: registers a Task subclass under its `name`, its options taken from its constructor."""
-  TASKS.register(cls.name, options=registry.options_from_signature(cls.__init__, cls.name))(cls)
+  TASKS.register(cls.name, options=registry.options_from_signature(cls.__init__, cls.name, skip=NOT_OPTIONS))(cls)
   return cls
 
 
 class Task(abc.ABC):
-  """A verifiable task. Examples are JSON-serialisable dicts with at least 'task', 'key' and 'prompt'."""
+  """A verifiable task, as the job uses one: problems (sample, eval_set; a file task's train_examples), their
+  reward, warm-start targets (sft_completion) and an optional tool environment. Examples are JSON-serialisable
+  dicts with at least 'task', 'key' and 'prompt'. Two implementations: GeneratedTask (problems drawn from a
+  seeded generator, split by a hash) and the file task (tasks/dataset.py: the user's rows, split by file).
+
+  Every task may have a tool environment, set by its options `environment` (a registered name or a user's
+  'module:Class'; '' for none: single turn), `environment_options` ('option=value,...') and `max_turns` (model
+  turns per episode), and run its calls in `tool_pool` (a calls.offload.CallPool the job passes in; None:
+  inline). The base builds the environment, declares its tools in the chat template and gives the episode
+  runner its factory (environment()): a subclass only passes these arguments on."""
 
   name: str = ""
   # File-backed tasks (tasks/dataset.py) list their examples (train_examples) instead of drawing them.
   from_files: bool = False
 
-  def __init__(self, eval_fraction: float = 0.1):
-    if not 0.0 < eval_fraction < 1.0:
-      raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-    self.eval_fraction = float(eval_fraction)
-    # user message -> prompt text; a pretrained model's tokenizer replaces it with its own chat template.
-    self.render_prompt: Callable[[str], str] = tokenizer_lib.chat_prompt
+  def __init__(self, *, environment: str = "", environment_options: str | Mapping[str, Any] = "",
+               max_turns: int = 4, tool_pool=None):
+    self.tools: environment_lib.EnvironmentFactory | None = None
+    if environment:
+      if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+      options = registry.parse_options(environment_options, "environment_options")
+      self.tools = environment_lib.make(environment, max_turns=max_turns, pool=tool_pool, **options)
+    elif environment_options:
+      raise ValueError(f"environment_options={environment_options!r} needs an environment (environment='')")
+    # user message -> prompt text; a pretrained model's tokenizer replaces it with its own chat template (one
+    # with tool support, model.chat.ChatFormat, when the task has an environment).
+    self.use_chat_template(tokenizer_lib.TASK_CHAT if self.tools else tokenizer_lib.chat_prompt)
 
   def use_chat_template(self, render_prompt: Callable[[str], str]) -> "Task":
-    """Renders every later example's prompt with `render_prompt` (e.g. Tokenizer.chat_prompt); returns self."""
-    self.render_prompt = render_prompt
+    """Renders every later example's prompt with `render_prompt` (e.g. Tokenizer.chat_prompt); with an
+    environment, prompts declare its tools to the template and replies are its tool messages. Returns self."""
+    self.chat = render_prompt
+    self.render_prompt = (render_prompt if self.tools is None
+                          else environment_lib.tool_prompt(self.name, self.tools, render_prompt))
     return self
 
-  @abc.abstractmethod
-  def _draw(self, rng: np.random.Generator) -> Example:
-    """One random problem (any split), with its canonical 'key' and 'prompt'."""
+  def tool_declarations(self) -> list[dict] | None:
+    """The environment's tools as the chat template declares them (None: no environment)."""
+    return None if self.tools is None else self.tools.declarations()
 
   @abc.abstractmethod
   def reward(self, example: Example, completion: str) -> float:
@@ -120,15 +142,23 @@ class Task(abc.ABC):
     import a verifier's heavy dependencies outside the per-call timeout), or None."""
     return None
 
-  def environment(self):
-    """The environment of a multi-turn task (a tasks.environment.EnvironmentFactory, e.g. the calculator's), or
+  def environment(self) -> environment_lib.EnvironmentFactory | None:
+    """The environment of a multi-turn task (its factory: the tools, the pool, one instance per episode), or
     None: single turn."""
-    return None
+    return self.tools
 
   def train_examples(self) -> list[Example] | None:
     """A file-backed task's train problems in order (job/data.py shuffles them by epoch); None: drawn by
     sample() from an index."""
     return None
+
+  @abc.abstractmethod
+  def sample(self, rng_or_seed: RngLike, n: int, split: str = "train") -> list[Example]:
+    """n problems of `split` ('train' or 'eval')."""
+
+  @abc.abstractmethod
+  def eval_set(self, n: int, seed: int = 0) -> list[Example]:
+    """The held-out problems the job evaluates on, a pure function of (the task, n, seed)."""
 
   def sft_examples(self) -> list[Example] | None:
     """A file-backed task's warm-start problems (None: drawn by sample())."""
@@ -139,6 +169,30 @@ class Task(abc.ABC):
     their knobs)."""
     del tok, max_seq_len, max_new_tokens
     return {}
+
+  def sft_completion(self, example: Example, rng: RngLike, error_rate: float) -> str:
+    """Reference solution, or with probability error_rate a plausible wrong one (reward 0)."""
+    if not 0.0 <= error_rate <= 1.0:
+      raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
+    rng = as_rng(rng)
+    if rng.random() < error_rate:
+      return self.wrong_completion(example, rng)
+    return self.reference_solution(example, rng)
+
+
+class GeneratedTask(Task):
+  """Problems drawn from a seeded generator (_draw), split into train and eval by a hash of each problem's
+  canonical key (a fixed eval_fraction of all problems), so the two never share one."""
+
+  def __init__(self, eval_fraction: float = 0.1, **environment):
+    if not 0.0 < eval_fraction < 1.0:
+      raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+    self.eval_fraction = float(eval_fraction)
+    super().__init__(**environment)
+
+  @abc.abstractmethod
+  def _draw(self, rng: np.random.Generator) -> Example:
+    """One random problem (any split), with its canonical 'key' and 'prompt'."""
 
   def split_of(self, example: Example) -> str:
     return split_of_key(example["key"], self.eval_fraction)
@@ -178,12 +232,3 @@ class Task(abc.ABC):
       raise ValueError(f"n={n} exceeds the distinct eval problems found for task {self.name!r} "
                        f"({len(out)}); raise eval_fraction={self.eval_fraction} or widen the knobs")
     return out
-
-  def sft_completion(self, example: Example, rng: RngLike, error_rate: float) -> str:
-    """Reference solution, or with probability error_rate a plausible wrong one (reward 0)."""
-    if not 0.0 <= error_rate <= 1.0:
-      raise ValueError(f"error_rate must be in [0, 1], got {error_rate!r}")
-    rng = as_rng(rng)
-    if rng.random() < error_rate:
-      return self.wrong_completion(example, rng)
-    return self.reference_solution(example, rng)

@@ -79,7 +79,7 @@ def solve(numbers: list[int], target: int, ops: str = ALL_OPS,
 
 
 @base.register_task
-class Countdown(base.Task):
+class Countdown(base.GeneratedTask):
   """Knobs: how many numbers (num_numbers, or a min/max_numbers range), their range, max target, ops, and
   trace_checks: warm-start solutions first check that many other candidates, one `expr = value` line each,
   then state the answer's own line (longer responses: a sequence's log-weight sums many token log-ratios)."""
@@ -88,8 +88,9 @@ class Countdown(base.Task):
 
   def __init__(self, min_numbers: int = 3, max_numbers: int = 4, min_number: int = 1,
                max_number: int = 99, max_target: int = 999, ops: str = ALL_OPS,
-               num_numbers: int | None = None, eval_fraction: float = 0.1, trace_checks: int = 0):
-    super().__init__(eval_fraction)
+               num_numbers: int | None = None, eval_fraction: float = 0.1, trace_checks: int = 0,
+               environment: str = "", environment_options: str = "", max_turns: int = 4, tool_pool=None):
+    super().__init__(eval_fraction, environment=environment, environment_options=environment_options, max_turns=max_turns, tool_pool=tool_pool)
     if isinstance(trace_checks, bool) or not isinstance(trace_checks, int) or not (
         0 <= trace_checks <= MAX_TRACE_CHECKS):
       raise ValueError(f"trace_checks must be an int in [0, {MAX_TRACE_CHECKS}], got {trace_checks!r}")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import base, calculator, countdown, environment as environment_lib
+from vcpo_jax import registry
+from vcpo_jax.tasks import base, countdown
+from vcpo_jax.tasks.environments import calculator
 
 
 def compact(e: countdown.Expr) -> str:
@@ -34,10 +35,17 @@ class CountdownTools(countdown.Countdown):
   def __init__(self, min_numbers: int = 3, max_numbers: int = 4, min_number: int = 1, max_number: int = 99,
                max_target: int = 999, ops: str = countdown.ALL_OPS, num_numbers: int | None = None,
                eval_fraction: float = 0.1, max_turns: int = 4, max_result_chars: int = 24,
-               correction_rate: float = 0.5, search: bool = False, environment: str = "calculator"):
+               correction_rate: float = 0.5, search: bool = False, environment: str = "calculator",
+               environment_options: str = "", tool_pool=None):
+    options = registry.parse_options(environment_options, "environment_options")
+    if environment == "calculator":
+      options.setdefault("max_result_chars", max_result_chars)
     super().__init__(min_numbers=min_numbers, max_numbers=max_numbers, min_number=min_number,
                      max_number=max_number, max_target=max_target, ops=ops, num_numbers=num_numbers,
-                     eval_fraction=eval_fraction)
+                     eval_fraction=eval_fraction, environment=environment, environment_options=options,
+                     max_turns=max_turns, tool_pool=tool_pool)
+    if self.tools is None:
+      raise ValueError("countdown_tools needs an environment (its warm-start traces call the calculator)")
     if not 0.0 <= correction_rate <= 1.0:
       raise ValueError(f"correction_rate must be in [0, 1], got {correction_rate!r}")
     self.correction_rate = float(correction_rate)
@@ -50,18 +58,6 @@ class CountdownTools(countdown.Countdown):
       raise ValueError(f"search=True checks up to {len(self.ops)} candidates (one per op) and then answers: "
                        f"needs max_turns >= {len(self.ops) + 1}, got max_turns={max_turns}")
     self.search = search
-    options = {"max_result_chars": max_result_chars} if environment == "calculator" else {}
-    self.tools = environment_lib.make(environment, max_turns=max_turns, **options)
-    self.use_chat_template(tokenizer_lib.TASK_CHAT)
-
-  def use_chat_template(self, render_prompt) -> "CountdownTools":
-    """Prompts declare the calculator to the template and replies are its tool messages: render_prompt is a
-    Tokenizer.chat_prompt (model.chat.ChatFormat: called with tools=[...], with a tool_reply)."""
-    self.render_prompt = environment_lib.tool_prompt("countdown_tools", self.tools, render_prompt)
-    return self
-
-  def environment(self) -> environment_lib.EnvironmentFactory:
-    return self.tools
 
   def _check(self, text: str) -> str:
     """A calculator call and the environment's real reply to it, as an episode holds them."""

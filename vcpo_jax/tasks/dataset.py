@@ -12,7 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from vcpo_jax.model import tokenizer as tokenizer_lib
-from vcpo_jax.tasks import base, dataset_files, verifiers
+from vcpo_jax.tasks import base
+from vcpo_jax.tasks.files import reading as dataset_files, verifiers
 
 FIELD = "task.options.dataset"
 # Room left for a warm-start target's wrong variant (a changed final number) beyond the reference's length.
@@ -37,7 +38,8 @@ class Dataset(base.Task):
   """Knobs: the files (comma-separated paths, JSONL or parquet), the schema and plain-row keys, the prompt's
   system turn and instruction suffix (plain text questions only), the verifier (a registered name or
   'module:function'), verifiers per data_source ('source=name,...') and verifier options
-  ('name.option=value,...')."""
+  ('name.option=value,...'); and, as every task, a tool environment (base.Task: `environment`, a registered
+  name or 'module:Class', `environment_options`, `max_turns`)."""
 
   name = "dataset"
   from_files = True
@@ -45,8 +47,11 @@ class Dataset(base.Task):
   def __init__(self, train_files: str = "", eval_files: str = "", schema: str = "auto",
                question_key: str = "question", answer_key: str = "answer", solution_key: str = "solution",
                system_prompt: str = "", instruction: str = "", verifier: str = "math",
-               verifier_by_source: str = "", verifier_options: str = ""):
-    super().__init__()
+               verifier_by_source: str = "", verifier_options: str = "", environment: str = "",
+               environment_options: str = "", max_turns: int = 4, tool_pool=None):
+    self._rendered: dict[str, list[base.Example]] = {}
+    super().__init__(environment=environment, environment_options=environment_options, max_turns=max_turns,
+                     tool_pool=tool_pool)
     keys = dataset_files.Keys(question_key, answer_key, solution_key)
     read = dict(schema=schema, keys=keys, system_prompt=system_prompt, instruction=instruction)
     self._records = {
@@ -65,7 +70,6 @@ class Dataset(base.Task):
     self._verifiers = {s: verifiers.build_verifier(spec, options, field=f"{FIELD}.verifier_by_source[{s!r}]")
                        for s, spec in by_source.items()}
     self._keep = {"train": None, "eval": None, "sft": None}  # row indices that fit the context (fit_context)
-    self._rendered: dict[str, list[base.Example]] = {}
 
   # ---------------------------------------------------------------------------------------- examples
   def use_chat_template(self, render_prompt: Callable[[str], str]) -> "Dataset":
@@ -73,9 +77,10 @@ class Dataset(base.Task):
     return super().use_chat_template(render_prompt)
 
   def _render(self, messages: Sequence[Mapping[str, str]]) -> str:
-    # A chat format (the tokenizer's ChatFormat) renders the whole list; the bare default renders ChatML.
-    render = getattr(self.render_prompt, "render", None) or tokenizer_lib.TASK_CHAT.render
-    return render(list(messages))
+    # A chat format (the tokenizer's ChatFormat) renders the whole list, declaring the environment's tools;
+    # the bare default renders ChatML.
+    render = getattr(self.chat, "render", None) or tokenizer_lib.TASK_CHAT.render
+    return render(list(messages), tools=self.tool_declarations())
 
   def _example(self, record: dataset_files.Record) -> base.Example:
     messages = [dict(m) for m in record.messages]
@@ -112,9 +117,6 @@ class Dataset(base.Task):
       raise ValueError(f"split must be one of {base.SPLITS}, got {split!r}")
     rows = self._kept(split)
     return [rows[int(i)] for i in base.as_rng(rng_or_seed).integers(len(rows), size=n)]
-
-  def _draw(self, rng: np.random.Generator) -> base.Example:
-    return self.sample(rng, 1)[0]
 
   def fit_context(self, tok, max_seq_len: int, max_new_tokens: int) -> dict[str, int]:
     """Keeps rows whose prompt + max_new_tokens fit max_seq_len (and, for the warm start, whose prompt +

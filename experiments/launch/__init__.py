@@ -1,0 +1,1 @@
+"""Launching: sweeps as data, work units, local and XManager launchers, multi-host launch scripts, machine time."""

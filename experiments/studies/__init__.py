@@ -1,0 +1,1 @@
+"""One folder per study: its driver, sweep and page helpers."""

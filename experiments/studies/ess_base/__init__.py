@@ -1,0 +1,1 @@
+"""The on-policy ESS ratio study (docs/results/ess_base/)."""

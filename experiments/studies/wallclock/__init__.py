@@ -1,0 +1,1 @@
+"""Claim C5, time to accuracy under real asynchrony: its sweep and page."""

@@ -1,1 +1,0 @@
-"""Sweep definitions: each module has get_sweep(arg) -> list of work units (experiments/sweep.py)."""

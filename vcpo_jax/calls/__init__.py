@@ -1,0 +1,1 @@
+"""Calls kept off the rollout event loop: bounded pools (inline, thread, worker processes), a timeout per call."""
