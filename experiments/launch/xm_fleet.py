@@ -82,11 +82,13 @@ def _jobs(xm, xm_local, exp, procs: list[fleet_lib.Process]):
   return jobs
 
 
-async def _exited(handles, timeout_s: float = float("inf"), stop_on_failure: bool = False) -> bool:
-  """Polls until every handle's process has exited (or one failed, or the timeout). The processes belong to
-  XManager's own event loop (its thread), which sets their returncode: they cannot be awaited from here."""
+async def _exited(handles, timeout_s: float = float("inf"), stop_on_failure: bool = False,
+                  stop: asyncio.Event | None = None) -> bool:
+  """Polls until every handle's process has exited (or one failed, or `stop` is set, or the timeout). The
+  processes belong to XManager's own event loop (its thread), which sets their returncode: they cannot be
+  awaited from here."""
   deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
+  while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
     codes = [h.process.returncode for h in handles]
     if all(c is not None for c in codes) or (stop_on_failure and any(codes)):
       return True
@@ -96,8 +98,9 @@ async def _exited(handles, timeout_s: float = float("inf"), stop_on_failure: boo
 
 async def _end(handles, grace_s: float = 20.0) -> None:
   """SIGTERM the jobs, then SIGKILL what outlives `grace_s` (a server must free its port for a relaunch)."""
-  for h in handles:
-    h.terminate()
+  for h in handles:  # the whole process group: SGLang's scheduler and detokenizer too
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(h.process.pid, signal.SIGTERM)  # each job runs in a session of its own (start_new_session)
   if not await _exited(handles, grace_s):
     for h in handles:
       if h.process.returncode is None:
@@ -118,11 +121,17 @@ async def launch(procs: list[fleet_lib.Process], title: str) -> int:
       handles = {h.name: h for h in work_unit._local_execution_handles}  # noqa: SLF001
       learners = [h for name, h in handles.items() if name.startswith("learner")]
       servers = [h for name, h in handles.items() if name.startswith("server")]
+      stop = asyncio.Event()  # SIGTERM or Ctrl+C: stop the whole group, then return
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
       try:
-        await _exited(learners, stop_on_failure=True)
+        await _exited(learners, stop_on_failure=True, stop=stop)
       finally:
         await _end(servers + [h for h in learners if h.process.returncode is None])
       codes = [h.process.returncode for h in learners]
+      if stop.is_set():
+        print("xm_fleet: stopped the group on a signal", flush=True)
+        codes = [c or 143 for c in codes] if any(codes) else [143] * len(codes)
   except RuntimeError:
     # On exit XManager awaits every job again and raises for one that did not return 0: the servers we
     # stopped (and one killed mid-run) always do. The learner's codes decide.
@@ -147,7 +156,6 @@ def main(argv: list[str]) -> int:
   from absl import flags  # noqa: PLC0415
   from xmanager import xm_flags as _  # noqa: F401, PLC0415  (defines --xm_db_yaml_config_path)
   flags.FLAGS([sys.argv[0], f"--xm_db_yaml_config_path={db_config(args.workdir)}"])
-  signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the group as Ctrl+C does
   title = f"vcpo fleet {os.path.basename(os.path.abspath(args.workdir))}"
   return asyncio.run(launch(procs, title))
 
