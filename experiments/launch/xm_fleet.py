@@ -96,23 +96,42 @@ async def _exited(handles, timeout_s: float = float("inf"), stop_on_failure: boo
   return False
 
 
-async def _end(handles, grace_s: float = 20.0) -> None:
-  """SIGTERM the jobs, then SIGKILL what outlives `grace_s` (a server must free its port for a relaunch)."""
-  for h in handles:  # the whole process group: SGLang's scheduler and detokenizer too
+def _group_alive(pgid: int) -> bool:
+  try:
+    os.killpg(pgid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+async def _end(handles, grace_s: float = 10.0) -> None:
+  """SIGTERM each job's process group, then SIGKILL the groups that outlive `grace_s`.
+
+  By group, because a job is `/bin/sh -c COMMAND` in a session of its own (start_new_session), and its
+  processes (the server, SGLang's scheduler and detokenizer) are members. The grace is short: a learner
+  process outlives SIGTERM (jax.distributed's preemption service takes it), and its checkpoints are atomic,
+  so the relaunch resumes from the last one."""
+  groups = [h.process.pid for h in handles]
+  for pgid in groups:
     with contextlib.suppress(ProcessLookupError):
-      os.killpg(h.process.pid, signal.SIGTERM)  # each job runs in a session of its own (start_new_session)
-  if not await _exited(handles, grace_s):
-    for h in handles:
-      if h.process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-          os.killpg(h.process.pid, signal.SIGKILL)  # its own session (start_new_session)
-    await _exited(handles, grace_s)
+      os.killpg(pgid, signal.SIGTERM)
+  for sig in (signal.SIGKILL, None):
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(map(_group_alive, groups)):
+      await asyncio.sleep(0.2)
+    for pgid in filter(_group_alive, groups) if sig else ():
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
 
 
 async def launch(procs: list[fleet_lib.Process], title: str) -> int:
-  """Adds the one job group; waits for the learner's jobs; then stops the servers. Returns the first failing learner code (or 0)."""
+  """Adds the one job group; waits for the learner's jobs (or a stop signal); then stops the servers.
+  Returns the first failing learner's code, 143 when stopped, else 0."""
   from xmanager import xm, xm_local  # noqa: PLC0415  (optional dependency)
   codes: list = []
+  stopped = False
   try:
     async with xm_local.create_experiment(experiment_title=title) as exp:
       work_unit = await exp.add(xm.JobGroup(**_jobs(xm, xm_local, exp, procs)))
@@ -127,18 +146,19 @@ async def launch(procs: list[fleet_lib.Process], title: str) -> int:
       try:
         await _exited(learners, stop_on_failure=True, stop=stop)
       finally:
-        await _end(servers + [h for h in learners if h.process.returncode is None])
+        await _end(servers + learners)
       codes = [h.process.returncode for h in learners]
-      if stop.is_set():
-        print("xm_fleet: stopped the group on a signal", flush=True)
-        codes = [c or 143 for c in codes] if any(codes) else [143] * len(codes)
+      stopped = stop.is_set()
   except RuntimeError:
     # On exit XManager awaits every job again and raises for one that did not return 0: the servers we
     # stopped (and one killed mid-run) always do. The learner's codes decide.
     if not codes:
       raise
+  if stopped:
+    print("xm_fleet: stopped the group on a signal", flush=True)
+    return 143  # as a process ended by SIGTERM
   print(f"xm_fleet: learner exit codes {codes}", flush=True)
-  return next((c for c in codes if c), 0)
+  return next((c if c > 0 else 128 - c for c in codes if c), 0)  # -N (killed by signal N) as the shell says
 
 
 def main(argv: list[str]) -> int:
