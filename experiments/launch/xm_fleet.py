@@ -22,6 +22,7 @@ import time
 
 from experiments.launch import fleet as fleet_lib
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -39,9 +40,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   argv = list(argv)
   cut = argv.index("--") if "--" in argv else len(argv)
   return p.parse_args(argv[:cut]), argv[cut + 1:]
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def local_fleet(config: str, workdir: str, learners: int, servers: int, extra: list[str], *, engine="embedded",
