@@ -22,8 +22,9 @@ def test_fleet_with_real_sglang_servers(tmp_path):
   workdir = str(tmp_path / "fleet")
   os.makedirs(workdir)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  # launch_sglang.sh's settings for this CPU machine; the learner ignores them.
-  env.update(VCPO_PROGRESS="0", DEVICE="cpu", DTYPE="float32", PYTHON=SGLANG_PYTHON)
+  # launch_sglang.sh's settings for this CPU machine; the learner ignores them. Two servers starting at once
+  # next to the learner: 0.05 of host memory (the script's CPU default) can leave one no KV cache.
+  env.update(VCPO_PROGRESS="0", DEVICE="cpu", DTYPE="float32", PYTHON=SGLANG_PYTHON, MEM_FRACTION="0.1")
   log_path = os.path.join(workdir, "launch.log")
   with open(log_path, "w") as log:
     proc = subprocess.Popen(
