@@ -134,6 +134,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       num_servers=1,           # embedded servers started by the job (ignored when server_urls is set)
       server_urls="",          # comma-separated SGLang URLs; empty = start embedded servers
+      # With server_urls: RL starts once this many of them answer (0 = all), waiting at most server_wait_s
+      # seconds; the others join when they come up (health checks), as do servers that restart.
+      min_servers=0,
+      server_wait_s=600.0,
       base_port=0,             # 0 = pick free ports
       request_timeout=120.0,
       max_retries=4,

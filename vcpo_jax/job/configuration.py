@@ -188,6 +188,8 @@ _SCALAR_FIELDS = {
     "rollout.wire_bucket_mb": (_number(lambda v: v > 0), "must be a number > 0 (MiB per bucket)"),
     "rollout.wire_timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
     "rollout.wire_backend": (lambda v: v in ("auto", "gloo", "nccl"), "must be 'auto', 'gloo' or 'nccl'"),
+    "rollout.min_servers": (_int_at_least(0), "must be an int >= 0 (0: all of rollout.server_urls)"),
+    "rollout.server_wait_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
     "distributed.timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
 }
 
@@ -251,6 +253,10 @@ def validate_config(config: ml_collections.ConfigDict, *, with_task: bool = True
   _validate_algo(config)
   if config.rollout.num_servers < 1 and not config.rollout.server_urls:
     _fail("rollout.num_servers", config.rollout.num_servers, "must be >= 1 without rollout.server_urls")
+  urls = [u for u in config.rollout.server_urls.split(",") if u.strip()]
+  if config.rollout.get("min_servers", 0) > len(urls):
+    _fail("rollout.min_servers", config.rollout.min_servers,
+          f"exceeds the {len(urls)} servers in rollout.server_urls")
   placement.parse_cpus(config.rollout.get("server_cpus", ""))   # a bad CPU list fails before any work
   weight_store.publish_dtype(config.rollout.get("publish_dtype", "auto"), None, model_cfg.param_dtype)
   if config.rollout.get("publish_dir", ""):  # made if missing and checked writable before any work

@@ -68,6 +68,9 @@ class HttpBackendConfig:
   wire_timeout_s: float = backend.config_field("rollout", 60.0)
   wire_master_address: str = backend.config_field("rollout", "")
   server_cpus: str = backend.config_field("rollout", "")
+  # External servers (a fleet's, started alongside the learner): RL starts once this many answer (0: all).
+  min_servers: int = backend.config_field("rollout", 0)
+  server_wait_s: float = backend.config_field("rollout", 600.0)
 
 
 class HttpBackend(backend.RolloutBackend):
@@ -147,6 +150,10 @@ class HttpBackend(backend.RolloutBackend):
                                             request_timeout=self.cfg.request_timeout,
                                             max_retries=self.cfg.max_retries)
     await self._client.start()
+    if self.urls:  # a fleet's servers may still be loading (or never come): wait, with a deadline
+      await self._client.wait_for_servers(self.cfg.min_servers or len(self.urls), self.cfg.server_wait_s,
+                                          f"rollout.min_servers={self.cfg.min_servers} "
+                                          f"(rollout.server_wait_s={self.cfg.server_wait_s:g})")
     self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
                                                     keep_last=self.cfg.keep_versions,
                                                     reference_dir=self.reference_dir, wire=self._wire_sender(urls))

@@ -178,6 +178,23 @@ class ServerPool:
       ok = False
     self._mark_healthy(server, ok)
 
+  async def wait_for_servers(self, count: int, timeout_s: float, what: str = "min_servers") -> list[str]:
+    """Probes until `count` servers answer (a fleet's servers start alongside the learner, some later than
+    others); returns the answering urls, or raises RolloutError naming `what`, the deadline and the rest."""
+    await self.start()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+      await self.check_health()
+      up = [s.url for s in self._servers.values() if s.healthy]
+      if len(up) >= count:
+        return up
+      if loop.time() >= deadline:
+        down = [u for u in self._servers if u not in up]
+        raise RolloutError(f"{len(up)} of {len(self._servers)} rollout servers answered within {timeout_s:g}s, "
+                           f"{what} asks for {count}; not answering: {down}")
+      await asyncio.sleep(min(self.health_interval, max(0.0, deadline - loop.time())))
+
   async def _health_loop(self) -> None:
     while True:
       await asyncio.sleep(self.health_interval)
