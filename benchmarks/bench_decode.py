@@ -123,13 +123,13 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(setup: DecodeSetup) -> list[dict]:
   import jax
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import transformer as model_lib
 
   cfg = main_job_model_config()
   params = model_lib.init_params(cfg, jax.random.key(0))
   with tempfile.TemporaryDirectory() as tmp:
-    hf_model = load_hf_model(hf.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
+    hf_model = load_hf_model(hf_export.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
   figures = []
   for i, batch in enumerate(setup.batches):
     figures += records.run_figure(f"decode_vs_hf_b{batch}", f"{TITLE}, B={batch}",

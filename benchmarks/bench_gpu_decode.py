@@ -59,7 +59,7 @@ def produce(quick: bool, json_path: str | None, figs: list[dict]) -> list[dict]:
   """Appends the figures to `figs`, written to json_path after each one (a part stopped at its limit keeps
   what it measured)."""
   import jax
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import transformer as model_lib
   setup = QUICK if quick else FULL
   cfg = bench_decode.main_job_model_config()
@@ -82,7 +82,7 @@ def produce(quick: bool, json_path: str | None, figs: list[dict]) -> list[dict]:
                              lambda: bench_decode.floor_fraction(setup, batch, params, cfg, bandwidth),
                              goal=bench_decode.floor_goal(batch)))
   with tempfile.TemporaryDirectory() as tmp:
-    hf_model = bench_decode.load_hf_model(hf.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
+    hf_model = bench_decode.load_hf_model(hf_export.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
   for batch in setup.batches:
     add(records.run_figure(f"decode_engine_vs_hf_b{batch}", f"{TITLE}, B={batch}",
                            lambda: engine_vs_hf(setup, batch, params, cfg, hf_model)))

@@ -58,11 +58,11 @@ async def _timed(pub, params, version) -> float:
 
 
 async def _measure(cfg, tmp: str, repeats: int, backends: list[str], timeout_s: dict) -> dict:
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.rollout.servers import launcher, publisher, wire
   p = [_params(cfg, s) for s in range(2)]
-  start = hf.export_hf(p[0], cfg, os.path.join(tmp, "start"))
-  export = lambda params, out: hf.export_hf(params, cfg, out)
+  start = hf_export.export_hf(p[0], cfg, os.path.join(tmp, "start"))
+  export = lambda params, out: hf_export.export_hf(params, cfg, out)
   server = launcher.EmbeddedServer(start, weights_root=tmp, log_dir=os.path.join(tmp, "logs"), weight_version="v0")
   server.start()
   out: dict = {"backends_tried": backends, "errors": {}}

@@ -81,9 +81,9 @@ def tiny_params(seed: int):
 
 
 def export_tiny(params, out_dir: str) -> str:
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
-  return hf.export_hf(params, model_config.ModelConfig(**TINY_MODEL), out_dir, tokenizer.build_tokenizer())
+  return hf_export.export_hf(params, model_config.ModelConfig(**TINY_MODEL), out_dir, tokenizer.build_tokenizer())
 
 
 def reference_logprobs(params, prompt: list[int], output: list[int]):

@@ -9,7 +9,7 @@ import pytest
 import safetensors.numpy
 
 from vcpo_jax.model import config as model_config
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import transformer as M
 
 CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -24,7 +24,7 @@ def _cfg(**kw):
 def test_round_trip_is_bit_identical(tmp_path, tied, param_dtype):
   cfg = _cfg(tie_word_embeddings=tied, param_dtype=param_dtype)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
-  out = hf.export_hf(params, cfg, str(tmp_path / "ckpt"))
+  out = hf_export.export_hf(params, cfg, str(tmp_path / "ckpt"))
   params2, cfg2 = hf.import_hf(out)
   assert cfg2 == cfg
   flat1, tree1 = jax.tree_util.tree_flatten(params)
@@ -47,7 +47,7 @@ def test_transformers_logprobs_match(tmp_path, tied):
   params = M.init_params(cfg, jax.random.PRNGKey(1))
   # Larger weights than init so the test is sensitive to every block.
   params = jax.tree_util.tree_map(lambda x: x * 4.0, params)
-  out = hf.export_hf(params, cfg, str(tmp_path / "ckpt"))
+  out = hf_export.export_hf(params, cfg, str(tmp_path / "ckpt"))
   ref = transformers.Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
   toks = np.random.RandomState(0).randint(0, cfg.vocab_size, (3, 24))
   with torch.no_grad():
@@ -61,13 +61,13 @@ def test_tokenizer_files_are_exported(tmp_path):
   tokenizer = pytest.importorskip("vcpo_jax.model.tokenizer")
   tok = tokenizer.build_tokenizer()
   cfg = _cfg(vocab_size=max(64, tok.vocab_size))
-  out = hf.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"), tok)
+  out = hf_export.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"), tok)
   assert os.path.isfile(os.path.join(out, "tokenizer.json"))
   assert os.path.isfile(os.path.join(out, "tokenizer_config.json"))
 
 
 def _export(tmp_path, cfg=CFG):
-  return hf.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"))
+  return hf_export.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"))
 
 
 def test_import_rejects_other_architecture(tmp_path):
@@ -101,11 +101,11 @@ def test_failed_export_leaves_nothing(tmp_path):
   bad = dict(params)
   del bad["norm"]
   with pytest.raises(KeyError):
-    hf.export_hf(bad, cfg, str(tmp_path / "ckpt"))
+    hf_export.export_hf(bad, cfg, str(tmp_path / "ckpt"))
   assert os.listdir(tmp_path) == []
   # A failed re-export keeps the previous directory intact.
-  hf.export_hf(params, cfg, str(tmp_path / "ckpt"))
+  hf_export.export_hf(params, cfg, str(tmp_path / "ckpt"))
   with pytest.raises(KeyError):
-    hf.export_hf(bad, cfg, str(tmp_path / "ckpt"))
+    hf_export.export_hf(bad, cfg, str(tmp_path / "ckpt"))
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
   assert hf.import_hf(str(tmp_path / "ckpt"))[1] == cfg

@@ -33,12 +33,12 @@ time.sleep(600)
 def test_server_exits_when_its_parent_is_killed(tmp_path):
   """A healthy server whose parent (a trainer) is SIGKILLed must not outlive it: its watchdog ends it."""
   import jax
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model
   cfg = model_config.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                           num_kv_heads=1, head_dim=16, max_seq_len=64)
-  model_dir = hf.export_hf(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "v0"),
+  model_dir = hf_export.export_hf(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "v0"),
                            tokenizer.build_tokenizer())
   parent = subprocess.Popen([sys.executable, "-c", _PARENT, model_dir, str(tmp_path)],
                             stdout=subprocess.PIPE, text=True)

@@ -10,14 +10,16 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 # Lowest first. A module may import its own package and any lower rank; packages sharing a rank are siblings
 # that never import each other (algo/ and tasks/ both sit on the model and know nothing of one another; the
 # learner sees only batches and rollout/ only groups: the job builds the one from the other).
-RANKS = (("registry", "calls", "orphans"), ("parallel",), ("model",), ("algo", "tasks"), ("learner", "rollout"), ("serving",),
+RANKS = (("registry", "orphans"), ("calls",), ("parallel",), ("model",), ("algo", "tasks"), ("learner", "rollout"), ("serving",),
          ("job",), ("main",))
 RANK = {unit: i for i, units in enumerate(RANKS) for unit in units}
 # Lower packages a package may not import although its rank allows it: rollout/ is host-side asyncio that
 # never places arrays on devices or talks to other processes (the job feeds every process its rows).
 KEPT_FROM = {"rollout": ("parallel",)}
-# What serving/ (the embedded server) takes from rollout/: the wire format it shares with the client.
-SERVING_USES_FROM_ROLLOUT = {"vcpo_jax.rollout.protocol"}
+# What serving/ (the embedded server) takes from rollout/: the wire formats it shares with the client and the
+# publisher: requests (protocol), and weight updates (the bucket layout and the torch group's handshake).
+SERVING_USES_FROM_ROLLOUT = {"vcpo_jax.rollout.protocol", "vcpo_jax.rollout.servers.wire_pack",
+                             "vcpo_jax.rollout.servers.wire_group"}
 
 
 def unit_of(module: str) -> str:

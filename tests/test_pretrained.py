@@ -13,7 +13,7 @@ import pytest
 from conftest import skip_if_not_enough_devices
 
 from vcpo_jax import tasks
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.model import transformer as model_lib
 from vcpo_jax.parallel import sharding
@@ -195,7 +195,7 @@ def test_export_reloads_in_transformers_with_identical_tokenizer(ckpt, tmp_path)
   tok = tokenizer_lib.load_pretrained(ckpt)
   params, cfg = hf.import_hf(ckpt)
   cfg = dataclasses.replace(cfg, max_seq_len=128)
-  out = hf.export_hf(params, cfg, str(tmp_path / "export"), tok)
+  out = hf_export.export_hf(params, cfg, str(tmp_path / "export"), tok)
   original = transformers.AutoTokenizer.from_pretrained(ckpt)
   exported = transformers.AutoTokenizer.from_pretrained(out)
   for text in TEXTS + [tok.chat_prompt("Compute 2 + 2.")]:

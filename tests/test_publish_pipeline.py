@@ -48,7 +48,7 @@ def _read(path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_holds_the_params_in_hf_layout_cast_once(tmp_path, dtype):
   params = fake_sglang.tiny_params(3)
-  out = hf.export_hf(params, CFG, str(tmp_path / "ckpt"), dtype=dtype)
+  out = hf_export.export_hf(params, CFG, str(tmp_path / "ckpt"), dtype=dtype)
   got, want = _read(out), _expected(params, CFG, dtype)
   assert sorted(got) == sorted(want)
   for name in want:  # bit for bit
@@ -66,7 +66,7 @@ def test_bf16_export_is_half_the_bytes(tmp_path):
   params = fake_sglang.tiny_params(1)
   data = {}
   for d in ("float32", "bfloat16"):
-    path = os.path.join(hf.export_hf(params, CFG, str(tmp_path / d), dtype=d), "model.safetensors")
+    path = os.path.join(hf_export.export_hf(params, CFG, str(tmp_path / d), dtype=d), "model.safetensors")
     with open(path, "rb") as f:
       header = int.from_bytes(f.read(8), "little")
     data[d] = os.path.getsize(path) - 8 - header

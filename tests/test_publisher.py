@@ -152,7 +152,7 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
 def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path):
   """SGLang accepts an update with other shapes (success: true) and serves garbage: refuse it first."""
   import dataclasses
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model
   urls = [s.url for s in cluster["servers"]]
@@ -160,7 +160,7 @@ def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path
 
   def export_wide(params, out_dir):
     import jax
-    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+    hf_export.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
 
   async def run():
     async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
@@ -182,14 +182,14 @@ def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path
 def _wide_export(intermediate_size=128):
   """An exporter of the tiny model with another MLP width (the shapes a served tiny model refuses)."""
   import dataclasses
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
   wide = dataclasses.replace(model_config.ModelConfig(**fake_sglang.TINY_MODEL), intermediate_size=intermediate_size)
 
   def export(params, out_dir):
     import jax
     from vcpo_jax.model import transformer as model
-    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+    hf_export.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
   return export
 
 

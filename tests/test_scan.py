@@ -13,7 +13,7 @@ from flax import traverse_util
 from vcpo_jax.learner import grad_norms as G
 from vcpo_jax.model import attention
 from vcpo_jax.model import config as model_config
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import transformer as M
 
 L, B, T = 2, 3, 10
@@ -139,8 +139,8 @@ def test_hf_export_import_of_stacked_params(tmp_path):
   """Scanned params export to the same per-layer HF tensors as the unrolled ones and import back stacked;
   an unrolled checkpoint imports into the scan layout."""
   params, stacked, _, _, _ = _setup()
-  plain_dir = hf.export_hf(params, PLAIN, str(tmp_path / "plain"))
-  scan_dir = hf.export_hf(stacked, SCAN, str(tmp_path / "scan"))
+  plain_dir = hf_export.export_hf(params, PLAIN, str(tmp_path / "plain"))
+  scan_dir = hf_export.export_hf(stacked, SCAN, str(tmp_path / "scan"))
   t0 = safetensors.numpy.load_file(f"{plain_dir}/model.safetensors")
   t1 = safetensors.numpy.load_file(f"{scan_dir}/model.safetensors")
   assert set(t0) == set(t1) and "model.layers.1.mlp.up_proj.weight" in t1

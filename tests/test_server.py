@@ -16,7 +16,7 @@ import pytest
 
 import waits
 from vcpo_jax.model import config as model_config
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import tokenizer
 from vcpo_jax.model import transformer as model
 from vcpo_jax.rollout.servers import launcher
@@ -34,7 +34,7 @@ def _export(params_seed: int, out_dir: str):
   params = model.init_params(CFG, jax.random.PRNGKey(params_seed))
   # Sharper than the init: outputs differ between weights and sampling is far from uniform.
   params = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, params)
-  hf.export_hf(params, CFG, out_dir, tokenizer.build_tokenizer())
+  hf_export.export_hf(params, CFG, out_dir, tokenizer.build_tokenizer())
 
 
 class Server:

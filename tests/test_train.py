@@ -168,13 +168,13 @@ def test_ctrl_c_stops_the_servers(tmp_path):
 def test_async_run_against_server_urls(tmp_path):
   """rollout.server_urls: the job starts no server, publishes its starting weights to the given one."""
   import jax
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
   from vcpo_jax.rollout.servers import launcher
   config = tiny_config(**{"rl.steps": 2})
   cfg = model_config.ModelConfig.from_dict(config.model)
-  start = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(7)), cfg, str(tmp_path / "start"),
+  start = hf_export.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(7)), cfg, str(tmp_path / "start"),
                        tokenizer.build_tokenizer())
   server = launcher.EmbeddedServer(start, weights_root=str(tmp_path), log_dir=str(tmp_path)).start()
   try:
@@ -286,7 +286,7 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   backend's event-loop work goes on while the learner step runs (the async overlap)."""
   import jax
   from vcpo_jax.job import checkpointing, configuration
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
   from vcpo_jax.rollout.rewards import Rewarder
@@ -297,7 +297,7 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   configuration.validate_config(config)
   cfg = model_config.ModelConfig.from_dict(config.model)
   tok = tokenizer.build_tokenizer()
-  base_dir = hf.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "base"), tok)
+  base_dir = hf_export.export_hf(model_lib.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "base"), tok)
   task = configuration.build_task(config)
   assert isinstance(task, CountingCountdown)
   CountingCountdown.reward_calls = 0

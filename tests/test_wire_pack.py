@@ -9,7 +9,7 @@ import safetensors.numpy
 
 from tests import fake_sglang
 from vcpo_jax.model import config as model_config
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import transformer as model
 from vcpo_jax.rollout.servers import wire_pack
 
@@ -17,7 +17,7 @@ CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
 
 
 def _exported(params, cfg, tmp_path):
-  hf.export_hf(params, cfg, str(tmp_path / "x"))
+  hf_export.export_hf(params, cfg, str(tmp_path / "x"))
   return safetensors.numpy.load_file(str(tmp_path / "x" / "model.safetensors"))
 
 
@@ -34,8 +34,8 @@ def test_buckets_hold_the_exporters_tensors_byte_for_byte(tmp_path, dtype, scan)
   for bucket in buckets:
     packed = np.asarray(wire_pack.pack_fn(bucket)(params))
     assert packed.dtype == np.uint8 and packed.size == sum(t.nbytes for t in bucket)
-    np.testing.assert_array_equal(packed, wire_pack.pack_host(params, bucket, np.asarray))
-    from vcpo_jax.model import hf_export
+    np.testing.assert_array_equal(packed, wire_pack.pack_named(bucket, hf_export.hf_tensors(
+        hf_export.hf_layout(params, cfg, dtype))))  # the host path (a learner over several processes)
     layout = hf_export.hf_layout(params, cfg, dtype)  # what the job's publisher hands the wire
     from_layout = wire_pack.pack_layout_fn(bucket, hf_export.leaf_specs(cfg))(layout.leaves)
     np.testing.assert_array_equal(np.asarray(from_layout), packed)
@@ -95,7 +95,7 @@ def test_the_embedded_receiver_replaces_exactly_the_received_tensors(tmp_path, s
   half = {n: t for i, (n, t) in enumerate(sorted(tensors.items())) if i % 2 == 0}
   got, _ = weight_wire._updated_params(engine, half)
   replaced = wire_pack.unpack(  # what the receiver now holds, read back as HF tensors
-      wire_pack.pack_host(got, wire_pack.manifest(cfg, "float32"), np.asarray),
+      wire_pack.pack_named(wire_pack.manifest(cfg, "float32"), hf_export.hf_tensors(hf_export.hf_layout(got, cfg))),
       *zip(*[(t.name, t.dtype, t.shape) for t in wire_pack.manifest(cfg, "float32")]))
   before = _exported(jax.device_get(old), cfg, tmp_path / "old")
   for name in tensors:

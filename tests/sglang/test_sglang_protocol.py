@@ -33,9 +33,9 @@ def params_of(version: int):
 
 
 def export(params, out_dir):
-  from vcpo_jax.model import hf  # noqa: PLC0415
+  from vcpo_jax.model import hf, hf_export  # noqa: PLC0415
   from vcpo_jax.model import tokenizer
-  hf.export_hf(params, _cfg(), out_dir, tokenizer.build_tokenizer())
+  hf_export.export_hf(params, _cfg(), out_dir, tokenizer.build_tokenizer())
 
 
 def reference_logprobs(version, prompt, output):
@@ -116,10 +116,10 @@ def test_other_shapes_are_refused_before_sending(server, tmp_path):
 
   def export_wide(params, out_dir):
     import jax  # noqa: PLC0415
-    from vcpo_jax.model import hf  # noqa: PLC0415
+    from vcpo_jax.model import hf, hf_export  # noqa: PLC0415
     from vcpo_jax.model import tokenizer
     from vcpo_jax.model import transformer as model
-    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+    hf_export.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
 
   async def run():
     async with _client(srv.url) as client:
@@ -151,10 +151,10 @@ def test_refused_updates_never_touch_the_last_good_weights(server, tmp_path):
 
   def export_wide(params, out_dir):
     import jax  # noqa: PLC0415
-    from vcpo_jax.model import hf  # noqa: PLC0415
+    from vcpo_jax.model import hf, hf_export  # noqa: PLC0415
     from vcpo_jax.model import tokenizer  # noqa: PLC0415
     from vcpo_jax.model import transformer as model  # noqa: PLC0415
-    hf.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
+    hf_export.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
 
   def files(path):
     return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}

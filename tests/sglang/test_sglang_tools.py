@@ -64,7 +64,7 @@ class MarkerEnv:
 
 
 def test_episode_turns_on_a_real_server(tools_server):
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model
   from vcpo_jax.model.tokenizer import completion_text
@@ -150,7 +150,7 @@ def test_code_tool_call_straddles_a_weight_update(tmp_path):
   import jax.numpy as jnp
   from configs import code_tools
   from vcpo_jax.job import warm_start
-  from vcpo_jax.model import hf
+  from vcpo_jax.model import hf, hf_export
   from vcpo_jax.model import transformer as model
   from vcpo_jax.rollout.servers import publisher as publisher_lib
   config, *flags = CODE
@@ -174,7 +174,7 @@ def test_code_tool_call_straddles_a_weight_update(tmp_path):
   async def run():
     async with client_lib.RolloutClient([server.url], vocab_size=cfg.vocab_size,
                                         context_length=cfg.max_seq_len) as client:
-      pub = publisher_lib.WeightPublisher(lambda p, d: hf.export_hf(p, cfg, d, tok), str(tmp_path / "weights"),
+      pub = publisher_lib.WeightPublisher(lambda p, d: hf_export.export_hf(p, cfg, d, tok), str(tmp_path / "weights"),
                                           client)
       try:
         groups = [asyncio.create_task(runner.generate(client.generate, tok.encode(ex["prompt"]), sp, n=2,

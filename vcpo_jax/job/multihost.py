@@ -23,7 +23,7 @@ from vcpo_jax.rollout import backend as backend_lib
 class LeaderBackend(backend_lib.RolloutBackend):
   """Process 0's backend: the real one, its exports able to gather the params with the followers.
   host_params: the inner backend keeps host copies (the lag emulator's ring), gathered here leaf by leaf;
-  else it gets the sharded params and its export gathers one tensor at a time (hf.export_hf)."""
+  else it gets the sharded params and its export gathers one tensor at a time (hf_export.export_hf)."""
 
   def __init__(self, inner: backend_lib.RolloutBackend, host_params: bool):
     self.inner, self.host_params = inner, host_params

@@ -14,7 +14,7 @@ from vcpo_jax.job.configuration import build_optimizer, build_task, validate_con
 from vcpo_jax.job.evaluation import evaluate
 from vcpo_jax.job.warm_start_cache import changed_evaluation, check_cached_weights, warm_start_settings
 from vcpo_jax.learner import train_state
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import tokenizer as tokenizer_lib
 
 
@@ -61,7 +61,7 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples, reward
   info.update({"sft/steps": config.sft.steps, "sft/seconds": time.time() - t0,
                "sft/final_loss": float(sft_metrics.get("loss", float("nan")))})
   # Write the directory, then the marker inside it: a crash in between leaves no marker and reruns SFT.
-  hf.export_hf(params, model_cfg, base_dir, tok)
+  hf_export.export_hf(params, model_cfg, base_dir, tok)
   _write_json(settings_path, warm_start_settings(config))
   _write_json(info_path, info)
   logging.info("warm start done: %s", info)

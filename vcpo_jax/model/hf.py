@@ -127,14 +127,6 @@ def replace_directory(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def export_hf(params, cfg: config_lib.ModelConfig, out_dir: str, tokenizer=None, dtype: str | None = None) -> str:
-  """Writes a HF directory atomically, its tensors in `dtype` (default cfg.param_dtype); returns out_dir.
-
-  The transposes and the cast run on the params' devices in one jitted call (hf_export.py)."""
-  from vcpo_jax.model import hf_export  # it builds on this module
-  return hf_export.export(params, cfg, out_dir, tokenizer, dtype)
-
-
 def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> config_lib.ModelConfig:
   archs = d.get("architectures")
   if archs != [ARCHITECTURE]:

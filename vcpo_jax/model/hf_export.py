@@ -144,3 +144,6 @@ def export(params: Any, cfg: config_lib.ModelConfig, out_dir: str, tokenizer=Non
            dtype: Optional[str] = None) -> str:
   """hf_layout then write_hf: the params as a HF directory in `dtype` (default: cfg.param_dtype)."""
   return write_hf(hf_layout(params, cfg, dtype), out_dir, tokenizer)
+
+
+export_hf = export  # the name the callers know (it lived in hf.py)

@@ -8,10 +8,10 @@ import os
 import re
 from typing import Any, Optional
 
+import jax
 import ml_collections
 
 from vcpo_jax.model import hf_export
-from vcpo_jax.parallel import processes
 from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
 from vcpo_jax.rollout.servers import background, launcher, placement, publisher as publisher_lib, weight_store
@@ -100,7 +100,7 @@ class HttpBackend(backend.RolloutBackend):
     self._sched: Optional[scheduler_lib.RolloutScheduler] = None
     self._restored: Optional[dict] = None
     self._pending = background.BackgroundPublish()
-    self._background = not processes.multi_process()  # followers join a publish's gathers only inside publish()
+    self._background = jax.process_count() == 1  # followers join a publish's gathers only inside publish()
     # External servers were launched on the job's starting weights; exports and served models are checked
     # against them (embedded servers: against the directory they are started on).
     self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)

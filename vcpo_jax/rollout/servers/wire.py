@@ -22,7 +22,6 @@ from vcpo_jax.model import config as config_lib
 from vcpo_jax.model import hf_export
 from vcpo_jax.rollout.servers import admin as admin_lib
 from vcpo_jax.rollout.servers import wire_group, wire_pack
-from vcpo_jax.parallel import processes
 
 GROUP_NAME = "vcpo_weights"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -73,7 +72,7 @@ class WireSender:
                        f"{timeout_s!r}")
     self.torch = wire_group.require_torch()
     self.backend = resolve_backend(backend)
-    self.dtype = dtype
+    self.cfg, self.dtype = model_cfg, dtype
     self.tensors = wire_pack.manifest(model_cfg, dtype)
     self.buckets = wire_pack.plan_buckets(self.tensors, int(bucket_mb * 2**20))
     self.timeout_s, self.master_address = timeout_s, master_address
@@ -126,13 +125,11 @@ class WireSender:
     layout = params if isinstance(params, hf_export.HfLayout) else None
     if layout is not None and layout.dtype != self.dtype:
       raise WireError(f"the layout is in {layout.dtype}, the wire sends {self.dtype}")
-    if layout is not None and not layout.on_device:  # several processes: gathered to process 0, as the export
-      params = wire_pack.params_tree(hf_export.leaf_specs(layout.cfg), layout.leaves)
-      layout = None
-    leaves = jax.tree.leaves(params)
-    if layout is None and leaves and isinstance(leaves[0], jax.Array) and not all(
-        x.is_fully_addressable for x in leaves):
-      return self.torch.from_numpy(wire_pack.pack_host(params, bucket, processes.to_host))
+    if layout is None and not all(not isinstance(x, jax.Array) or x.is_fully_addressable
+                                  for x in jax.tree.leaves(params)):
+      layout = hf_export.hf_layout(params, self.cfg, self.dtype)  # over several processes: not on one device
+    if layout is not None and not layout.on_device:  # gathered to process 0 one tensor at a time, as the export
+      return self.torch.from_numpy(wire_pack.pack_named(bucket, hf_export.hf_tensors(layout)))
     key = (i, layout is not None)
     if key not in self._pack_fns:
       self._pack_fns[key] = (wire_pack.pack_layout_fn(bucket, hf_export.leaf_specs(layout.cfg)) if layout

@@ -8,7 +8,7 @@ itemsize, so the running offset stays a multiple of each smaller one).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -120,26 +120,11 @@ def pack_layout_fn(bucket: Sequence[WireTensor], specs: Sequence[tuple[tuple[str
   return jax.jit(pack, out_shardings=out_sharding)
 
 
-def params_tree(specs: Sequence[tuple[tuple[str, ...], bool]], leaves: Sequence[Any]) -> dict:
-  """A params-like tree from (path, transpose) specs and their leaves (the layout of several processes)."""
-  tree: dict = {}
-  for (path, _), leaf in zip(specs, leaves):
-    hf.set_path(tree, path, leaf)
-  return tree
-
-
-def pack_host(params: Any, bucket: Sequence[WireTensor], to_host) -> np.ndarray:
-  """The same bytes built on the host from `to_host(leaf)` copies (a learner over several processes: each
-  leaf is gathered to process 0, as the exporter gathers it)."""
+def pack_named(bucket: Sequence[WireTensor], tensors: dict[str, np.ndarray]) -> np.ndarray:
+  """The same bytes from HF-named host arrays already in the wire dtype (hf_export.hf_tensors)."""
   bucket_offsets(bucket)
-  parts, leaves = [], {}
-  for t in bucket:
-    if t.path not in leaves:
-      leaves[t.path] = to_host(hf.get_path(params, t.path))
-    x = leaves[t.path][t.layer] if t.layer is not None else leaves[t.path]
-    x = np.ascontiguousarray(x.T if t.transpose else x).astype(jnp.dtype(t.dtype))
-    parts.append(x.reshape(-1).view(np.uint8))
-  return np.concatenate(parts)
+  return np.concatenate([np.ascontiguousarray(tensors[t.name]).astype(jnp.dtype(t.dtype), copy=False)
+                         .reshape(-1).view(np.uint8) for t in bucket])
 
 
 def unpack(buffer_u8: np.ndarray, names: Sequence[str], dtypes: Sequence[str],
