@@ -1,0 +1,1 @@
+"""One package per study: its sweeps, its runner and its page generator."""
