@@ -59,3 +59,52 @@ def test_pilot_pick_best_score_ties_to_smaller_lr_and_extends_once_at_an_edge():
   top = [_row(0.01, 0.1), _row(0.03, 0.2), _row(0.1, 0.3), _row(0.3, 0.4)]
   assert pilot.pick(top, extended=False) == ("extend", pilot.EXTEND_ABOVE)
   assert pilot.pick([_row(0.1, None, "not finished")], extended=False) == ("none", None)
+
+
+def _unit(root, name, arm, lag, seed, acc, *, lr=0.03, optim="sgd", finished=True, diagnostics=None):
+  """A unit directory as the launcher and the job leave it: unit.json, config.json, metrics.jsonl, result.json."""
+  import json  # noqa: PLC0415
+  d = root / name
+  d.mkdir()
+  config = {"rl": {"max_lag": lag, "steps": max(acc)}, "seed": seed, "optim": {"learning_rate": lr, "name": optim}}
+  (d / "unit.json").write_text(json.dumps({"labels": {"arm": arm}, "config": config}))
+  (d / "config.json").write_text(json.dumps(config))
+  rows = [{"step": s, "eval/greedy_accuracy": a} for s, a in sorted(acc.items()) if s > 0]
+  rows += [{"step": s, **{k: v[i] for k, v in (diagnostics or {}).items()}} for i, s in enumerate((1, 2, 3))
+           if diagnostics]
+  (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  if finished:
+    (d / "result.json").write_text(json.dumps({"base": {"eval/greedy_accuracy": acc[0]},
+                                               "final": {"eval/greedy_accuracy": acc[max(acc)]}, "steps": max(acc)}))
+
+
+def test_results_apply_the_rules_and_tabulate_pilot_and_diagnostics(tmp_path):
+  import numpy as np  # noqa: PLC0415
+  from experiments import analysis  # noqa: PLC0415
+  from experiments.studies.optimizer import results  # noqa: PLC0415
+  units, theirs = tmp_path / "units", tmp_path / "horizon"
+  units.mkdir()
+  theirs.mkdir()
+  for lr, top in ((0.01, 0.5), (0.03, 0.6), (0.1, 0.55), (0.3, 0.05)):
+    _unit(units, f"pilot_sgd_sync-k0-s0-lr{lr:g}", "pilot_sgd_sync", 0, 0,
+          {0: 0.4, 25: top, 50: top, 75: top, 100: top}, lr=lr)
+  gaps = {0: 0.05, 1: 0.08, 2: 0.06}  # sgd_vcpo - sgd_ess_only per seed
+  diag = {"update/norm": [1.0, 1.0, 1.0], "update/group_mean_norm": [2.0, 2.0, 4.0],
+          "grad_norm": [1.0, 1.0, 1.0], "grad/group_mean_norm": [2.0, 2.0, 2.0],
+          "update/cos_group_mean": [0.9, 0.8, 0.7], "grad/cos_group_mean": [0.9, 0.9, 0.9]}
+  for s, gap in gaps.items():
+    evals = lambda end: {0: 0.4, 100: end - 0.1, 200: end, 250: end, 275: end, 300: end}  # noqa: E731
+    _unit(units, f"sgd_sync-k0-s{s}", "sgd_sync", 0, s, evals(0.7 + 0.01 * s))
+    _unit(units, f"sgd_ess_only-k8-s{s}", "sgd_ess_only", 8, s, evals(0.6))
+    _unit(units, f"sgd_vcpo-k8-s{s}", "sgd_vcpo", 8, s, evals(0.6 + gap), diagnostics=diag)
+  _unit(units, "sgd_vcpo-k8-s3", "sgd_vcpo", 8, 3, {0: 0.4, 25: 0.5}, finished=False)
+  text = results.write(str(units), str(theirs), str(tmp_path / "out"), plots=False)
+  m, lo, hi = analysis.interval([100 * g for g in gaps.values()])
+  assert f"+{m:.1f} [+{lo:.1f}, +{hi:.1f}] pts, n=3" in text and lo > 0
+  assert "interim (3 of 4 planned seeds finished; 1 of 10 units still running): OPOB helps under SGD" in text
+  assert "Pick: **lr 0.03**." in text and "collapsed at step" in text  # lr 0.3 falls below half its base
+  row = next(line for line in text.splitlines() if line.startswith("| sgd_vcpo | 8 | sgd | 3 |"))
+  # Each run's median over steps of the norm ratios (1/2, 1/2, 1/4) and cosines, then the mean over runs.
+  assert [c.split(" [")[0] for c in row.split(" | ")[4:8]] == ["0.500", "0.500", "0.800", "0.900"]
+  assert "not testable here (no runs)" in text  # C3 without the horizon units or OPOB-only
+  assert np.isclose(m, 100 * np.mean(list(gaps.values())))
