@@ -108,3 +108,14 @@ def test_results_apply_the_rules_and_tabulate_pilot_and_diagnostics(tmp_path):
   assert [c.split(" [")[0] for c in row.split(" | ")[4:8]] == ["0.500", "0.500", "0.800", "0.900"]
   assert "not testable here (no runs)" in text  # C3 without the horizon units or OPOB-only
   assert np.isclose(m, 100 * np.mean(list(gaps.values())))
+
+
+def test_pilot_command_asks_for_the_extension_once_then_picks(tmp_path, capsys):
+  """What run.sh reads: exit 3 and 'extend <lr>' for an edge pick of the planned grid, then exit 0 and the pick."""
+  for lr, top in ((0.01, 0.7), (0.03, 0.6), (0.1, 0.55), (0.3, 0.5)):
+    _unit(tmp_path, f"pilot_sgd_sync-k0-s0-lr{lr:g}", "pilot_sgd_sync", 0, 0,
+          {0: 0.4, 25: top, 50: top, 75: top, 100: top}, lr=lr)
+  assert pilot.main([str(tmp_path)]) == 3 and capsys.readouterr().out.strip() == "extend 0.003"
+  _unit(tmp_path, "pilot_sgd_sync-k0-s0-lr0.003", "pilot_sgd_sync", 0, 0,
+        {0: 0.4, 25: 0.8, 50: 0.8, 75: 0.8, 100: 0.8}, lr=0.003)
+  assert pilot.main([str(tmp_path)]) == 0 and capsys.readouterr().out.strip() == "lr 0.003"

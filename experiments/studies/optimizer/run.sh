@@ -25,7 +25,7 @@ if [ -z "$LR" ]; then
   if [ "$code" = 3 ]; then  # an edge pick: the grid once extended beyond it, then the pick stands
     extra=${out#extend }
     launch "part=pilot,lrs=0.01+0.03+0.1+0.3+$extra"
-    out=$("$PY" -m experiments.studies.optimizer.pilot "$ROOT" --grid=5); code=$?
+    out=$("$PY" -m experiments.studies.optimizer.pilot "$ROOT"); code=$?  # 5 runs > the 4 planned: extended
   fi
   if [ "$code" != 0 ]; then
     echo "no pilot lr qualifies ($out): the study stops here (README.md: the pilot's rule)"; exit 1
