@@ -105,7 +105,7 @@ def test_results_apply_the_rules_and_tabulate_pilot_and_diagnostics(tmp_path):
   assert "Pick: **lr 0.03**." in text and "collapsed at step" in text  # lr 0.3 falls below half its base
   row = next(line for line in text.splitlines() if line.startswith("| sgd_vcpo | 8 | sgd | 3 |"))
   # Each run's median over steps of the norm ratios (1/2, 1/2, 1/4) and cosines, then the mean over runs.
-  assert [c.split(" [")[0] for c in row.split(" | ")[4:8]] == ["0.500", "0.500", "0.800", "0.900"]
+  assert [c.split(" [")[0] for c in row.split(" | ")[4:10]] == ["1", "1", "0.5", "0.5", "0.8", "0.9"]
   assert "not testable here (no runs)" in text  # C3 without the horizon units or OPOB-only
   assert np.isclose(m, 100 * np.mean(list(gaps.values())))
 

@@ -18,6 +18,7 @@ K = sweep.K
 SGD_ARMS = (("sgd_sync", 0), ("sgd_ess_only", K), ("sgd_vcpo", K))
 C3_ARMS = (("sync", 0), ("vcpo", K), ("ess_only", K), ("seq_tis", K), ("opob_only", K))
 DIAGNOSTIC_ARMS = (*SGD_ARMS, ("opob_only", K))
+NORMS = (("update/norm", "update norm"), ("grad_norm", "gradient norm"))  # each arm's own, median over steps
 RATIOS = (("update/norm", "update/group_mean_norm", "update norm / group mean's"),
           ("grad_norm", "grad/group_mean_norm", "gradient norm / group mean's"))
 COSINES = (("update/cos_group_mean", "update cos"), ("grad/cos_group_mean", "gradient cos"))
@@ -88,19 +89,20 @@ def _median_ratio(run, top: str, bottom: str):
 
 def diagnostics_table(groups) -> list[str]:
   """Per arm: each run's median over steps, then the mean [95% CI] over runs (finished or not)."""
-  head = [t for _, _, t in RATIOS] + [t for _, t in COSINES]
+  head = [t for _, t in NORMS] + [t for _, _, t in RATIOS] + [t for _, t in COSINES]
   lines = ["| arm | k | optimizer | runs | " + " | ".join(head) + " |", "|---|---|---|---|" + "---|" * len(head)]
   for arm, k in DIAGNOSTIC_ARMS:
     runs = [r for r in groups.get(k, {}).get(arm, []) if "update/norm" in r.series]
     if not runs:
       continue
-    cols = [[_median_ratio(r, a, b) for r in runs] for a, b, _ in RATIOS]
+    cols = [[horizon.median_of(r, key) for r in runs] for key, _ in NORMS]
+    cols += [[_median_ratio(r, a, b) for r in runs] for a, b, _ in RATIOS]
     cols += [[horizon.median_of(r, key) for r in runs] for key, _ in COSINES]
     cells = []
     for values in cols:
       values = [v for v in values if v is not None]
       m, lo, hi = analysis.interval(values) if values else (float("nan"),) * 3
-      cells.append("-" if not values else f"{m:.3f} [{lo:.3f}, {hi:.3f}]" if math.isfinite(lo) else f"{m:.3f}")
+      cells.append("-" if not values else f"{m:.4g} [{lo:.4g}, {hi:.4g}]" if math.isfinite(lo) else f"{m:.4g}")
     lines.append(f"| {arm} | {k} | {runs[0].config['optim'].get('name', 'adamw')} | {len(runs)} | "
                  + " | ".join(cells) + " |")
   return lines
@@ -136,7 +138,9 @@ def write(units: str, horizon_units: str, out: str, plots: bool = True) -> str:
         "Against the update the same step would take with group-mean advantages (same batch, optimizer state and "
         "ESS scale): each run's median over steps, then the mean [95% t interval] over runs. 'Adam removes the "
         "scale' predicts for VCPO a gradient-norm ratio below 1 with an update-norm ratio near 1 under AdamW "
-        "(opob_only), and the two ratios alike under SGD.", "", *diagnostics_table(groups), ""]
+        "(opob_only), and the two ratios alike under SGD; the shared optimizer history (momentum, Adam's moments) "
+        "pulls the update ratio toward 1 in both, so compare the arms' own update norms too (README.md).", "",
+        *diagnostics_table(groups), ""]
   if plots:
     arms = {f"{arm} (k={k})": groups[k][arm] for arm, k in (*SGD_ARMS, ("opob_only", K))
             if groups.get(k, {}).get(arm)}
