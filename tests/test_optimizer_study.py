@@ -119,3 +119,41 @@ def test_pilot_command_asks_for_the_extension_once_then_picks(tmp_path, capsys):
   _unit(tmp_path, "pilot_sgd_sync-k0-s0-lr0.003", "pilot_sgd_sync", 0, 0,
         {0: 0.4, 25: 0.8, 50: 0.8, 75: 0.8, 100: 0.8}, lr=0.003)
   assert pilot.main([str(tmp_path)]) == 0 and capsys.readouterr().out.strip() == "lr 0.003"
+
+
+def _stub_python(tmp_path, pick_out: str, pick_code: int, launch_code: int = 0):
+  """A stand-in interpreter for run.sh's order of work: logs each module it is asked to run, answers the pick."""
+  log = tmp_path / "calls.txt"
+  stub = tmp_path / "py"
+  stub.write_text(f"""#!/usr/bin/env bash
+echo "$2 $4" >> {log}
+if [ "$2" = experiments.studies.optimizer.pilot ]; then echo "{pick_out}"; exit {pick_code}; fi
+exit {launch_code}
+""")
+  stub.chmod(0o755)
+  return stub, log
+
+
+def _run_sh(stub, root):
+  import subprocess  # noqa: PLC0415
+  return subprocess.run(["bash", os.path.join(REPO, "experiments", "studies", "optimizer", "run.sh"), str(root)],
+                        env={**os.environ, "PY": str(stub)}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.integration
+def test_run_sh_orders_the_parts_keeps_its_pick_and_stops_when_a_launch_is_stopped(tmp_path):
+  stub, log = _stub_python(tmp_path, "lr 0.03", 0)
+  root = tmp_path / "root"
+  assert _run_sh(stub, root).returncode == 0
+  sweeps = [line.split(":", 1)[1] for line in log.read_text().splitlines() if "--sweep" in line]
+  assert sweeps == ["part=pilot,first_seed=0", "part=sgd,lr=0.03,first_seed=0", "part=opob_only,first_seed=0"]
+  assert (root / "pilot_lr.txt").read_text().strip() == "0.03"
+  log.unlink()
+  assert _run_sh(stub, root).returncode == 0  # a relaunch keeps the pick: no pilot, no new pick
+  assert [line.split(":", 1)[1] for line in log.read_text().splitlines()] == [
+      "part=sgd,lr=0.03,first_seed=0", "part=opob_only,first_seed=0"]
+  (tmp_path / "stopped").mkdir()
+  stopped, log = _stub_python(tmp_path / "stopped", "lr 0.1", 0, 130)
+  result = _run_sh(stopped, tmp_path / "root2")
+  assert result.returncode == 130 and not (tmp_path / "root2" / "pilot_lr.txt").exists()
+  assert len(log.read_text().splitlines()) == 1  # the stopped pilot launch, then nothing

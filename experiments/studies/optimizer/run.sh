@@ -17,8 +17,12 @@ launch() {  # one part of the sweep; units of every part share the root's cached
   echo "== $(date -u +%FT%TZ) launch $1"
   nice -n 19 "$PY" -m experiments.launch --config="$CONFIG" --sweep="$SWEEP:$1,first_seed=$FIRST_SEED" \
     --root="$ROOT" --parallel="$PARALLEL" --warm_starts_from="$ROOT"
+  code=$?  # 130: stopped (units interrupted): stop here rather than pick from an unfinished pilot
+  if [ "$code" = 130 ] || [ "$code" = 2 ]; then echo "launch stopped or refused (exit $code)"; exit "$code"; fi
 }
 LR=${LR:-}
+PICKED="$ROOT/pilot_lr.txt"  # the pick, once made, stands: a relaunch (e.g. after a pilot unit failed) keeps it
+if [ -z "$LR" ] && [ -s "$PICKED" ]; then LR=$(cat "$PICKED"); fi
 if [ -z "$LR" ]; then
   launch part=pilot
   out=$("$PY" -m experiments.studies.optimizer.pilot "$ROOT"); code=$?
@@ -31,6 +35,7 @@ if [ -z "$LR" ]; then
     echo "no pilot lr qualifies ($out): the study stops here (README.md: the pilot's rule)"; exit 1
   fi
   LR=${out#lr }
+  echo "$LR" > "$PICKED"
 fi
 echo "== pilot lr: $LR"
 launch "part=sgd,lr=$LR"
