@@ -121,10 +121,16 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # Exact for group-local statistics; the step's memory shrinks with it and on CPU it is also faster.
       micro_batch_size=-1,
       micro_batch_max_rows=32,
+      # True: each step also logs its update's norm and cosine with the update group-mean advantages would give
+      # (update/*, grad/*; learner/update_diagnostics.py): one more backward pass per step, no change to training.
+      update_diagnostics=False,
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=2e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
+      # The RL optimizer: adamw (b1, b2, eps, weight_decay) | sgd (heavy-ball `momentum`, no weight decay). The
+      # warm start is AdamW either way (sft.learning_rate).
+      name="adamw", momentum=0.9,
       # RL learning-rate schedule: constant | warmup_constant | cosine | linear (warmup, then decay to
       # final_lr_fraction * learning_rate at decay_steps; 0 = rl.steps).
       schedule=ml_collections.ConfigDict(dict(name="constant", warmup_steps=0, decay_steps=0,

@@ -42,6 +42,7 @@ BAD = [
     ("optim.eps", 0.0),
     ("optim.weight_decay", -0.1),
     ("optim.max_grad_norm", float("inf")), ("optim.max_grad_norm", -1.0),
+    ("optim.momentum", 1.0), ("optim.momentum", -0.1), ("algo.update_diagnostics", 1),
     ("rl.emulation.speed_ratio", 0.0), ("rl.emulation.speed_ratio", "fast"),
     ("rl.emulation.duration_cv", -0.5),
     ("rl.emulation.server_rows", -1), ("rl.emulation.server_rows", 8.0),
@@ -61,7 +62,7 @@ CHECKED_WHERE_USED = [
     ("algo.ess.trigger", -1.0), ("algo.ess.min_ess_floor", -0.1), ("algo.ess.min_ess_factor", 2.0),
     ("algo.ess.rule", "cubic"), ("algo.ess.base_ess_ratio", "half"),
     ("optim.schedule.warmup_steps", -1), ("optim.schedule.decay_steps", 1.5), ("optim.schedule.decay_steps", -2),
-    ("optim.schedule.final_lr_fraction", -0.5), ("optim.schedule.name", "step"),
+    ("optim.schedule.final_lr_fraction", -0.5), ("optim.schedule.name", "step"), ("optim.name", "lion"),
 ]
 
 

@@ -90,7 +90,8 @@ def learner_config(config) -> learner_config_lib.LearnerConfig:
       aggregation=a.aggregation, tis_threshold=a.tis_threshold, kl_beta=a.kl_beta,
       grad_path=a.get("grad_path", "auto"), grad_norm_mode=a.get("grad_norm_mode", "auto"),
       grad_memory_budget_gb=a.get("grad_memory_budget_gb", 16.0),
-      generation_budget=rl.max_new_tokens)  # Dr.GRPO's constant normalizer ('seq-mean-token-sum-norm')
+      generation_budget=rl.max_new_tokens,  # Dr.GRPO's constant normalizer ('seq-mean-token-sum-norm')
+      update_diagnostics=a.get("update_diagnostics", False))
   micro = a.micro_batch_size
   if micro == AUTO:
     micro = learner_config_lib.auto_micro_batch_size(lc, rl.prompts_per_step * rl.group_size, rl.group_size,
@@ -139,8 +140,15 @@ def build_optimizer(config, *, sft: bool = False):
   o, e = config.optim, config.algo.ess
   kwargs = dict(learning_rate=learning_rate(config, sft=sft), b1=o.b1, b2=o.b2,
                 eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm)
+  if not sft:  # optim.name / momentum: RL only (the warm start is AdamW whatever the RL optimizer)
+    kwargs.update(name=o.get("name", "adamw"), momentum=o.get("momentum", 0.9))
   ess = ess_arguments(config)
-  return optimizer_lib.build_optimizer(**kwargs, ess_scaling=not sft and e.enabled, ess=ess)
+  try:
+    return optimizer_lib.build_optimizer(**kwargs, ess_scaling=not sft and e.enabled, ess=ess)
+  except optimizer_lib.ArgumentError as err:
+    if err.name in ("name", "momentum"):
+      _fail(f"optim.{err.name}", err.value, err.requirement)
+    raise
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -169,6 +177,8 @@ _SCALAR_FIELDS = {
     "rl.temperature": (_number(lambda v: v > 0), "must be a number > 0 for on-policy sampling"),
     "algo.kl_beta": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "algo.micro_batch_max_rows": (_int_at_least(1), "must be an int >= 1"),
+    "algo.update_diagnostics": (lambda v: isinstance(v, bool), "must be True or False"),
+    "optim.momentum": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),
     "optim.learning_rate": (_number(lambda v: v >= 0), "must be a number >= 0"),
     "optim.b1": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),
     "optim.b2": (_number(lambda v: 0 <= v < 1), "must be a number in [0, 1)"),

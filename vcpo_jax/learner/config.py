@@ -34,6 +34,8 @@ class LearnerConfig:
   # rl.max_new_tokens: the constant that 'seq-mean-token-sum-norm' (Dr.GRPO) divides each token sum by; a
   # batch statistic (the longest response) would make the per-token weight depend on the other rows.
   generation_budget: Optional[int] = None
+  # True: the step also computes the group-mean estimator's gradient and update (update_diagnostics.py).
+  update_diagnostics: bool = False
 
   def __post_init__(self):
     for name in ("advantage_options", "policy_loss_options"):
@@ -58,6 +60,8 @@ class LearnerConfig:
     why_not = grad_path_lib.why_no_bookkeeping(self) if self.grad_path == "book_keeping" else None
     if why_not and self.needs_grad_norms:
       raise ValueError(f"grad_path='book_keeping' is impossible here: {why_not}; use 'bounded' or 'auto'")
+    if not isinstance(self.update_diagnostics, bool):
+      raise ValueError(f"update_diagnostics must be True or False, got {self.update_diagnostics!r}")
     if self.grad_norm_mode not in grad_norms.MODES:
       raise ValueError(f"grad_norm_mode must be one of {grad_norms.MODES}, got {self.grad_norm_mode!r}")
     if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \

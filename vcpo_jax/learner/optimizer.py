@@ -1,4 +1,4 @@
-"""The optax chain (clip -> Adam -> decoupled decay -> lr -> ESS scaling) and the `scale_by_ess` transform."""
+"""The optax chain (clip -> Adam or SGD momentum -> decoupled decay -> lr -> ESS scaling) and `scale_by_ess`."""
 import math
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 RULES = ('sqrt', 'linear')
+OPTIMIZERS = ('adamw', 'sgd')
 SCHEDULES = ('constant', 'warmup_constant', 'cosine', 'linear')
 
 
@@ -212,10 +213,15 @@ def reset_master(opt_state, params):
 def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
                     eps: float = 1e-8, weight_decay: float = 0.1, max_grad_norm: Optional[float] = 1.0,
                     weight_decay_mask: Any = None, ess_scaling: bool = True,
-                    ess: Optional[Mapping[str, Any]] = None) -> optax.GradientTransformationExtraArgs:
-  """clip_by_global_norm -> scale_by_adam -> add_decayed_weights -> scale_by_learning_rate -> scale_by_ess,
+                    ess: Optional[Mapping[str, Any]] = None, name: str = 'adamw',
+                    momentum: float = 0.9) -> optax.GradientTransformationExtraArgs:
+  """clip_by_global_norm -> direction -> add_decayed_weights -> scale_by_learning_rate -> scale_by_ess,
   run in float32 on a master copy when the params are lower precision (float32_master).
 
+  name 'adamw': the direction is scale_by_adam(b1, b2, eps). name 'sgd': heavy-ball momentum
+  (m <- momentum * m + g, float32 state) and no decoupled decay (weight_decay is ignored: AdamW's lr x decay
+  at an SGD learning rate would shrink the weights by far more per step); no per-coordinate normalisation, so a
+  gradient scaled by c gives an update scaled by c while the clip does not bind.
   Call update(grads, state, params, ess_ratio=rho, ess=ess). ess: scale_by_ess's keyword arguments (None: its
   defaults). With ess_scaling=False the ESS arguments are accepted and ignored. max_grad_norm None or 0
   disables clipping.
@@ -224,12 +230,18 @@ def build_optimizer(*, learning_rate: Union[float, optax.Schedule], b1: float = 
     raise ArgumentError('learning_rate', learning_rate, 'must be >= 0 or a schedule')
   if weight_decay < 0:
     raise ArgumentError('weight_decay', weight_decay, 'must be >= 0')
+  if name not in OPTIMIZERS:
+    raise ArgumentError('name', name, f'must be one of {OPTIMIZERS}')
+  momentum = _number('momentum', momentum, lambda v: 0 <= v < 1, 'must be a number in [0, 1)')
   parts = []
   if max_grad_norm:
     parts.append(optax.clip_by_global_norm(_check_positive('max_grad_norm', max_grad_norm)))
-  parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
-  if weight_decay:
-    parts.append(optax.add_decayed_weights(weight_decay, mask=weight_decay_mask))
+  if name == 'sgd':
+    parts.append(optax.trace(decay=momentum, nesterov=False, accumulator_dtype=jnp.float32))
+  else:
+    parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    if weight_decay:
+      parts.append(optax.add_decayed_weights(weight_decay, mask=weight_decay_mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
   if ess_scaling:
     parts.append(scale_by_ess(**(ess or {})))

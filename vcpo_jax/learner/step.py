@@ -12,7 +12,7 @@ from vcpo_jax.algo import advantages
 from vcpo_jax.algo import diagnostics
 from vcpo_jax.algo import losses
 from vcpo_jax.algo import vcpo
-from vcpo_jax.learner import bounded_norms, grad_norms, grad_path
+from vcpo_jax.learner import bounded_norms, grad_norms, grad_path, update_diagnostics
 from vcpo_jax.learner.batch import RLBatch, check_batch
 from vcpo_jax.learner.config import LearnerConfig, check_chunks, chunk_order
 from vcpo_jax.learner.train_state import TrainState, apply_update, batch_rows, jit_step
@@ -145,6 +145,15 @@ def _chunked_loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg
           jax.tree.map(jnp.mean, aux))
 
 
+def _batch_loss_and_grads(state: TrainState, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: LearnerConfig,
+                          row_shards: int, max_len):
+  """_loss_and_grads over the whole batch, in micro-batch chunks when lc asks for them."""
+  if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0]:
+    return _chunked_loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc, row_shards,
+                                   state.ref_params, max_len)
+  return _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc, state.ref_params, max_len)
+
+
 def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B, lc, lr_scale, ok, state):
   """Flat slash-namespaced step metrics (scalars; hist/* are per-row, NaN on invalid rows)."""
   nan = jnp.float32(jnp.nan)
@@ -203,12 +212,8 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: model_config.ModelC
   # model.remat='auto' likewise: the cheapest policy whose estimate (state, a micro-batch accumulator) fits.
   model_cfg = remat_lib.resolve(model_cfg, -(-(micro or mask_BxT.shape[0]) // row_shards), mask_BxT.shape[1],
                                 remat_lib.state_bytes_per_device(state, grad_copies=2 if micro else 1))
-  if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0]:
-    loss, grads, stats, ent_BxT, sq_B, aux = _chunked_loss_and_grads(
-        state.params, batch, mask_BxT, valid_B, model_cfg, lc, row_shards, state.ref_params, max_len)
-  else:
-    loss, grads, stats, ent_BxT, sq_B, aux = _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg,
-                                                             lc, state.ref_params, max_len)
+  loss, grads, stats, ent_BxT, sq_B, aux = _batch_loss_and_grads(state, batch, mask_BxT, valid_B, model_cfg, lc,
+                                                                 row_shards, max_len)
   stats["ess"] = vcpo.ess(stats["logw_B"], valid_B)
   stats["ess_ratio"] = vcpo.ess_ratio(stats["logw_B"], valid_B)
   # A NaN reward can be absorbed silently (e.g. a NaN group std reads as "std 0" -> advantage 0), so
@@ -219,6 +224,14 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: model_config.ModelC
                                          inputs_ok)
   metrics = _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B, lc, lr_scale, ok,
                         new_state)
+  if lc.update_diagnostics:
+    # The update the same step would take with group-mean advantages: one more backward pass, then the same
+    # optimizer state and ESS arguments (the state itself moves only by the arm's own update, above).
+    gm_grads = _batch_loss_and_grads(state, batch, mask_BxT, valid_B, model_cfg,
+                                     update_diagnostics.group_mean_config(lc), row_shards, max_len)[1]
+    step_of = lambda g: optimizer.update(g, state.opt_state, state.params, ess_ratio=stats["ess_ratio"],  # noqa: E731
+                                         ess=stats["ess"])[0]
+    metrics.update(update_diagnostics.metrics(grads, gm_grads, step_of(grads), step_of(gm_grads)))
   return new_state, metrics
 
 
