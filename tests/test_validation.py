@@ -52,6 +52,12 @@ BAD = [
     ("rollout.request_timeout", 0.0), ("rollout.request_timeout", "120"),
     ("rollout.max_retries", -1),
     ("rollout.keep_versions", 0),
+    ("rollout.publish", "ftp"),
+    ("rollout.wire_bucket_mb", 0.0),
+    ("rollout.wire_timeout_s", -1.0),
+    ("rollout.wire_backend", "mpi"),
+    ("rollout.min_servers", -1),
+    ("rollout.server_wait_s", 0.0),
     ("distributed.timeout_s", -5.0),
 ]
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from experiments.stats import analysis, claims, verdicts
-from experiments.stats import loader as report
+from experiments.stats import loader, report
 from experiments.studies.horizon import page as horizon
 from experiments.studies.optimizer import pilot, sweep
 
@@ -111,12 +111,12 @@ def diagnostics_table(groups) -> list[str]:
 
 
 def write(units: str, horizon_units: str, out: str, plots: bool = True) -> str:
-  mine = report.load_runs(units) if os.path.isdir(units) else []
-  theirs = [r for r in report.load_runs(horizon_units) if (r.arm, r.lag) in C3_ARMS]
+  mine = loader.load_runs(units) if os.path.isdir(units) else []
+  theirs = [r for r in loader.load_runs(horizon_units) if (r.arm, r.lag) in C3_ARMS]
   runs = mine + theirs
   os.makedirs(out, exist_ok=True)
-  summaries = {r.name: report.run_summary(r, analysis.COLLAPSE_FRACTION, analysis.ESS_DROP_THRESHOLD) for r in runs}
-  groups = report.group_runs(runs)
+  summaries = {r.name: loader.run_summary(r, analysis.COLLAPSE_FRACTION, analysis.ESS_DROP_THRESHOLD) for r in runs}
+  groups = loader.group_runs(runs)
   find = claims.finder(groups, summaries)
   sgd = horizon.interim(sgd_rule(find), mine, set(SGD_ARMS), sweep.SEEDS)
   c3 = horizon.interim(verdicts.c3(find), mine, {("opob_only", K)}, sweep.SEEDS)
