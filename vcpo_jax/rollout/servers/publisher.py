@@ -164,7 +164,7 @@ class WeightPublisher:
         if self.wire._pg is None or self.wire.members != members:
           self._count("wire_groups")
         await self.wire.ensure_group(self._wire_admin, members)
-        self.wire.prefetch(params)
+        await self.wire.prefetch(params)  # the first bucket is packed before any server pauses
         await asyncio.gather(*(self._wire_open(u) for u in members))
         timings = await self.wire.send(self._wire_admin, params, wire, flush_cache=self.pause_mode == "abort")
         await asyncio.gather(*(self._wire_close(u, wire) for u in members))
