@@ -165,6 +165,7 @@ class WeightPublisher:
           self._count("wire_groups")
         await self.wire.ensure_group(self._wire_admin, members)
         await self.wire.prefetch(params)  # the first bucket is packed before any server pauses
+        t_pause = time.perf_counter()
         await asyncio.gather(*(self._wire_open(u) for u in members))
         timings = await self.wire.send(self._wire_admin, params, wire, flush_cache=self.pause_mode == "abort")
         await asyncio.gather(*(self._wire_close(u, wire) for u in members))
@@ -182,7 +183,7 @@ class WeightPublisher:
         behind, members = self.urls, []
       else:
         self.wire_seconds.append(time.perf_counter() - t0)
-        self.pause_seconds += [self.wire_seconds[-1]] * len(members)  # paused together, group-formation included
+        self.pause_seconds += [time.perf_counter() - t_pause] * len(members)  # paused together: open -> continue
         self._count("wire_versions")
         if self.client is not None:
           self.client.gauge("publish_wire_seconds", self.wire_seconds[-1])
