@@ -314,7 +314,7 @@ def test_close_during_an_in_flight_publish_cancels_it_cleanly():
 
 
 def test_wallclock_counts_the_learners_wait_for_a_background_publish():
-  from experiments import wallclock
+  from experiments.studies.wallclock import page as wallclock
   new = {"throughput/publish_seconds": {1: 9.0}, "throughput/publish_blocked_seconds": {1: 0.5}}
   assert wallclock._phase_series(new, "publish") == {1: 0.5}
   assert wallclock._phase_series({"throughput/publish_seconds": {1: 9.0}}, "publish") == {1: 9.0}  # older runs

@@ -163,9 +163,9 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
 def test_the_async_job_trains_with_publish_wire(tmp_path):
   """The job (embedded server, k = 2) with rollout.publish=wire: versions after the first go over the group."""
   import json
-  from tests.test_train import tiny_config
+  from configs import tiny
   from vcpo_jax.job import train
-  config = tiny_config()
+  config = tiny.get_config()
   config.rl.max_lag = 2
   config.rollout.publish = "wire"
   result = train.train_and_evaluate(config, str(tmp_path))

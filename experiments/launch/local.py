@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from experiments.launch import workunit
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_sweep(spec: str) -> list[dict]:

@@ -61,7 +61,7 @@ def main(argv):
   from xmanager import xm, xm_local  # noqa: PLC0415  (optional dependency)
 
   with xm_local.create_experiment(experiment_title=f"vcpo multihost {os.path.basename(_WORKDIR.value)}") as exp:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     [executable] = exp.package([xm.binary(path=sys.executable, args=["-m", "vcpo_jax.main"],
                                           executor_spec=xm_local.Local.Spec(), env_vars={"PYTHONPATH": repo})])
     # One job group: XManager starts its jobs together, as jax.distributed needs (it waits for all N).
