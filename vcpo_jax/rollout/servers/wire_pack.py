@@ -82,10 +82,14 @@ def bucket_offsets(bucket: Sequence[WireTensor]) -> list[int]:
   return offsets
 
 
+def _as_bytes(x):
+  """x's bytes, flat (little-endian, as torch's view(uint8) on the receiving side)."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) if x.dtype.itemsize > 1 else x.reshape(-1)
+
+
 def _leaf_bytes(leaf, t: WireTensor):
   x = leaf[t.layer] if t.layer is not None else leaf
-  x = (x.T if t.transpose else x).astype(jnp.dtype(t.dtype))
-  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) if x.dtype.itemsize > 1 else x.reshape(-1)
+  return _as_bytes((x.T if t.transpose else x).astype(jnp.dtype(t.dtype)))
 
 
 def pack_fn(bucket: Sequence[WireTensor], out_sharding=None):
@@ -112,9 +116,7 @@ def pack_layout_fn(bucket: Sequence[WireTensor], specs: Sequence[tuple[tuple[str
     parts = []
     for t in bucket:
       x = leaves[position[(t.path, t.transpose)]]
-      x = (x[t.layer] if t.layer is not None else x).astype(jnp.dtype(t.dtype))
-      parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) if x.dtype.itemsize > 1
-                   else x.reshape(-1))
+      parts.append(_as_bytes((x[t.layer] if t.layer is not None else x).astype(jnp.dtype(t.dtype))))
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
   return jax.jit(pack, out_shardings=out_sharding)
