@@ -160,3 +160,12 @@ def test_no_issue_numbers_in_file_names_docs_headings_or_code():
 def test_a_bare_page_name_is_found_and_a_placeholder_is_not():
   assert BARE_MD.findall("see vcpo-algorithm.md §7 and report.md") == ["vcpo-algorithm.md", "report.md"]
   assert BARE_MD.findall("writes OUT.md, DIR/pilot.md and docs/x.md") == []
+
+
+def test_changelog_is_by_version():
+  """`## Unreleased`, then one `## X.Y.Z` per version, the package's own among them; nothing else at that level."""
+  version = re.search(r'^version\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+  levels = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+  assert levels[0] == "Unreleased", levels
+  assert all(re.fullmatch(r"\d+\.\d+\.\d+", h) for h in levels[1:]), levels
+  assert version in levels, f"pyproject.toml's version {version} has no CHANGELOG section: {levels}"
