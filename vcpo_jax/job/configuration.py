@@ -18,10 +18,11 @@ from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend as backend_lib
 from vcpo_jax.rollout import episodes
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
-from vcpo_jax.rollout.servers import placement, weight_store
+from vcpo_jax.rollout.servers import weight_store
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -149,6 +150,14 @@ def build_optimizer(config, *, sft: bool = False):
     if err.name in ("name", "momentum"):
       _fail(f"optim.{err.name}", err.value, err.requirement)
     raise
+
+
+# ------------------------------------------------------------------------------------- devices
+def device_plan(config, environ=None) -> placement.DevicePlan:
+  """The job's device plan: embedded servers only when its backend starts them and no rollout.server_urls."""
+  r = config.rollout
+  embedded = backend_lib.needs(config, "embedded_servers") and not r.server_urls
+  return placement.rollout_plan(r, r.num_servers if embedded else 0, environ)
 
 
 # ------------------------------------------------------------------------------------- validation
