@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib.util
 import inspect
-import io
 import pathlib
 import sys
-import textwrap
-import tokenize
 from typing import Any, Iterator
 
 import ml_collections
+
+from vcpo_jax.job.source_comments import config_comments, dataclass_comments, registration_comments
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "countdown.py"
@@ -26,87 +24,6 @@ registries; `tests/test_docs.py` fails when this file differs from the generator
 Any field is set on the command line, e.g. `--config.rl.max_lag=4`; a mistyped key is an error naming it.
 Variants: `--config=configs/countdown.py` (the main job), `:sync` (k = 0), `:emulate` (in-process lag emulation).
 """
-
-
-def _comments(source: str) -> dict[int, str]:
-  """line number -> the comment text on that line."""
-  out = {}
-  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-    if tok.type == tokenize.COMMENT:
-      out[tok.start[0]] = tok.string.lstrip("#").strip()
-  return out
-
-
-def _comment_for(node: ast.AST, lines: list[str], comments: dict[int, str], last_line: int | None = None) -> str:
-  """The comment beside a node (on its lines up to `last_line`) after the full-line comments just above it."""
-  above = []
-  n = node.lineno - 1
-  first_on_line = not lines[node.lineno - 1][:node.col_offset].strip(" (")  # a comment above is its own
-  while first_on_line and n >= 1 and lines[n - 1].strip().startswith("#"):
-    above.insert(0, comments[n])
-    n -= 1
-  beside = [comments[i] for i in range(node.lineno, (last_line or node.end_lineno) + 1) if i in comments
-            and not lines[i - 1].strip().startswith("#")]
-  return " ".join(above + beside)
-
-
-def _dict_call(node: ast.AST):
-  """The `dict(...)` call inside `ml_collections.ConfigDict(dict(...))`, or None."""
-  if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Call):
-    inner = node.args[0]
-    if isinstance(inner.func, ast.Name) and inner.func.id == "dict":
-      return inner
-  return None
-
-
-def _dotted(node: ast.AST) -> str | None:
-  if isinstance(node, ast.Name):
-    return node.id
-  if isinstance(node, ast.Attribute):
-    head = _dotted(node.value)
-    return None if head is None else f"{head}.{node.attr}"
-  return None
-
-
-def config_comments(source: str) -> dict[str, tuple[int, str]]:
-  """Dotted config field -> (line, comment), from `c.x = ...` assignments and `ConfigDict(dict(k=...))` keywords."""
-  lines, comments, out = source.splitlines(), _comments(source), {}
-
-  def visit_dict(prefix: str, call: ast.Call):
-    for kw in call.keywords:
-      path = f"{prefix}.{kw.arg}"
-      inner = _dict_call(kw.value)
-      out[path] = (kw.lineno, _comment_for(kw, lines, comments, kw.lineno if inner else None))
-      if inner is not None:
-        visit_dict(path, inner)
-
-  for node in ast.walk(ast.parse(source)):
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-      path = _dotted(node.targets[0])
-      if path and "." in path:
-        path = path.split(".", 1)[1]  # drop the ConfigDict's variable name
-        inner = _dict_call(node.value)
-        out.setdefault(path, (node.lineno, _comment_for(node, lines, comments, node.lineno if inner else None)))
-        if inner is not None:
-          visit_dict(path, inner)
-  return out
-
-
-def dataclass_comments(cls: type) -> dict[str, str]:
-  """Field -> the comment beside it in the dataclass's source (inherited fields included)."""
-  out = {}
-  for klass in reversed(cls.__mro__):
-    if not dataclasses.is_dataclass(klass):
-      continue
-    try:
-      source = textwrap.dedent(inspect.getsource(klass))
-    except (OSError, TypeError):
-      continue
-    lines, comments = source.splitlines(), _comments(source)
-    for node in ast.walk(ast.parse(source)):
-      if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-        out[node.target.id] = _comment_for(node, lines, comments)
-  return out
 
 
 def load_config() -> ml_collections.ConfigDict:
@@ -139,21 +56,6 @@ def _value(value: Any) -> str:
 def _first_paragraph(obj: Any) -> str:
   doc = (inspect.getdoc(obj) or "").strip() if not getattr(obj, "__name__", "") == "<lambda>" else ""
   return " ".join(doc.split("\n\n")[0].split()) if doc else ""
-
-
-def registration_comments(where: str) -> dict[str, str]:
-  """Name -> the comment above (or beside) its `X.register...("name", ...)` call in the file `where`."""
-  out = {}
-  for source in [(ROOT / where).read_text()]:
-    lines, comments = source.splitlines(), _comments(source)
-    for node in ast.walk(ast.parse(source)):
-      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr.startswith("register") and node.args and isinstance(node.args[0], ast.Constant)
-          and isinstance(node.args[0].value, str)):
-        comment = _comment_for(node, lines, comments)
-        if comment:
-          out.setdefault(node.args[0].value, comment)
-  return out
 
 
 def _source_line(path: str, known: dict[str, tuple[int, str]]) -> int:
@@ -230,7 +132,7 @@ def _options_rows(options: Any, target: Any) -> list[str]:
 
 def render_registry(title: str, where: str, how: str, registry: Any) -> list[str]:
   out = ["", f"## {title}", "", f"Registered in `{where}`; {how}"]
-  described = registration_comments(where)
+  described = registration_comments((ROOT / where).read_text())
   known_facts = _known_facts(registry)
   for name, target, options, facts in _entries(registry):
     out += ["", f"### `{name}`", ""]
