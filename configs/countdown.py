@@ -178,8 +178,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # in-process, for trusted fast rewards; process: worker processes, killable, for slow or untrusted verifiers).
   # A reward that raises, times out or is not a finite number scores 0 and is counted (reward/errors/<kind>,
   # per step with reward/calls).
+  # Fields and their checks: RewardConfig (vcpo_jax/rollout/rewards.py).
   c.reward = ml_collections.ConfigDict(dict(
-      pool="thread",           # inline | thread | process
+      pool="thread",
       workers=2,               # concurrent reward calls
       timeout_s=30.0,          # per call
       memory_mb=0,             # process pool: address-space limit per worker (0 = none)
@@ -188,8 +189,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Multi-turn tasks' tool calls and episode rewards: off the rollout event loop, in a pool of threads (an
   # episode's environment lives in this process). A call past the timeout is answered "error: the tool did not
   # answer in time" (tools/errors/timeout) and the episode goes on; its thread runs on until the tool returns.
+  # Fields and their checks: ToolsConfig (vcpo_jax/rollout/episodes.py).
   c.tools = ml_collections.ConfigDict(dict(
-      pool="thread",           # inline | thread
+      pool="thread",
       workers=8,               # concurrent tool calls
       timeout_s=30.0,          # per call
   ))

@@ -66,9 +66,10 @@ def _source_line(path: str, known: dict[str, tuple[int, str]]) -> int:
 
 
 def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int, str]],
-                  choices: dict[str, list[str]] | None = None) -> list[str]:
+                  choices: dict[str, list[str]] | None = None, rules: dict[str, str] | None = None) -> list[str]:
   """Fields in the config file's order, one table per top-level section (scalars first); a field named in
-  `choices` (field -> a registry's names) lists them, so the config's comments need not."""
+  `choices` (field -> a registry's names) lists them, one in `rules` (field -> the requirement its check
+  states) gives it, so the config's comments need not."""
   fields = sorted(_flat(config), key=lambda pv: ("." in pv[0], _source_line(pv[0], known)))
   out, section, seen = [], None, set()
   for path, value in fields:
@@ -92,6 +93,8 @@ def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int,
     if path in (choices or {}):
       names = ", ".join(f"`{n}`" for n in choices[path])
       comment = f"{comment}; one of {names}" if comment else f"One of {names}."
+    if path in (rules or {}):
+      comment = f"{comment}; {rules[path]}" if comment else rules[path][0].upper() + rules[path][1:] + "."
     out.append(f"| `{path}` | {_cell(_value(value))} | {_cell(comment)} |")
   return out
 
@@ -184,6 +187,28 @@ def registries(config: ml_collections.ConfigDict) -> list[tuple[str, str, str, s
   ]
 
 
+def typed_sections() -> dict[str, type]:
+  """Config sections read into a frozen dataclass whose fields carry their checks: section -> the dataclass."""
+  from vcpo_jax.rollout import episodes, rewards  # noqa: PLC0415
+  return {"reward": rewards.RewardConfig, "tools": episodes.ToolsConfig}
+
+
+def _rules() -> dict[str, str]:
+  """Config field -> the requirement its check states, for every typed section's field."""
+  return {f"{section}.{f.name}": f.metadata["rule"].requirement
+          for section, cls in typed_sections().items() for f in dataclasses.fields(cls)}
+
+
+def _typed_comments(known: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+  """`known` with a typed section's field the config file leaves uncommented taking its dataclass's comment."""
+  out = dict(known)
+  for section, cls in typed_sections().items():
+    for name, comment in dataclass_comments(cls).items():
+      line, given = out.get(f"{section}.{name}", (10**9, ""))
+      out[f"{section}.{name}"] = (line, given or comment)
+  return out
+
+
 def _choices(config: ml_collections.ConfigDict, chosen) -> dict[str, list[str]]:
   """Config field -> the registered names it takes; `<task>` in a field stands for every task that has it."""
   out = {}
@@ -202,7 +227,8 @@ def render() -> str:
   config = load_config()
   chosen = registries(config)
   lines = HEADER.rstrip("\n").splitlines()
-  lines += render_config(config, config_comments(CONFIG.read_text()), _choices(config, chosen))
+  lines += render_config(config, _typed_comments(config_comments(CONFIG.read_text())), _choices(config, chosen),
+                         _rules())
   for field, title, where, how, registry in chosen:
     lines += render_registry(f"{title} (`{field}`)", where, how, registry)
   return "\n".join(lines) + "\n"

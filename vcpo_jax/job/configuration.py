@@ -20,7 +20,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend as backend_lib
-from vcpo_jax.rollout import episodes
+from vcpo_jax.rollout import episodes, rewards
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
 from vcpo_jax.rollout.servers import weight_store
 
@@ -72,13 +72,24 @@ def build_task(config, render_prompt=None, *, with_pool: bool = True):
   """The job's task: task.name built with its options (render_prompt: a pretrained chat template); a task with
   an environment calls its tools in the pool of the config section `tools` (with_pool=False: inline, for a
   check that plays no episode). Options the task refuses are an error naming task.options.<name>."""
-  pool = episodes.tool_pool(config.get("tools")) if with_pool else None
+  pool = episodes.tool_pool(tools_config(config)) if with_pool else None
   try:
     return tasks.get_task(config.task.name, render_prompt=render_prompt, tool_pool=pool, **task_options(config))
   except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses
     if pool is not None:
       pool.close()
     _fail(f"task.options.{config.task.name}", task_options(config), str(e))
+
+
+# ------------------------------------------------------------------------------------- pools
+def reward_config(config) -> rewards.RewardConfig:
+  """The section `reward` (the reward's pool), typed; a bad field fails naming reward.<field>."""
+  return rewards.reward_config(config.get("reward"))
+
+
+def tools_config(config) -> episodes.ToolsConfig:
+  """The section `tools` (tool calls' pool), typed; a bad field fails naming tools.<field>."""
+  return episodes.tools_config(config.get("tools"))
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -266,7 +277,7 @@ def validate_config(config: ml_collections.ConfigDict, *, with_task: bool = True
     _fail("task.kwargs", dict(config.task.kwargs), f"replaced by task.options.{config.task.name}.<option>")
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
-  episodes.tool_pool(config.get("tools")).close()  # its own errors name the tools.<field>
+  reward_config(config), tools_config(config)  # errors name reward.<field> / tools.<field>
   if with_task:
     build_task(config, with_pool=False)
   _validate_algo(config)
