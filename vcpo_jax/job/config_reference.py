@@ -65,6 +65,13 @@ def _source_line(path: str, known: dict[str, tuple[int, str]]) -> int:
   return known.get(path, (10**9, ""))[0]
 
 
+def _append(comment: str, clause: str) -> str:
+  """`comment; clause`, or `clause` as a sentence of its own after a full stop or alone."""
+  if not comment or comment.endswith("."):
+    return f"{comment} {clause[0].upper()}{clause[1:]}.".strip()
+  return f"{comment}; {clause}"
+
+
 def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int, str]],
                   choices: dict[str, list[str]] | None = None, rules: dict[str, str] | None = None) -> list[str]:
   """Fields in the config file's order, one table per top-level section (scalars first); a field named in
@@ -92,9 +99,9 @@ def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int,
       comment = "see the registry below"
     if path in (choices or {}):
       names = ", ".join(f"`{n}`" for n in choices[path])
-      comment = f"{comment}; one of {names}" if comment else f"One of {names}."
+      comment = _append(comment, f"one of {names}")
     if path in (rules or {}):
-      comment = f"{comment}; {rules[path]}" if comment else rules[path][0].upper() + rules[path][1:] + "."
+      comment = _append(comment, rules[path])
     out.append(f"| `{path}` | {_cell(_value(value))} | {_cell(comment)} |")
   return out
 
@@ -209,9 +216,27 @@ def _typed_comments(known: dict[str, tuple[int, str]]) -> dict[str, tuple[int, s
   return out
 
 
+def fixed_choices() -> dict[str, tuple[str, ...]]:
+  """Config field -> the names its validator accepts, for fields whose choices no registry holds (the constant
+  the check itself reads, so the reference and the check cannot disagree)."""
+  from vcpo_jax.algo import losses  # noqa: PLC0415
+  from vcpo_jax.learner import grad_norms, grad_path, optimizer  # noqa: PLC0415
+  from vcpo_jax.model import attention, config as model_config  # noqa: PLC0415
+  from vcpo_jax.rollout.emulation import lag_model  # noqa: PLC0415
+  from vcpo_jax.rollout.servers import weight_store, wire  # noqa: PLC0415
+  return {
+      "model.matmul_precision": tuple(model_config.PRECISIONS), "model.remat": model_config.REMAT_CHOICES,
+      "model.attention": attention.IMPLEMENTATIONS, "rl.emulation.lag_model": lag_model.LAG_MODELS,
+      "algo.aggregation": losses.AGGREGATIONS, "algo.ess.rule": optimizer.RULES, "algo.grad_path": grad_path.PATHS,
+      "algo.grad_norm_mode": grad_norms.MODES, "optim.name": optimizer.OPTIMIZERS,
+      "optim.schedule.name": optimizer.SCHEDULES, "rollout.publish_dtype": weight_store.PUBLISH_DTYPES,
+      "rollout.wire_backend": wire.BACKENDS,
+  }
+
+
 def _choices(config: ml_collections.ConfigDict, chosen) -> dict[str, list[str]]:
   """Config field -> the registered names it takes; `<task>` in a field stands for every task that has it."""
-  out = {}
+  out = {field: list(names) for field, names in fixed_choices().items()}
   for field, _, _, _, registry in chosen:
     if "<task>" not in field:
       out[field] = _names(registry)

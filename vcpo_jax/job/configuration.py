@@ -22,7 +22,7 @@ from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend as backend_lib
 from vcpo_jax.rollout import episodes, rewards
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
-from vcpo_jax.rollout.servers import weight_store
+from vcpo_jax.rollout.servers import weight_store, wire as wire_lib
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -217,7 +217,7 @@ _SCALAR_FIELDS = {
     "rollout.publish": (lambda v: v in ("disk", "wire"), "must be 'disk' or 'wire'"),
     "rollout.wire_bucket_mb": (_number(lambda v: v > 0), "must be a number > 0 (MiB per bucket)"),
     "rollout.wire_timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
-    "rollout.wire_backend": (lambda v: v in ("auto", "gloo", "nccl"), "must be 'auto', 'gloo' or 'nccl'"),
+    "rollout.wire_backend": (lambda v: v in wire_lib.BACKENDS, f"must be one of {wire_lib.BACKENDS}"),
     "rollout.min_servers": (_int_at_least(0), "must be an int >= 0 (0: all of rollout.server_urls)"),
     "rollout.server_wait_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
     "distributed.timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
