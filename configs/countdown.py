@@ -26,12 +26,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       max_seq_len=96,          # prompt (<= 60 tokens) + max_new_tokens
       param_dtype="float32",
       dtype="float32",
-      # Precision of every matmul (highest | high | default). "highest" keeps float32 log-probs (the
-      # importance ratios) exact on GPUs, where "default" means TF32; with bfloat16 it changes nothing.
+      # Precision of every matmul. "highest" keeps float32 log-probs (the importance ratios) exact on GPUs,
+      # where "default" means TF32; with bfloat16 it changes nothing.
       matmul_precision="highest",
-      # Layers under nn.scan (compile time independent of depth) and the per-layer remat policy (none | full |
-      # dots | dots_no_batch); attention: auto (cuDNN on GPU where supported, else jax.nn's XLA) | xla |
-      # cudnn | einsum. At this size on CPU the unrolled einsum model is the faster RL step (measured: scan
+      # Layers under nn.scan (compile time independent of depth), the per-layer remat policy and the attention
+      # (auto: cuDNN on GPU where supported, else jax.nn's XLA). At this size on CPU the unrolled einsum model is the faster RL step (measured: scan
       # 1.21x, jax.nn attention 1.10x per step). Checkpoints written before scan existed need scan_layers=False.
       scan_layers=False,
       remat="none",
@@ -98,14 +97,14 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # Likewise per loss, e.g. --config.algo.policy_loss=ppo --config.algo.policy_loss_options.ppo.clip_eps_low=0.1
       # (the tau of vcpo / seq_tis is algo.tis_threshold).
       policy_loss_options=configuration.options_config(losses.POLICY_LOSSES),
-      aggregation="seq-mean-token-mean",   # | token-mean | seq-mean-token-sum-norm (Dr.GRPO)
+      aggregation="seq-mean-token-mean",   # token losses -> the loss (seq-mean-token-sum-norm: Dr.GRPO's)
       tis_threshold=8.0,       # tau for truncated sequence IS weights
       # The keyword arguments of scale_by_ess (learner/optimizer.py), passed as they are, plus its switch.
       ess=ml_collections.ConfigDict(dict(
           enabled=True,        # scale each step by rule(min(1, ESS ratio / base))
           # A number, or "auto" (the first step's ESS ratio); both work on the command line.
           base_ess_ratio=ml_collections.FieldReference(1.0, field_type=object),
-          rule="sqrt",         # sqrt | linear
+          rule="sqrt",         # the scale is sqrt(s) or s (linear), s = min(1, ESS ratio / base)
           trigger=0.0,         # > 0: full step unless ratio / base < trigger
           min_ess_floor=0.0,   # > 0: multiply the step by min_ess_factor when ESS <= this floor (or NaN)
           min_ess_factor=0.5)),
@@ -115,7 +114,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # while its estimated a/g per device fit grad_memory_budget_gb, else bounded (choice logged at the 1st step).
       grad_path="auto",
       grad_memory_budget_gb=16.0,
-      grad_norm_mode="auto",   # per-sequence grad norms: auto | ghost | explicit
+      grad_norm_mode="auto",   # per-sequence grad norms: ghost or explicit products; auto: the fewer FLOPs
       # Rows per learner micro-batch (whole prompt groups, a scan): -1 = auto (whole groups up to
       # micro_batch_max_rows when the registered facts allow it, else 0), 0 = the whole batch at once.
       # Exact for group-local statistics; the step's memory shrinks with it and on CPU it is also faster.
@@ -128,11 +127,11 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=2e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0,
-      # The RL optimizer: adamw (b1, b2, eps, weight_decay) | sgd (heavy-ball `momentum`, no weight decay). The
+      # The RL optimizer: adamw (b1, b2, eps, weight_decay) or sgd (heavy-ball `momentum`, no weight decay). The
       # warm start is AdamW either way (sft.learning_rate).
       name="adamw", momentum=0.9,
-      # RL learning-rate schedule: constant | warmup_constant | cosine | linear (warmup, then decay to
-      # final_lr_fraction * learning_rate at decay_steps; 0 = rl.steps).
+      # RL learning-rate schedule: a warmup, then for cosine and linear a decay to final_lr_fraction *
+      # learning_rate at decay_steps (0 = rl.steps).
       schedule=ml_collections.ConfigDict(dict(name="constant", warmup_steps=0, decay_steps=0,
                                               final_lr_fraction=0.0)),
   ))
@@ -149,7 +148,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       max_retries=4,
       keep_versions=3,         # exported weight directories kept on disk
       # dtype of the exported weights: "auto" = what the servers serve (the starting weights' config.json
-      # torch_dtype: float32 for the embedded server, bfloat16 for a bf16 checkpoint), or bfloat16 | float32.
+      # torch_dtype: float32 for the embedded server, bfloat16 for a bf16 checkpoint), or a dtype.
       publish_dtype="auto",
       # where versions are exported: "" = WORKDIR/weights; a RAM-backed directory (/dev/shm/<job>, one per job)
       # skips the disk; it must be readable by the servers.
@@ -159,7 +158,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # a restarted server and a failed wire update always go by disk.
       publish="disk",
       wire_bucket_mb=512.0,    # bytes per broadcast bucket (SGLang's flattened_bucket)
-      wire_backend="auto",     # auto (nccl on GPUs, else gloo) | gloo | nccl
+      wire_backend="auto",     # auto: nccl on GPUs, else gloo
       wire_timeout_s=60.0,     # deadline of the group's forming, of each bucket's broadcast and HTTP call
       wire_master_address="",  # where servers reach the learner ("" = loopback for local servers, else hostname)
       # GPUs (ignored on CPU). "" = automatic: one GPU is shared by the learner and the servers; with more,
@@ -178,8 +177,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # in-process, for trusted fast rewards; process: worker processes, killable, for slow or untrusted verifiers).
   # A reward that raises, times out or is not a finite number scores 0 and is counted (reward/errors/<kind>,
   # per step with reward/calls).
+  # Fields and their checks: RewardConfig (vcpo_jax/rollout/rewards.py).
   c.reward = ml_collections.ConfigDict(dict(
-      pool="thread",           # inline | thread | process
+      pool="thread",
       workers=2,               # concurrent reward calls
       timeout_s=30.0,          # per call
       memory_mb=0,             # process pool: address-space limit per worker (0 = none)
@@ -188,8 +188,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # Multi-turn tasks' tool calls and episode rewards: off the rollout event loop, in a pool of threads (an
   # episode's environment lives in this process). A call past the timeout is answered "error: the tool did not
   # answer in time" (tools/errors/timeout) and the episode goes on; its thread runs on until the tool returns.
+  # Fields and their checks: ToolsConfig (vcpo_jax/rollout/episodes.py).
   c.tools = ml_collections.ConfigDict(dict(
-      pool="thread",           # inline | thread
+      pool="thread",
       workers=8,               # concurrent tool calls
       timeout_s=30.0,          # per call
   ))

@@ -46,7 +46,7 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
       dtype="bfloat16" if size == "7b" else "float32",
       matmul_precision="default" if size == "7b" else "highest",
       scan_layers=True,            # one compiled layer: the step compiles in the same time at any depth
-      # none | full | dots | dots_no_batch (jax.checkpoint policy per layer) | auto: the least recomputation
+      # The jax.checkpoint policy per layer; auto: the least recomputation
       # whose estimated step memory fits remat_budget_gb per device (0: the device's memory); choice and
       # estimates are logged when the step is first traced (vcpo_jax/model/remat.py).
       remat="auto",

@@ -358,7 +358,7 @@ def test_the_dataset_task_takes_the_python_tool_as_an_option(tmp_path):
   """`environment=python` on the file task: prompts declare the tool, the episodes' factory calls in the pool
   the task was given, and an exact print is answered without a process (the unit tier starts none)."""
   rows = _plain_rows(tmp_path)
-  pool = episodes.tool_pool({"pool": "inline"})
+  pool = episodes.tool_pool(episodes.tools_config({"pool": "inline"}))
   task = tasks.get_task("dataset", train_files=rows, eval_files=rows, verifier="numeric", environment="python",
                         environment_options="exact_prints=true,wall_seconds=5", max_turns=3, tool_pool=pool,
                         render_prompt=TOK.chat_prompt)
@@ -430,7 +430,7 @@ def test_an_episode_on_your_rows_calls_the_sandboxed_python_tool(tmp_path):
   """The file task with environment=python: a call runs in the sandbox (a process), its stdout is the reply,
   the answer is scored by the row's verifier."""
   rows = _plain_rows(tmp_path)
-  pool = episodes.tool_pool({"pool": "thread", "workers": 1, "timeout_s": 20.0})
+  pool = episodes.tool_pool(episodes.tools_config(dict(pool="thread", workers=1, timeout_s=20.0)))
   task = tasks.get_task("dataset", train_files=rows, eval_files=rows, verifier="numeric", environment="python",
                         environment_options="wall_seconds=10", max_turns=3, tool_pool=pool,
                         render_prompt=TOK.chat_prompt)

@@ -85,9 +85,9 @@ def test_configuration_reference_is_current():
 
 
 def test_config_reference_reads_comments():
-  from vcpo_jax.job import config_reference
+  from vcpo_jax.job import source_comments
   source = "c.x = ml_collections.ConfigDict(dict(\n    a=1,  # the a\n    # about b\n    b=2,\n))  \n"
-  known = config_reference.config_comments(source)
+  known = source_comments.config_comments(source)
   assert known["x.a"][1] == "the a" and known["x.b"][1] == "about b"
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from tests import waits
 from vcpo_jax.model import config as model_config
-from vcpo_jax.rollout.servers import launcher, placement
+from vcpo_jax.parallel import placement
+from vcpo_jax.rollout.servers import launcher
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +34,7 @@ time.sleep(600)
 def test_server_exits_when_its_parent_is_killed(tmp_path):
   """A healthy server whose parent (a trainer) is SIGKILLed must not outlive it: its watchdog ends it."""
   import jax
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model
   cfg = model_config.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

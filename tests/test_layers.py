@@ -16,6 +16,9 @@ RANK = {unit: i for i, units in enumerate(RANKS) for unit in units}
 # Lower packages a package may not import although its rank allows it: rollout/ is host-side asyncio that
 # never places arrays on devices or talks to other processes (the job feeds every process its rows).
 KEPT_FROM = {"rollout": ("parallel",)}
+# ...but the servers rollout/ starts need their share of the job's device plan (environment variables and CPU
+# masks, decided with the learner's, no JAX): that one module of parallel/ it may take.
+ROLLOUT_USES_FROM_PARALLEL = {"vcpo_jax.parallel.placement"}
 # What serving/ (the embedded server) takes from rollout/: the wire formats it shares with the client and the
 # publisher: requests (protocol), and weight updates (the bucket layout and the torch group's handshake).
 SERVING_USES_FROM_ROLLOUT = {"vcpo_jax.rollout.protocol", "vcpo_jax.rollout.servers.wire_pack",
@@ -63,7 +66,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
       other = unit_of(dep)
       if other in (me, "__init__"):
         continue
-      if other in KEPT_FROM.get(me, ()):
+      if other in KEPT_FROM.get(me, ()) and not (me == "rollout" and dep in ROLLOUT_USES_FROM_PARALLEL):
         out.append(f"{module} imports {dep}: {me} is kept from {other}")
       elif RANK[other] > RANK[me]:
         out.append(f"{module} imports {dep}: {other} is above {me}")
@@ -120,11 +123,21 @@ def test_algo_and_learner_never_import_rollout_or_serving():
   assert bad == []
 
 
-def test_rollout_never_imports_learner_or_parallel():
+def test_rollout_never_imports_learner_or_parallel_beyond_the_device_plan():
   graph = import_graph()
   bad = [(m, d) for m, deps in graph.items() if unit_of(m) == "rollout"
-         for d in deps if unit_of(d) in ("learner", "parallel", "serving", "job")]
+         for d in deps if unit_of(d) in ("learner", "parallel", "serving", "job")
+         and d not in ROLLOUT_USES_FROM_PARALLEL]
   assert bad == []
+
+
+def test_the_device_plan_imports_no_jax_at_module_level():
+  """What rollout/ takes from parallel/ must not pull in devices: jax only inside configure_learner."""
+  with open(os.path.join(PACKAGE_DIR, "parallel", "placement.py")) as f:
+    tree = ast.parse(f.read())
+  top = {a.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for a in node.names}
+  top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+  assert not top & {"jax", "jaxlib", "flax", "vcpo_jax"}, sorted(top)
 
 
 def test_serving_takes_only_the_wire_format_from_rollout():
@@ -144,6 +157,8 @@ def test_no_import_cycles():
     ({"vcpo_jax.learner.step": {"vcpo_jax.rollout.types"}, "vcpo_jax.rollout.types": set()}, "siblings"),
     ({"vcpo_jax.rollout.client.pool": {"vcpo_jax.parallel.processes"}, "vcpo_jax.parallel.processes": set()},
      "kept from"),
+    ({"vcpo_jax.rollout.servers.launcher": {"vcpo_jax.parallel.placement", "vcpo_jax.parallel.sharding"},
+      "vcpo_jax.parallel.placement": set(), "vcpo_jax.parallel.sharding": set()}, "kept from"),
 ])
 def test_the_checker_flags_upward_and_sibling_imports(graph, expected):
   violations = layer_violations(graph)

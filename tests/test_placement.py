@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from vcpo_jax.rollout.servers import placement
+from vcpo_jax.job import configuration
+from vcpo_jax.parallel import placement
 
 
 # ------------------------------------------------------------------ device plan (no GPU needed)
@@ -78,14 +79,14 @@ def test_memory_fractions_are_validated():
     placement.plan_devices(["0"], 2, learner_memory_fraction=0.5, server_memory_fraction=0.3)
 
 
-def test_config_plan_has_no_servers_in_emulate_mode_or_with_urls():
+def test_device_plan_has_no_servers_in_emulate_mode_or_with_urls():
   from configs import countdown
   env = {"CUDA_VISIBLE_DEVICES": "0"}
-  assert placement.config_plan(countdown.get_config(), env).learner_env == {P: "false", F: None}
-  assert placement.config_plan(countdown.get_config("emulate"), env).server_envs == ()
+  assert configuration.device_plan(countdown.get_config(), env).learner_env == {P: "false", F: None}
+  assert configuration.device_plan(countdown.get_config("emulate"), env).server_envs == ()
   c = countdown.get_config()
   c.rollout.server_urls = "http://h:1"
-  assert placement.config_plan(c, env).learner_env == {P: None, F: None}
+  assert configuration.device_plan(c, env).learner_env == {P: None, F: None}
 
 
 def test_apply_env_sets_and_removes():
@@ -98,7 +99,7 @@ def test_rollout_plan_matches_the_job_plan():
   c = countdown.get_config()
   c.rollout.num_servers = 2
   env = {"CUDA_VISIBLE_DEVICES": "0,1,2"}
-  assert placement.rollout_plan(c.rollout, 2, env) == placement.config_plan(c, env)
+  assert placement.rollout_plan(c.rollout, 2, env) == configuration.device_plan(c, env)
   assert [e["CUDA_VISIBLE_DEVICES"] for e in placement.rollout_plan(c.rollout, 2, env).server_envs] == ["1", "2"]
 
 

@@ -152,14 +152,14 @@ def test_rewarder_scores_a_group_and_counts_bad_values_as_errors():
 def test_rewarder_for_task_takes_the_reward_section_and_names_a_bad_field():
   tok, task = build_tokenizer(), tasks.get_task("countdown", num_numbers=2, max_number=25)
   ex = task.eval_set(1, seed=0)[0]
-  rewarder = rewards.Rewarder.for_task(task, tok, {"pool": "thread", "workers": 1})
+  rewarder = rewards.Rewarder.for_task(task, tok, rewards.reward_config({"pool": "thread", "workers": 1}))
   try:
     ids = tok.encode(task.reference_solution(ex))
     assert rewarder.score_blocking([ex, ex], [ids, tok.encode("<answer>0</answer>")]) == [1.0, 0.0]
   finally:
     rewarder.close()
-  with pytest.raises(ValueError, match=r"reward\.workerz is not a field"):
-    rewards.Rewarder.for_task(task, tok, {"workerz": 2})
+  with pytest.raises(TypeError, match="must be a RewardConfig"):
+    rewards.Rewarder.for_task(task, tok, {"workers": 1})  # a plain dict would skip the section's checks
   with pytest.raises(ValueError, match=r"reward\.pool='process' needs a picklable reward function"):
     rewards.Rewarder(lambda e, t: 1.0, str, offload.CallPool("process", workers=1))
 

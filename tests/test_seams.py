@@ -11,7 +11,6 @@ from configs import countdown, qwen2_5
 from vcpo_jax import registry, tasks
 from vcpo_jax.job import configuration
 from vcpo_jax.rollout import backend
-from vcpo_jax.rollout.servers import placement
 
 _LOADER = """
 import json, sys
@@ -107,9 +106,9 @@ def test_backends_declare_their_needs(mode, host_params, embedded):
   assert backend.needs(config, "host_params") is host_params
   assert backend.needs(config, "embedded_servers") is embedded
   # The device plan counts servers from the declared need (no servers with rollout.server_urls).
-  assert len(placement.config_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs) == (1 if embedded else 0)
+  assert len(configuration.device_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs) == (1 if embedded else 0)
   config.rollout.server_urls = "http://127.0.0.1:1"
-  assert placement.config_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs == ()
+  assert configuration.device_plan(config, environ={"JAX_PLATFORMS": "cpu"}).server_envs == ()
 
 
 def _backend_config_classes():

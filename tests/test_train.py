@@ -302,7 +302,7 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   assert isinstance(task, CountingCountdown)
   CountingCountdown.reward_calls = 0
   eval_examples = task.eval_set(config.task.eval_size, seed=config.seed)
-  rewarder = Rewarder.for_task(task, tok, config.reward)
+  rewarder = Rewarder.for_task(task, tok, configuration.reward_config(config))
   run = train.RLRun(config, str(tmp_path), cfg, tok, task, base_dir, eval_examples,
                     {"eval/greedy_accuracy": 0.0, "eval/sampled_accuracy": 0.0}, rewarder)
   rewards = [0.25, 0.75]  # no countdown verifier gives these

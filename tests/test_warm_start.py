@@ -6,7 +6,7 @@ import os
 import pytest
 
 from configs import tiny
-from vcpo_jax.job import warm_start, warm_start_cache
+from vcpo_jax.job import configuration, warm_start, warm_start_cache
 from vcpo_jax.rollout.rewards import Rewarder
 
 
@@ -78,7 +78,7 @@ def _stamp(path):
 
 def _rerun(c, workdir):
   model_cfg, tok, task, examples = warm_start.starting_point(c)
-  rewarder = Rewarder.for_task(task, tok, c.reward)
+  rewarder = Rewarder.for_task(task, tok, configuration.reward_config(c))
   try:
     return warm_start.warm_start(c, workdir, model_cfg, tok, task, examples, rewarder)
   finally:

@@ -8,10 +8,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 
-from vcpo_jax.job import startup_errors
+from vcpo_jax.job import configuration, startup_errors
 from vcpo_jax.job import train
 from vcpo_jax.parallel import processes
-from vcpo_jax.rollout.servers import placement
+from vcpo_jax.parallel import placement
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
                                           lock_config=True)
@@ -42,7 +42,7 @@ def main(argv):
     raise
   try:
     # Before JAX touches a device: on a GPU shared with embedded servers, no process preallocates most of it.
-    placement.configure_learner(placement.config_plan(config))
+    placement.configure_learner(configuration.device_plan(config))
     processes.initialize(config.get("distributed"))  # before JAX touches a device; no-op for 1 process
     train.train_and_evaluate(config, _WORKDIR.value)
   except ValueError as e:

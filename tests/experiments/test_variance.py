@@ -11,6 +11,7 @@ from jax.flatten_util import ravel_pytree
 
 from experiments.studies.horizon import estimator_moments as em
 from experiments.studies.horizon import variance
+from tests import tiny_runs
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
 
@@ -129,45 +130,19 @@ def test_batch_means_and_the_cross_batch_signal():
   assert out["r"]["cos_ref"] == pytest.approx(0.2 / np.sqrt(0.4 * 0.2), abs=0.1)
 
 
-def _tiny_workdir(workdir, step=3, k=2):
-  """What a k = 2 lag-emulation run leaves at its checkpoint `step`: config.json, the orbax train state with the
-  prompt iterator's state, and the ring's past versions step-k..step-1 (perturbed params: log w != 0)."""
-  from configs import tiny  # noqa: PLC0415
-  from vcpo_jax.job import checkpointing, data, warm_start  # noqa: PLC0415
-  from vcpo_jax.job.configuration import build_optimizer  # noqa: PLC0415
-  from vcpo_jax.learner import train_state  # noqa: PLC0415
-  from vcpo_jax.rollout.emulation import ring_store  # noqa: PLC0415
-  c = tiny.get_config("emulate")
-  c.rl.max_lag, c.rl.prompts_per_step, c.rl.group_size = k, 2, 4
-  os.makedirs(workdir)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
-  model_cfg, tok, task, _ = warm_start.starting_point(c)
-  state = train_state.create_train_state(model_cfg, build_optimizer(c), jax.random.PRNGKey(0))
-  store = ring_store.RingStore(os.path.join(workdir, "emulation_ring"))
-  for v in range(step - k, step):
-    keys = iter(jax.random.split(jax.random.PRNGKey(v), len(jax.tree.leaves(state.params))))
-    store.save(v, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), state.params))
-  prompts = data.make_prompt_iterator(task, seed=c.seed, tokenizer=tok, shard_index=0, shard_count=1)
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
-  assert ckpt.save(step, state, {"data": prompts.get_state(), "step": step,
-                                 "rollout": {"ring_versions": list(range(step - k, step))}})
-  ckpt.close()
-
-
 @pytest.mark.slow
 def test_tool_runs_end_to_end_on_a_tiny_emulated_workdir(tmp_path, monkeypatch):
   """The tool on a tiny run's checkpoint (built in process): tables, plot, json; a clear error once a sampler
   version is gone from the ring. A random model scores 0 on Countdown, so the reward is the completion's length
   parity here (groups with reward variance: every baseline differs)."""
   workdir, out = str(tmp_path / "run"), str(tmp_path / "out")
-  _tiny_workdir(workdir)
+  tiny_runs.emulated_checkpoint(workdir)
   load_run = variance.load_run
 
   def parity_rewards(w):
-    config, model_cfg, tok, task = load_run(w)
-    task.reward_function = lambda: (lambda example, text: float(len(text) % 2))
-    return config, model_cfg, tok, task
+    run = load_run(w)
+    run.task.reward_function = lambda: (lambda example, text: float(len(text) % 2))
+    return run
   monkeypatch.setattr(variance, "load_run", parity_rewards)
   variance.main([f"--workdir={workdir}", "--batches=2", f"--out={out}", "--chunk=4"])
   results = json.load(open(os.path.join(out, "variance.json")))

@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib.util
 import inspect
-import io
 import pathlib
 import sys
-import textwrap
-import tokenize
 from typing import Any, Iterator
 
 import ml_collections
+
+from vcpo_jax.job.source_comments import config_comments, dataclass_comments, registration_comments
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "countdown.py"
@@ -26,87 +24,6 @@ registries; `tests/test_docs.py` fails when this file differs from the generator
 Any field is set on the command line, e.g. `--config.rl.max_lag=4`; a mistyped key is an error naming it.
 Variants: `--config=configs/countdown.py` (the main job), `:sync` (k = 0), `:emulate` (in-process lag emulation).
 """
-
-
-def _comments(source: str) -> dict[int, str]:
-  """line number -> the comment text on that line."""
-  out = {}
-  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-    if tok.type == tokenize.COMMENT:
-      out[tok.start[0]] = tok.string.lstrip("#").strip()
-  return out
-
-
-def _comment_for(node: ast.AST, lines: list[str], comments: dict[int, str], last_line: int | None = None) -> str:
-  """The comment beside a node (on its lines up to `last_line`) after the full-line comments just above it."""
-  above = []
-  n = node.lineno - 1
-  first_on_line = not lines[node.lineno - 1][:node.col_offset].strip(" (")  # a comment above is its own
-  while first_on_line and n >= 1 and lines[n - 1].strip().startswith("#"):
-    above.insert(0, comments[n])
-    n -= 1
-  beside = [comments[i] for i in range(node.lineno, (last_line or node.end_lineno) + 1) if i in comments
-            and not lines[i - 1].strip().startswith("#")]
-  return " ".join(above + beside)
-
-
-def _dict_call(node: ast.AST):
-  """The `dict(...)` call inside `ml_collections.ConfigDict(dict(...))`, or None."""
-  if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Call):
-    inner = node.args[0]
-    if isinstance(inner.func, ast.Name) and inner.func.id == "dict":
-      return inner
-  return None
-
-
-def _dotted(node: ast.AST) -> str | None:
-  if isinstance(node, ast.Name):
-    return node.id
-  if isinstance(node, ast.Attribute):
-    head = _dotted(node.value)
-    return None if head is None else f"{head}.{node.attr}"
-  return None
-
-
-def config_comments(source: str) -> dict[str, tuple[int, str]]:
-  """Dotted config field -> (line, comment), from `c.x = ...` assignments and `ConfigDict(dict(k=...))` keywords."""
-  lines, comments, out = source.splitlines(), _comments(source), {}
-
-  def visit_dict(prefix: str, call: ast.Call):
-    for kw in call.keywords:
-      path = f"{prefix}.{kw.arg}"
-      inner = _dict_call(kw.value)
-      out[path] = (kw.lineno, _comment_for(kw, lines, comments, kw.lineno if inner else None))
-      if inner is not None:
-        visit_dict(path, inner)
-
-  for node in ast.walk(ast.parse(source)):
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-      path = _dotted(node.targets[0])
-      if path and "." in path:
-        path = path.split(".", 1)[1]  # drop the ConfigDict's variable name
-        inner = _dict_call(node.value)
-        out.setdefault(path, (node.lineno, _comment_for(node, lines, comments, node.lineno if inner else None)))
-        if inner is not None:
-          visit_dict(path, inner)
-  return out
-
-
-def dataclass_comments(cls: type) -> dict[str, str]:
-  """Field -> the comment beside it in the dataclass's source (inherited fields included)."""
-  out = {}
-  for klass in reversed(cls.__mro__):
-    if not dataclasses.is_dataclass(klass):
-      continue
-    try:
-      source = textwrap.dedent(inspect.getsource(klass))
-    except (OSError, TypeError):
-      continue
-    lines, comments = source.splitlines(), _comments(source)
-    for node in ast.walk(ast.parse(source)):
-      if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-        out[node.target.id] = _comment_for(node, lines, comments)
-  return out
 
 
 def load_config() -> ml_collections.ConfigDict:
@@ -141,21 +58,6 @@ def _first_paragraph(obj: Any) -> str:
   return " ".join(doc.split("\n\n")[0].split()) if doc else ""
 
 
-def registration_comments(where: str) -> dict[str, str]:
-  """Name -> the comment above (or beside) its `X.register...("name", ...)` call in the file `where`."""
-  out = {}
-  for source in [(ROOT / where).read_text()]:
-    lines, comments = source.splitlines(), _comments(source)
-    for node in ast.walk(ast.parse(source)):
-      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr.startswith("register") and node.args and isinstance(node.args[0], ast.Constant)
-          and isinstance(node.args[0].value, str)):
-        comment = _comment_for(node, lines, comments)
-        if comment:
-          out.setdefault(node.args[0].value, comment)
-  return out
-
-
 def _source_line(path: str, known: dict[str, tuple[int, str]]) -> int:
   """The line defining `path` or its nearest defined parent (fields generated from registries)."""
   while path not in known and "." in path:
@@ -163,10 +65,18 @@ def _source_line(path: str, known: dict[str, tuple[int, str]]) -> int:
   return known.get(path, (10**9, ""))[0]
 
 
+def _append(comment: str, clause: str) -> str:
+  """`comment; clause`, or `clause` as a sentence of its own after a full stop or alone."""
+  if not comment or comment.endswith("."):
+    return f"{comment} {clause[0].upper()}{clause[1:]}.".strip()
+  return f"{comment}; {clause}"
+
+
 def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int, str]],
-                  choices: dict[str, list[str]] | None = None) -> list[str]:
+                  choices: dict[str, list[str]] | None = None, rules: dict[str, str] | None = None) -> list[str]:
   """Fields in the config file's order, one table per top-level section (scalars first); a field named in
-  `choices` (field -> a registry's names) lists them, so the config's comments need not."""
+  `choices` (field -> a registry's names) lists them, one in `rules` (field -> the requirement its check
+  states) gives it, so the config's comments need not."""
   fields = sorted(_flat(config), key=lambda pv: ("." in pv[0], _source_line(pv[0], known)))
   out, section, seen = [], None, set()
   for path, value in fields:
@@ -189,7 +99,9 @@ def render_config(config: ml_collections.ConfigDict, known: dict[str, tuple[int,
       comment = "see the registry below"
     if path in (choices or {}):
       names = ", ".join(f"`{n}`" for n in choices[path])
-      comment = f"{comment}; one of {names}" if comment else f"One of {names}."
+      comment = _append(comment, f"one of {names}")
+    if path in (rules or {}):
+      comment = _append(comment, rules[path])
     out.append(f"| `{path}` | {_cell(_value(value))} | {_cell(comment)} |")
   return out
 
@@ -230,7 +142,7 @@ def _options_rows(options: Any, target: Any) -> list[str]:
 
 def render_registry(title: str, where: str, how: str, registry: Any) -> list[str]:
   out = ["", f"## {title}", "", f"Registered in `{where}`; {how}"]
-  described = registration_comments(where)
+  described = registration_comments((ROOT / where).read_text())
   known_facts = _known_facts(registry)
   for name, target, options, facts in _entries(registry):
     out += ["", f"### `{name}`", ""]
@@ -282,9 +194,49 @@ def registries(config: ml_collections.ConfigDict) -> list[tuple[str, str, str, s
   ]
 
 
+def typed_sections() -> dict[str, type]:
+  """Config sections read into a frozen dataclass whose fields carry their checks: section -> the dataclass."""
+  from vcpo_jax.rollout import episodes, rewards  # noqa: PLC0415
+  return {"reward": rewards.RewardConfig, "tools": episodes.ToolsConfig}
+
+
+def _rules() -> dict[str, str]:
+  """Config field -> the requirement its check states, for every typed section's field."""
+  return {f"{section}.{f.name}": f.metadata["rule"].requirement
+          for section, cls in typed_sections().items() for f in dataclasses.fields(cls)}
+
+
+def _typed_comments(known: dict[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
+  """`known` with a typed section's field the config file leaves uncommented taking its dataclass's comment."""
+  out = dict(known)
+  for section, cls in typed_sections().items():
+    for name, comment in dataclass_comments(cls).items():
+      line, given = out.get(f"{section}.{name}", (10**9, ""))
+      out[f"{section}.{name}"] = (line, given or comment)
+  return out
+
+
+def fixed_choices() -> dict[str, tuple[str, ...]]:
+  """Config field -> the names its validator accepts, for fields whose choices no registry holds (the constant
+  the check itself reads, so the reference and the check cannot disagree)."""
+  from vcpo_jax.algo import losses  # noqa: PLC0415
+  from vcpo_jax.learner import grad_norms, grad_path, optimizer  # noqa: PLC0415
+  from vcpo_jax.model import attention, config as model_config  # noqa: PLC0415
+  from vcpo_jax.rollout.emulation import lag_model  # noqa: PLC0415
+  from vcpo_jax.rollout.servers import weight_store, wire  # noqa: PLC0415
+  return {
+      "model.matmul_precision": tuple(model_config.PRECISIONS), "model.remat": model_config.REMAT_CHOICES,
+      "model.attention": attention.IMPLEMENTATIONS, "rl.emulation.lag_model": lag_model.LAG_MODELS,
+      "algo.aggregation": losses.AGGREGATIONS, "algo.ess.rule": optimizer.RULES, "algo.grad_path": grad_path.PATHS,
+      "algo.grad_norm_mode": grad_norms.MODES, "optim.name": optimizer.OPTIMIZERS,
+      "optim.schedule.name": optimizer.SCHEDULES, "rollout.publish_dtype": weight_store.PUBLISH_DTYPES,
+      "rollout.wire_backend": wire.BACKENDS,
+  }
+
+
 def _choices(config: ml_collections.ConfigDict, chosen) -> dict[str, list[str]]:
   """Config field -> the registered names it takes; `<task>` in a field stands for every task that has it."""
-  out = {}
+  out = {field: list(names) for field, names in fixed_choices().items()}
   for field, _, _, _, registry in chosen:
     if "<task>" not in field:
       out[field] = _names(registry)
@@ -300,7 +252,8 @@ def render() -> str:
   config = load_config()
   chosen = registries(config)
   lines = HEADER.rstrip("\n").splitlines()
-  lines += render_config(config, config_comments(CONFIG.read_text()), _choices(config, chosen))
+  lines += render_config(config, _typed_comments(config_comments(CONFIG.read_text())), _choices(config, chosen),
+                         _rules())
   for field, title, where, how, registry in chosen:
     lines += render_registry(f"{title} (`{field}`)", where, how, registry)
   return "\n".join(lines) + "\n"

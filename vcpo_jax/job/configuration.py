@@ -18,10 +18,11 @@ from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
+from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend as backend_lib
-from vcpo_jax.rollout import episodes
+from vcpo_jax.rollout import episodes, rewards
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
-from vcpo_jax.rollout.servers import placement, weight_store
+from vcpo_jax.rollout.servers import weight_store, wire as wire_lib
 
 AUTO = -1   # algo.micro_batch_size: chosen from the registered facts (whole groups up to micro_batch_max_rows)
 
@@ -71,13 +72,24 @@ def build_task(config, render_prompt=None, *, with_pool: bool = True):
   """The job's task: task.name built with its options (render_prompt: a pretrained chat template); a task with
   an environment calls its tools in the pool of the config section `tools` (with_pool=False: inline, for a
   check that plays no episode). Options the task refuses are an error naming task.options.<name>."""
-  pool = episodes.tool_pool(config.get("tools")) if with_pool else None
+  pool = episodes.tool_pool(tools_config(config)) if with_pool else None
   try:
     return tasks.get_task(config.task.name, render_prompt=render_prompt, tool_pool=pool, **task_options(config))
   except (TypeError, ValueError) as e:  # unknown options, or values the task's constructor refuses
     if pool is not None:
       pool.close()
     _fail(f"task.options.{config.task.name}", task_options(config), str(e))
+
+
+# ------------------------------------------------------------------------------------- pools
+def reward_config(config) -> rewards.RewardConfig:
+  """The section `reward` (the reward's pool), typed; a bad field fails naming reward.<field>."""
+  return rewards.reward_config(config.get("reward"))
+
+
+def tools_config(config) -> episodes.ToolsConfig:
+  """The section `tools` (tool calls' pool), typed; a bad field fails naming tools.<field>."""
+  return episodes.tools_config(config.get("tools"))
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -151,6 +163,14 @@ def build_optimizer(config, *, sft: bool = False):
     raise
 
 
+# ------------------------------------------------------------------------------------- devices
+def device_plan(config, environ=None) -> placement.DevicePlan:
+  """The job's device plan: embedded servers only when its backend starts them and no rollout.server_urls."""
+  r = config.rollout
+  embedded = backend_lib.needs(config, "embedded_servers") and not r.server_urls
+  return placement.rollout_plan(r, r.num_servers if embedded else 0, environ)
+
+
 # ------------------------------------------------------------------------------------- validation
 # Scalar fields read after start-up (by the warm start, the rollout client, the RL loop): each is checked here
 # so that a bad value fails before any work. field -> (accepts, requirement); missing sections are skipped.
@@ -197,7 +217,7 @@ _SCALAR_FIELDS = {
     "rollout.publish": (lambda v: v in ("disk", "wire"), "must be 'disk' or 'wire'"),
     "rollout.wire_bucket_mb": (_number(lambda v: v > 0), "must be a number > 0 (MiB per bucket)"),
     "rollout.wire_timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
-    "rollout.wire_backend": (lambda v: v in ("auto", "gloo", "nccl"), "must be 'auto', 'gloo' or 'nccl'"),
+    "rollout.wire_backend": (lambda v: v in wire_lib.BACKENDS, f"must be one of {wire_lib.BACKENDS}"),
     "rollout.min_servers": (_int_at_least(0), "must be an int >= 0 (0: all of rollout.server_urls)"),
     "rollout.server_wait_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
     "distributed.timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
@@ -257,7 +277,7 @@ def validate_config(config: ml_collections.ConfigDict, *, with_task: bool = True
     _fail("task.kwargs", dict(config.task.kwargs), f"replaced by task.options.{config.task.name}.<option>")
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
-  episodes.tool_pool(config.get("tools")).close()  # its own errors name the tools.<field>
+  reward_config(config), tools_config(config)  # errors name reward.<field> / tools.<field>
   if with_task:
     build_task(config, with_pool=False)
   _validate_algo(config)

@@ -11,7 +11,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from vcpo_jax.job import warm_start
+from vcpo_jax.job import configuration, warm_start
 from vcpo_jax.rollout.rewards import Rewarder
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (get_config()).",
@@ -26,7 +26,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
   model_cfg, tok, task, eval_examples = warm_start.starting_point(config)
-  rewarder = Rewarder.for_task(task, tok, config.get("reward"))
+  rewarder = Rewarder.for_task(task, tok, configuration.reward_config(config))
   try:
     base_dir, _ = warm_start.warm_start(config, os.path.abspath(_WORKDIR.value), model_cfg, tok, task, eval_examples,
                                         rewarder)

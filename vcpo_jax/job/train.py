@@ -16,6 +16,7 @@ from vcpo_jax.job import checkpointing
 from vcpo_jax.job import data
 from vcpo_jax.job import metrics as metrics_lib
 from vcpo_jax.job import multihost
+from vcpo_jax.job import configuration
 from vcpo_jax.job.configuration import build_optimizer, learner_config
 from vcpo_jax.job.warm_start import evaluate_as_job, starting_point, warm_start
 from vcpo_jax.learner import step as learner
@@ -252,7 +253,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if leader:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  rewarder = Rewarder.for_task(task, tok, config.get("reward"))  # the one reward object of the job
+  rewarder = Rewarder.for_task(task, tok, configuration.reward_config(config))  # the one reward object of the job
   try:
     base_dir, base_info = _warm_start_once(config, workdir, model_cfg, tok, task, eval_examples, rewarder)
     logging.info("base model: greedy accuracy %.3f, sampled accuracy %.3f",

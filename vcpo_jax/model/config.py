@@ -47,7 +47,7 @@ class ModelConfig:
   remat: str = "none"          # a REMAT_CHOICES name, applied to every layer
   # remat="auto": GB per device the learner step may use; 0 = the device's own memory limit.
   remat_budget_gb: float = 0.0
-  attention: str = "auto"      # attention.IMPLEMENTATIONS: auto | xla | cudnn | einsum
+  attention: str = "auto"      # a name in attention.IMPLEMENTATIONS
   # Vocabulary columns per LM-head chunk (vcpo_jax.model.lm_head): [tokens, vocab] float32 logits never exist at
   # once in the learner; 0 = the plain full-logits path.
   logits_chunk: int = 2048

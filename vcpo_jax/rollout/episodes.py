@@ -13,7 +13,8 @@ and publishes weights: a call past the timeout is the error reply of kind 'timeo
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Optional, Sequence
+import dataclasses
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from vcpo_jax.model import sampling
 from vcpo_jax.model.tokenizer import completion_text
 from vcpo_jax.calls import offload
+from vcpo_jax.calls.settings import int_at_least, number_above, one_of, read_section, setting
 from vcpo_jax.rollout import multiturn, protocol, types
 
 
@@ -209,17 +211,21 @@ def runner_for(task, tokenizer, *, max_new_tokens: int, context_length: Optional
                        context_length=context_length, pool=env.pool)
 
 
-# The tools pool (config section `tools`): thread or inline only, since an episode's environment lives here.
-POOL_DEFAULTS = {"pool": "thread", "workers": 8, "timeout_s": 30.0}
+@dataclasses.dataclass(frozen=True)
+class ToolsConfig:
+  """The config section `tools`: the pool of tool calls and episode rewards (tools_config builds it, checked)."""
+  pool: str = setting("thread", one_of("inline", "thread", why=" (an episode's environment lives in this process)"))
+  workers: int = setting(8, int_at_least(1))  # concurrent tool calls
+  timeout_s: float = setting(30.0, number_above(0, " (seconds)"))  # per call
 
 
-def tool_pool(settings: Optional[dict] = None) -> offload.CallPool:
-  """The job's tools pool from the config section `tools` (fields: POOL_DEFAULTS)."""
-  s = {**POOL_DEFAULTS, **dict(settings or {})}
-  unknown = sorted(set(s) - set(POOL_DEFAULTS))
-  if unknown:
-    raise ValueError(f"invalid config: tools.{unknown[0]} is not a field; fields: {sorted(POOL_DEFAULTS)}")
-  if s["pool"] not in ("inline", "thread"):
-    raise ValueError(f"invalid config: tools.pool={s['pool']!r}: must be 'inline' or 'thread' (an episode's "
-                     f"environment lives in this process)")
-  return offload.CallPool(s["pool"], workers=s["workers"], timeout_s=s["timeout_s"], name="tools")
+def tools_config(section: Optional[Mapping[str, Any]] = None) -> ToolsConfig:
+  """The `tools` section typed; an unknown field or a bad value is an error naming tools.<field>."""
+  return read_section(ToolsConfig, "tools", section)
+
+
+def tool_pool(settings: ToolsConfig = ToolsConfig()) -> offload.CallPool:
+  """The job's tools pool, as the config section `tools` sets it."""
+  if not isinstance(settings, ToolsConfig):  # a plain dict would skip the section's checks
+    raise TypeError(f"settings must be a ToolsConfig (episodes.tools_config(section)), got {type(settings)}")
+  return offload.CallPool(settings.pool, workers=settings.workers, timeout_s=settings.timeout_s, name="tools")

@@ -12,9 +12,10 @@ import jax
 import ml_collections
 
 from vcpo_jax.model import hf_export
+from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
-from vcpo_jax.rollout.servers import background, launcher, placement, publisher as publisher_lib, weight_store
+from vcpo_jax.rollout.servers import background, launcher, publisher as publisher_lib, weight_store
 from vcpo_jax.rollout.servers import wire as wire_lib, wire_group
 
 

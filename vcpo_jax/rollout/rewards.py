@@ -1,22 +1,41 @@
 """The task's reward as the rollout side applies it: one object, built once per job, scoring off the event loop.
 
 A task gives a reward function `(example, completion_text) -> float` (`Task.reward_function()`); the job wraps
-it here with the tokenizer's decoding and a `CallPool` (config section `reward`), and hands the one `Rewarder`
-to the rollout backend (which scores each group as it completes) and to the evaluation. A reward that raises,
-times out, kills its worker or is not a finite number scores 0 and is counted (`reward/errors/<kind>`).
+it here with the tokenizer's decoding and a `CallPool` (config section `reward`, typed as `RewardConfig`), and
+hands the one `Rewarder` to the rollout backend (which scores each group as it completes) and to the
+evaluation. A reward that raises, times out, kills its worker or is not a finite number scores 0 and is counted
+(`reward/errors/<kind>`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import pickle
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from vcpo_jax.calls import offload
 from vcpo_jax.calls.offload import CallPool, Outcome
+from vcpo_jax.calls.settings import int_at_least, number_above, one_of, read_section, setting
 from vcpo_jax.rollout.types import Group
 
 RewardFn = Callable[[dict, str], float]
-DEFAULTS = {"pool": "thread", "workers": 2, "timeout_s": 30.0, "memory_mb": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """The config section `reward`: the pool the task's reward runs in (reward_config builds it, checked)."""
+  # thread: in-process, for trusted fast rewards; process: worker processes, killable, for slow or untrusted
+  # verifiers; inline: on the calling thread (instant rewards, tests)
+  pool: str = setting("thread", one_of(*offload.KINDS))
+  workers: int = setting(2, int_at_least(1))  # concurrent reward calls
+  timeout_s: float = setting(30.0, number_above(0, " (seconds)"))  # per call
+  memory_mb: int = setting(0, int_at_least(0))  # process pool: address-space limit per worker
+
+
+def reward_config(section: Mapping[str, Any] | None = None) -> RewardConfig:
+  """The `reward` section typed; an unknown field or a bad value is an error naming reward.<field>."""
+  return read_section(RewardConfig, "reward", section)
 
 
 def _as_reward(outcome: Outcome) -> tuple[float, str | None]:
@@ -43,15 +62,13 @@ class Rewarder:
     self._errors: dict[str, int] = {}
 
   @classmethod
-  def for_task(cls, task, tokenizer, settings=None) -> "Rewarder":
+  def for_task(cls, task, tokenizer, settings: RewardConfig = RewardConfig()) -> "Rewarder":
     """The job's rewarder: the task's reward function, the tokenizer's decoding, the `reward` config section."""
     from vcpo_jax.model.tokenizer import completion_text
-    s = {**DEFAULTS, **dict(settings or {})}
-    unknown = sorted(set(s) - set(DEFAULTS))
-    if unknown:
-      raise ValueError(f"invalid config: reward.{unknown[0]} is not a field; fields: {sorted(DEFAULTS)}")
-    pool = CallPool(s["pool"], workers=s["workers"], timeout_s=s["timeout_s"], memory_mb=s["memory_mb"],
-                    initializer=task.reward_initializer(), name="reward")
+    if not isinstance(settings, RewardConfig):  # a plain dict would skip the section's checks
+      raise TypeError(f"settings must be a RewardConfig (rewards.reward_config(section)), got {type(settings)}")
+    pool = CallPool(settings.pool, workers=settings.workers, timeout_s=settings.timeout_s,
+                    memory_mb=settings.memory_mb, initializer=task.reward_initializer(), name="reward")
     return cls(task.reward_function(), lambda ids: completion_text(tokenizer, ids), pool)
 
   def _record(self, outcomes: Sequence[Outcome]) -> list[float]:

@@ -3,118 +3,28 @@
     python -m experiments.studies.horizon.variance --workdir=W [--steps=10,20] [--batches=4] [--lag=run|max] --out=DIR
 
 For each checkpoint step s of the run in W (its config.json gives model, task, lag k, tau and OPOB's options):
-the learner's params at s (W/checkpoints) and the sampler's past versions s-k..s-1 (W/emulation_ring, saved with
-the latest checkpoints only). It draws N batches of the run's shape exactly as the run's next steps would
-(the checkpoint's prompt iterator, the emulator's per-prompt seeds and lag model; --lag=max samples every group
-from s-k), scores them with the task, and computes every sequence's exact score (vmap of grad) at the learner's
-params, then the estimator's moments under each baseline and IS weight (experiments/studies/horizon/estimator_moments.py).
+the learner's params at s and the N batches the run's next steps would train on (vcpo_jax.job.replay: the
+checkpoint's prompt iterator and the sampler's past versions s-k..s-1, saved with the latest checkpoints only;
+the emulator's per-prompt seeds and lag model; --lag=max samples every group from s-k), scored by the task, and
+computes every sequence's exact score (vmap of grad) at the learner's params, then the estimator's moments under
+each baseline and IS weight (experiments/studies/horizon/estimator_moments.py).
 Writes DIR/variance.md (tables relative to the group-mean baseline), DIR/variance.png and DIR/variance.json.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 
 import numpy as np
 
 from experiments.studies.horizon import estimator_moments as em
+from vcpo_jax.job import replay
+
+load_run = replay.load_run  # the run's config, model, tokenizer and task (a test swaps the task's reward)
 
 METRICS = (("second_moment", "2nd moment"), ("trace_cov", "tr Cov"))  # labels sit in markdown tables: no "|"
 SIGNAL = (("signal_rel", "signal"), ("signal_z", "z"), ("cos_ref", "cos"), ("snr_rel", "SNR"))  # cross-batch
-
-
-def load_run(workdir: str):
-  """(config, model_cfg, tokenizer, task) of the run, rebuilt from its config.json."""
-  import ml_collections  # noqa: PLC0415
-  from vcpo_jax.job import warm_start  # noqa: PLC0415
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise ValueError(f"--workdir={workdir!r} has no config.json: not a vcpo_jax.main workdir")
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  if config.rl.mode != "emulate":
-    raise ValueError(f"{workdir}: rl.mode={config.rl.mode!r}; the tool needs a lag-emulation run (rl.mode=emulate), "
-                     "whose past policy versions are saved with its checkpoints")
-  model_cfg, tok, task, _ = warm_start.starting_point(config)
-  return config, model_cfg, tok, task
-
-
-def checkpoint_steps(workdir: str) -> list[int]:
-  d = os.path.join(workdir, "checkpoints")
-  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
-
-
-def restore(workdir: str, config, model_cfg, step: int):
-  """(learner params at `step`, the checkpoint's host state: prompt iterator, ring versions)."""
-  import jax  # noqa: PLC0415
-  from vcpo_jax.job import checkpointing  # noqa: PLC0415
-  from vcpo_jax.job.configuration import build_optimizer  # noqa: PLC0415
-  from vcpo_jax.learner import train_state  # noqa: PLC0415
-  state = train_state.create_train_state(model_cfg, build_optimizer(config), jax.random.PRNGKey(config.seed))
-  if config.algo.kl_beta > 0:
-    state = train_state.with_reference(state)
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
-  try:
-    _, state, host = ckpt.restore(checkpointing.abstract_like(state), step=step)
-  finally:
-    ckpt.close()
-  return state.params, host
-
-
-def sampler_versions(config, step: int, lag: str) -> list[int]:
-  """The past versions the batch of the step after checkpoint `step` samples from (the run's lag model, or s-k)."""
-  from vcpo_jax.rollout.emulation import emulator as emulation, lag_model  # noqa: PLC0415
-  rl, k = config.rl, int(config.rl.max_lag)
-  options = {n: v for n, v in dict(rl.emulation).items() if n != "lag_model"}
-  model = None if lag == "max" else lag_model.make_lag_model(
-      rl.emulation.lag_model, max_lag=k, batch_groups=rl.prompts_per_step, group_size=rl.group_size,
-      seed=config.seed, options=options)
-  probe = emulation.LagEmulator(None, max_lag=k, group_size=rl.group_size, seed=config.seed, lag_model=model)
-  for v in range(max(0, step - k), step + 1):
-    probe.push(v, None)
-  return sorted(set(probe.group_versions(step, rl.prompts_per_step)))
-
-
-def draw_batches(workdir, config, model_cfg, tok, task, params, host, step: int, batches: int, lag: str):
-  """`batches` scored RLBatches drawn as the run's emulator draws the steps after `step` (numpy rows)."""
-  from vcpo_jax.job import data  # noqa: PLC0415
-  from vcpo_jax.job import batching  # noqa: PLC0415
-  from vcpo_jax.rollout import backend  # noqa: PLC0415
-  from vcpo_jax.rollout.emulation import emulator as emulation, ring_store  # noqa: PLC0415
-  from vcpo_jax.rollout.rewards import Rewarder  # noqa: PLC0415
-  k = int(config.rl.max_lag)
-  store = ring_store.RingStore(os.path.join(workdir, "emulation_ring"))
-  needed = [v for v in sampler_versions(config, step, lag) if v != step]
-  missing = [v for v in needed if not os.path.exists(store.path(v))]
-  if missing:
-    have = sorted(int(f[1:-4]) for f in os.listdir(store.directory) if f.endswith(".npz") and f[1:-4].isdigit()) \
-        if os.path.isdir(store.directory) else []
-    raise LookupError(f"checkpoint step {step}: the sampler's params of version(s) {missing} are not in "
-                      f"{store.directory} (it holds {have}: the emulator keeps only the latest checkpoints' "
-                      f"{k} past versions)")
-  prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok, shard_index=0, shard_count=1)
-  prompts.set_state(host["data"])
-  rewarder = Rewarder.for_task(task, tok, config.get("reward"))
-  ctx = backend.RolloutContext(model_cfg=model_cfg, tokenizer=tok, prompts=prompts, rewarder=rewarder,
-                               workdir=workdir, batch_rows=config.rl.prompts_per_step * config.rl.group_size,
-                               task=task)
-  try:
-    rollouts = emulation.EmulatedBackend.from_config(config, ctx)
-    if lag == "max":
-      rollouts.emulator.lag_model = None
-    for v in range(max(0, step - k), step):  # unused versions stay unloaded: the emulator only reads `needed`
-      rollouts.emulator.push(v, store.load(v, like=params) if v in needed else None)
-    rollouts.emulator.push(step, params)
-    out = []
-    for _ in range(batches):
-      groups = asyncio.run(rollouts.next_groups(step))
-      out.append(batching.groups_to_batch(groups, seq_len=model_cfg.max_seq_len, pad_id=tok.pad_id,
-                                          vocab_size=model_cfg.vocab_size))
-    return out
-  finally:
-    rewarder.close()
 
 
 def batch_result(params, model_cfg, batch, config, chunk: int) -> tuple[dict, dict]:
@@ -246,8 +156,9 @@ def plot(results: dict, path: str) -> None:
 
 
 def run(workdir: str, steps: list[int] | None, batches: int, lag: str, chunk: int) -> dict:
-  config, model_cfg, tok, task = load_run(workdir)
-  available = checkpoint_steps(workdir)
+  loaded = load_run(workdir)
+  config = loaded.config
+  available = replay.checkpoint_steps(workdir)
   if not available:
     raise ValueError(f"{workdir}: no checkpoints under {os.path.join(workdir, 'checkpoints')}")
   for s in steps or []:
@@ -256,16 +167,15 @@ def run(workdir: str, steps: list[int] | None, batches: int, lag: str, chunk: in
   results = {"workdir": os.path.abspath(workdir), "max_lag": int(config.rl.max_lag), "lag": lag,
              "tau": config.algo.tis_threshold, "opob_options": dict(config.algo.advantage_options.opob), "steps": {}}
   for s in steps or available:
-    params, host = restore(workdir, config, model_cfg, s)
     try:
-      drawn = draw_batches(workdir, config, model_cfg, tok, task, params, host, s, batches, lag)
+      drawn = replay.replay(workdir, s, batches, lag, run=loaded)
     except LookupError as e:
       if steps:  # asked for explicitly: say so and stop
         raise
       print(f"step {s}: skipped: {e}")
       results["steps"][s] = {"error": str(e)}
       continue
-    done = [batch_result(params, model_cfg, b, config, chunk) for b in drawn]
+    done = [batch_result(drawn.params, drawn.model_cfg, b, config, chunk) for b in drawn.batches]
     per_batch = [r for r, _ in done]
     signal = em.cross_batch([m for _, m in done], group_mean_row)
     results["steps"][s] = {"batches": len(per_batch), "per_batch": per_batch,

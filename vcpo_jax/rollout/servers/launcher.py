@@ -14,7 +14,7 @@ import urllib.request
 from typing import Mapping, Sequence
 
 from vcpo_jax import orphans
-from vcpo_jax.rollout.servers import placement
+from vcpo_jax.parallel import placement
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -7,8 +7,6 @@ import os
 import subprocess
 from typing import Mapping, Sequence
 
-from vcpo_jax.rollout import backend
-
 # Per-process accelerator memory (read by JAX when its GPU client starts, so set before first device use).
 PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
 MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -103,18 +101,12 @@ def plan_devices(gpus: Sequence[str], num_servers: int, *, server_devices: str =
 
 def rollout_plan(rollout, num_servers: int, environ: Mapping[str, str] | None = None) -> DevicePlan:
   """The plan for `num_servers` embedded servers from a job's `rollout` config section (or the http backend's
-  typed config: the same field names)."""
+  typed config: the same field names). The job's whole plan, which knows whether its backend starts servers,
+  is job.configuration.device_plan."""
   return plan_devices(visible_gpus(os.environ if environ is None else environ), num_servers,
                       server_devices=getattr(rollout, "server_devices", ""),
                       learner_memory_fraction=getattr(rollout, "learner_memory_fraction", 0.0),
                       server_memory_fraction=getattr(rollout, "server_memory_fraction", 0.0))
-
-
-def config_plan(config, environ: Mapping[str, str] | None = None) -> DevicePlan:
-  """The plan for a job config: embedded servers when the backend starts them and no rollout.server_urls."""
-  r = config.rollout
-  embedded = backend.needs(config, "embedded_servers") and not r.server_urls
-  return rollout_plan(r, r.num_servers if embedded else 0, environ)
 
 
 def apply_env(env: dict, updates: Mapping[str, str | None]) -> dict:
