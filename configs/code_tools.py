@@ -32,7 +32,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   # 60% of the warm-start traces are wrong in one systematic way (wrong_kinds=slip, tasks/arithmetic_code.py):
   # the code copies the second operand with its first digit one higher, and the reply, a wrong product, is
   # answered faithfully. The slip competes with the right copy at one token, so the warm start's greedy answer
-  # follows it on many problems (greedy 28-45% over 3 seeds), and RL on the reward removes it (docs/tool-use.md).
+  # follows it on many problems (greedy 28-45% over 3 seeds), and RL on the reward removes it (docs/results/tool-use.md).
   # At 0.5 the warm starts' greedy accuracy spread wider (19-47%), and so did the gains
   # (docs/results/code_tools_slip50/). The mixed random kinds (the task's default) only spread the sampled mass:
   # their warm start was already 69-85% right greedy (docs/results/code_tools_mixed/).

@@ -31,7 +31,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rl.max_new_tokens = 92
   # Every warm-start trace calls the calculator: 30% check a wrong candidate and answer it anyway, 20% of the
   # others first check a wrong one and correct it (the task's correction_rate). Chosen by pilot runs
-  # (docs/tool-use.md): the main job's RL batch (16 prompts x 8) for 80 steps.
+  # (docs/results/tool-use.md): the main job's RL batch (16 prompts x 8) for 80 steps.
   c.sft.update(steps=200, batch_size=32, error_rate=0.3)
   c.rl.update(steps=80, prompts_per_step=16, group_size=8)
   c.task.eval_size = 256
@@ -43,7 +43,7 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     # a miss is to stop: going on is what RL has to learn from the replies. A trace is <= 147 tokens + stop.
     # 500 warm-start steps: after 200 the model copies the checked expression into its answer only ~60% of
     # the time and its rare second calls almost never succeed, so RL has nothing to reinforce
-    # (docs/tool-use.md).
+    # (docs/results/tool-use.md).
     c.task.options.countdown_tools.update(search=True, max_turns=5)
     c.model.max_seq_len = 256
     c.rl.max_new_tokens = 152

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dataset as dataset_config
+from tests import xla_env
 from vcpo_jax.tasks.files import word_problems as make_word_problems
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration, data, startup_errors
@@ -304,7 +305,7 @@ def test_no_files_and_config_errors_name_the_config_field(word_problems):
 @pytest.mark.slow
 def test_demo_config_runs_end_to_end(tmp_path):
   env = dict(os.environ, VCPO_PROGRESS="0", VCPO_WORD_PROBLEMS=str(tmp_path / "data"))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_env.xla_flags()
   tiny = ["--config.rl.steps=2", "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.task.eval_size=4",
           "--config.task.eval_samples=2", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
           "--config.rl.mode=emulate", "--config.model.num_layers=1", "--config.model.hidden_size=32",
@@ -454,7 +455,7 @@ def test_the_job_runs_your_files_with_the_python_tool_from_one_flag(tmp_path):
   """`--config.task.options.dataset.environment=python`: the job's episodes are multi-turn with the sandboxed
   tool (its tools/ metrics are logged), no code written."""
   env = dict(os.environ, VCPO_PROGRESS="0", VCPO_WORD_PROBLEMS=str(tmp_path / "data"))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_env.xla_flags()
   tiny = ["--config.rl.steps=2", "--config.sft.steps=0", "--config.task.eval_size=2",
           "--config.task.eval_samples=1", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
           "--config.rl.mode=emulate", "--config.model.num_layers=1", "--config.model.hidden_size=32",

@@ -11,6 +11,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 
 pytest.importorskip("transformers")
+from tests import xla_env  # noqa: E402
 from test_pretrained import TEXTS, build_checkpoint  # noqa: E402  (needs transformers)
 
 pytestmark = [pytest.mark.slow]  # one export_base process (~25 s on CPU)
@@ -38,7 +39,7 @@ def test_export_base_with_hf_path_writes_the_pretrained_tokenizer_and_weights(tm
   config_file = tmp_path / "pretrained_config.py"
   config_file.write_text(_CONFIG.format(ckpt=ckpt))
   env = dict(os.environ, VCPO_PROGRESS="0", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_env.xla_flags()
   proc = subprocess.run([sys.executable, "-m", "vcpo_jax.job.export_base", f"--config={config_file}",
                          f"--workdir={tmp_path / 'work'}"], capture_output=True, text=True, env=env, timeout=300,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

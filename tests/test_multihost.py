@@ -20,6 +20,7 @@ import pytest
 
 from tests import multihost_worker as worker
 from tests import waits
+from tests import xla_env
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
@@ -73,7 +74,7 @@ def test_xm_multihost_gives_each_process_its_flags():
 @CPU_ONLY
 def test_two_process_forward_equals_single_process(tmp_path):
   port = str(free_port())
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, XLA_FLAGS=xla_env.xla_flags(4))
   procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), port, "forward",
                              str(tmp_path / f"logp{i}.npy")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
@@ -91,7 +92,7 @@ def test_two_process_forward_equals_single_process(tmp_path):
 @CPU_ONLY
 def test_a_hung_leader_ends_the_follower_with_a_clear_error():
   port = str(free_port())
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, XLA_FLAGS=xla_env.xla_flags(4))
   procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(i), port, "hung_leader"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   follower, _ = procs[1].communicate(timeout=300)
@@ -108,7 +109,7 @@ def _launch(workdir, mode="emulate", processes=2, port=None, extra=()):
   compiled, on whichever xdist worker it ran."""
   variant = "emulate" if mode == "emulate" else ""
   env = dict(os.environ, JAX_PLATFORMS="cpu", VCPO_PROGRESS="0",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
+             XLA_FLAGS=xla_env.xla_flags(8 // processes))
   base = [sys.executable, "-m", "vcpo_jax.main", f"--config=configs/tiny.py:{variant}", f"--workdir={workdir}",
           *JOB_FLAGS, *extra]
   if processes > 1:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from tests import xla_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux process model")]
 
@@ -36,7 +37,7 @@ def _pid1_prefix():
 
 def _check(prefix, *args):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT, _HERE, os.environ.get("PYTHONPATH", "")]))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_env.xla_flags()
   r = subprocess.run(prefix + [sys.executable, os.path.join(_HERE, "orphan_check.py"), *args, str(N)],
                      capture_output=True, text=True, timeout=600, env=env, cwd=_ROOT)
   assert r.returncode == 0, r.stderr[-4000:]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import waits
+from tests import xla_env
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import tokenizer
@@ -80,7 +81,7 @@ def server(tmp_path_factory):
   _export(2, dirs["outside"])
   port = launcher.free_port()
   log_path = root.parent / "server.log"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=xla_env.xla_flags())
   cmd = [sys.executable, "-m", "vcpo_jax.serving.server", "--model-path", dirs["m0"], "--port", str(port),
          "--weights-root", str(root), "--max-prompt-len", "260", "--context-length", "302",
          # One shape for every test (8 rows, 16 prompt slots, 256 new slots): one jit compile.

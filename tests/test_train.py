@@ -20,6 +20,7 @@ from vcpo_jax import tasks
 from vcpo_jax.job import train
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout import backend, types
+from tests import xla_env
 
 pytestmark = [pytest.mark.slow]
 
@@ -66,7 +67,7 @@ def _run_main(workdir, extra=()):
          "--config.rl.steps=8", "--config.rl.max_lag=2", "--config.eval_every=100",
          "--config.checkpoint_every=2", *extra]
   env = dict(os.environ, VCPO_PROGRESS="0")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_env.xla_flags()
   return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
 
@@ -136,7 +137,7 @@ def _server_pids(workdir):
 def test_ctrl_c_stops_the_servers(tmp_path):
   workdir = tmp_path / "w"
   env = dict(os.environ, VCPO_PROGRESS="0")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_env.xla_flags()
   # A shell without job control starts background jobs with SIGINT ignored, and children inherit an ignored
   # signal across exec (CI may run us so). A handled one is reset to the default on exec: give the job the
   # disposition a terminal's Ctrl-C would find.
