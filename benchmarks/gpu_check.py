@@ -116,8 +116,9 @@ def base_env(ctx: Context, site: str | None) -> dict:
   env = dict(os.environ, PYTHONPATH=":".join(path), JAX_PLATFORMS="cpu" if ctx.dry else "cuda",
              BENCH_MODEL="tiny" if ctx.dry else "qwen2.5-0.5b", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
              TRANSFORMERS_OFFLINE="1")
-  if ctx.dry:  # one device, as on the GPU machine (not the test suite's 8 fake CPU devices)
-    env.pop("XLA_FLAGS", None)
+  if ctx.dry:  # one device, as on the GPU machine (not the test suite's 8 fake CPU devices); other flags kept
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
   return env
 
 
