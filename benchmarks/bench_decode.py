@@ -123,7 +123,7 @@ def produce(quick: bool) -> list[dict]:
 
 def _measure(setup: DecodeSetup) -> list[dict]:
   import jax
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import transformer as model_lib
 
   cfg = main_job_model_config()

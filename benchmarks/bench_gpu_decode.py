@@ -6,12 +6,10 @@ and against the memory floor at a device bandwidth measured in the same run, at 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
 from benchmarks import bench_decode
-from benchmarks import model_choice
 from benchmarks import records
 from benchmarks import summary
 from benchmarks import timing
@@ -55,11 +53,11 @@ def engine_vs_hf(setup: bench_decode.DecodeSetup, batch: int, params, cfg, hf_mo
            f"HF {tok_s['hf_generate']:.0f} tok/s on {bench_decode.torch_device()}")]
 
 
-def produce(quick: bool, json_path: str | None, figs: list[dict]) -> list[dict]:
+def produce(quick: bool, figs: list[dict], json_path: str | None) -> list[dict]:
   """Appends the figures to `figs`, written to json_path after each one (a part stopped at its limit keeps
   what it measured)."""
   import jax
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import transformer as model_lib
   setup = QUICK if quick else FULL
   cfg = bench_decode.main_job_model_config()
@@ -90,19 +88,7 @@ def produce(quick: bool, json_path: str | None, figs: list[dict]) -> list[dict]:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-  parser.add_argument("--json", default=None, help="write the figures here (after each one)")
-  parser.add_argument("--model", default=None, choices=model_choice.MODELS)
-  args = parser.parse_args(argv)
-  if args.model:
-    os.environ[model_choice.MODEL_ENV] = args.model
-  figs = []
-  try:
-    produce(args.quick, args.json, figs)
-  except Exception as e:  # noqa: BLE001 - the figures measured so far are kept
-    figs.append(records.failed_figure("decode", TITLE, f"{type(e).__name__}: {e}"))
-  return records.emit_figures(figs, args.json)
+  return records.incremental_main(produce, "decode", TITLE, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ another GPU.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import tempfile
@@ -19,7 +18,7 @@ import time
 
 import numpy as np
 
-from benchmarks import bench_decode, model_choice, records, summary
+from benchmarks import bench_decode, records, summary
 
 PROBE_LEN = 32
 GOAL_S = "<= 0.5"   # issue: 0.5B wire publish <= 0.5 s on a GPU (7B in bf16 <= ~5 s by bytes)
@@ -58,7 +57,7 @@ async def _timed(pub, params, version) -> float:
 
 
 async def _measure(cfg, tmp: str, repeats: int, backends: list[str], timeout_s: dict) -> dict:
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.rollout.servers import launcher, publisher, wire
   p = [_params(cfg, s) for s in range(2)]
   start = hf_export.export_hf(p[0], cfg, os.path.join(tmp, "start"))
@@ -144,19 +143,7 @@ def produce(quick: bool, figs: list[dict], json_path: str | None) -> list[dict]:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-  parser.add_argument("--json", default=None, help="write the figures here (after each one)")
-  parser.add_argument("--model", default=None, choices=model_choice.MODELS)
-  args = parser.parse_args(argv)
-  if args.model:
-    os.environ[model_choice.MODEL_ENV] = args.model
-  figs: list[dict] = []
-  try:
-    produce(args.quick, figs, args.json)
-  except Exception as e:  # noqa: BLE001 - the figures measured so far are kept
-    figs.append(records.failed_figure("wire", "wire publish", f"{type(e).__name__}: {e}"))
-  return records.emit_figures(figs, args.json)
+  return records.incremental_main(produce, "wire", "wire publish", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

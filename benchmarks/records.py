@@ -40,8 +40,7 @@ def run_figure(key: str, title: str, fn: Callable[[], list[dict]], goal: str | N
     return [failed_figure(key, title, f"{type(e).__name__}: {e}", goal=goal)]
 
 
-def module_main(produce: Callable[[bool], list[dict]], description: str, argv=None) -> list[dict]:
-  """Entry of a bench_*.py module: `--quick` and `--json out.json` (figures written there)."""
+def _parse(description: str, argv) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
   parser.add_argument("--json", default=None, help="write the figures as a JSON list to this path")
@@ -50,7 +49,26 @@ def module_main(produce: Callable[[bool], list[dict]], description: str, argv=No
   args = parser.parse_args(argv)
   if args.model:
     os.environ[model_choice.MODEL_ENV] = args.model
+  return args
+
+
+def module_main(produce: Callable[[bool], list[dict]], description: str, argv=None) -> list[dict]:
+  """Entry of a bench_*.py module: `--quick` and `--json out.json` (figures written there)."""
+  args = _parse(description, argv)
   return emit_figures(produce(args.quick), args.json)
+
+
+def incremental_main(produce: Callable[[bool, list, str | None], Any], key: str, title: str, description: str,
+                     argv=None) -> list[dict]:
+  """Entry of a GPU check part that appends each figure to `figs` (and writes --json) as it is measured: a
+  failure, or the part's time limit, keeps the figures so far; the failure becomes a failed figure."""
+  args = _parse(description, argv)
+  figs: list[dict] = []
+  try:
+    produce(args.quick, figs, args.json)
+  except Exception as e:  # noqa: BLE001 - the figures measured so far are kept
+    figs.append(failed_figure(key, title, f"{type(e).__name__}: {e}"))
+  return emit_figures(figs, args.json)
 
 
 def emit_figures(figures: list[dict], json_path: str | None) -> list[dict]:
