@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -81,7 +82,7 @@ def tiny_params(seed: int):
 
 
 def export_tiny(params, out_dir: str) -> str:
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import tokenizer
   return hf_export.export_hf(params, model_config.ModelConfig(**TINY_MODEL), out_dir, tokenizer.build_tokenizer())
 
@@ -105,6 +106,43 @@ def start_embedded(model_dir: str, weights_root: str, cache_dir: str, log_dir: s
                                    weight_version=weight_version,
                                    extra_args=EMBEDDED_ARGS + ("--compilation-cache-dir", cache_dir))
   return server.start()
+
+
+_TINY_PARAMS: dict = {}  # version -> params, built once per test process
+
+
+def tiny_version(version: int):
+  """tiny_params(version), built once per test process (the publishers' tests serve versions 0, 1, 2, ...)."""
+  if version not in _TINY_PARAMS:
+    _TINY_PARAMS[version] = tiny_params(version)
+  return _TINY_PARAMS[version]
+
+
+@contextlib.contextmanager
+def embedded_cluster(base: str, n: int = 2):
+  """n embedded servers on version 0 of the tiny model, weights root `base`/weights; yields the publisher's
+  view of them (servers, root, init_dir, cache, logs) and stops them afterwards."""
+  init_dir = export_tiny(tiny_version(0), os.path.join(base, "init", "v0"))
+  root, logs = os.path.join(base, "weights"), os.path.join(base, "logs")
+  os.makedirs(root)
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
+  servers = [start_embedded(init_dir, root, cache, logs) for _ in range(n)]
+  try:
+    for s in servers:
+      s.wait_healthy(180)
+    yield {"servers": servers, "root": root, "init_dir": init_dir, "cache": cache, "logs": logs}
+  finally:
+    for s in servers:
+      s.stop()
+
+
+def assert_served_by(samples, version: int) -> None:
+  """Every token of every sample tagged `version`, its log-prob the learner's recompute under that version."""
+  import numpy as np
+  for s in samples:
+    assert list(s.token_versions) == [version] * len(s.output_ids)
+    ref = reference_logprobs(tiny_version(version), s.prompt_ids, s.output_ids)
+    np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
 
 
 class FakeServer:

@@ -15,30 +15,10 @@ from vcpo_jax.rollout.servers import launcher, weight_store
 
 pytestmark = pytest.mark.integration
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
-PARAMS = {}  # version -> params, built once
-
-
-def _params(version):
-  if version not in PARAMS:
-    PARAMS[version] = fake_sglang.tiny_params(version)
-  return PARAMS[version]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-  base = tmp_path_factory.mktemp("publisher")
-  init_dir = fake_sglang.export_tiny(_params(0), str(base / "init" / "v0"))
-  root = str(base / "weights")
-  os.makedirs(root)
-  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
-  servers = [fake_sglang.start_embedded(init_dir, root, cache, str(base / "logs")) for _ in range(2)]
-  try:
-    for s in servers:
-      s.wait_healthy(180)
-    yield {"servers": servers, "root": root, "init_dir": init_dir, "cache": cache, "logs": str(base / "logs")}
-  finally:
-    for s in servers:
-      s.stop()
+  with fake_sglang.embedded_cluster(str(tmp_path_factory.mktemp("publisher"))) as c:
+    yield c
 
 
 def test_export_version_replaces_atomically_and_validates(tmp_path):
@@ -63,13 +43,6 @@ async def _generate(client, prompt, max_new=12, **extra):
   return await client.generate(prompt, params, n=2)
 
 
-def _check_against_model(samples, version):
-  for s in samples:
-    assert list(s.token_versions) == [version] * len(s.output_ids)
-    ref = fake_sglang.reference_logprobs(_params(version), s.prompt_ids, s.output_ids)
-    np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
-
-
 def test_publish_updates_every_server_and_keeps_last_n(cluster):
   urls = [s.url for s in cluster["servers"]]
 
@@ -78,12 +51,12 @@ def test_publish_updates_every_server_and_keeps_last_n(cluster):
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client, keep_last=2)
       try:
         for version in (1, 2, 3):
-          assert await pub.publish(_params(version), version) == {u: True for u in urls}
+          assert await pub.publish(fake_sglang.tiny_version(version), version) == {u: True for u in urls}
           infos = [await client.request_json(u, "GET", "/get_model_info") for u in urls]
           assert [info["weight_version"] for _, info in infos] == [f"v{version}"] * 2
           assert sorted(os.listdir(cluster["root"])) == [f"v{v}" for v in range(max(1, version - 1), version + 1)]
         with pytest.raises(ValueError, match="version must be >= the last published 3"):
-          await pub.publish(_params(1), 1)
+          await pub.publish(fake_sglang.tiny_version(1), 1)
         groups = await asyncio.gather(*(_generate(client, [3, 4, 5 + i]) for i in range(4)))
       finally:
         await pub.close()
@@ -91,7 +64,7 @@ def test_publish_updates_every_server_and_keeps_last_n(cluster):
 
   groups, stats = asyncio.run(run())
   for samples in groups:
-    _check_against_model(samples, 3)  # the servers really run the params exported as v3
+    fake_sglang.assert_served_by(samples, 3)  # the servers really run the params exported as v3
   assert {s.server_url for g in groups for s in g} == set(urls)
 
 
@@ -111,7 +84,7 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
     # Freeze generation now (the export below takes longer than the whole generation would).
     await asyncio.gather(*(client.request_json(u, "POST", "/pause_generation", {"mode": "in_place"})
                            for u in urls))
-    await pub.publish(_params(version), version)
+    await pub.publish(fake_sglang.tiny_version(version), version)
     return await waits.wait_for(long, 300, "the long generation to finish after the update")
 
   async def run():
@@ -119,7 +92,7 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client, keep_last=2)
       tries = []
       try:
-        await pub.publish(_params(4), 4)
+        await pub.publish(fake_sglang.tiny_version(4), 4)
         delay = 0.02
         for version in (5, 6, 7):  # the pause must land mid-generation: adapt the delay if it missed
           samples = await attempt(client, pub, version, delay)
@@ -141,9 +114,9 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
   for s in samples:
     switch = int(np.sum(s.token_versions == version - 1))
     assert 0 < switch < 240 and s.num_resumes >= 1
-    old = fake_sglang.reference_logprobs(_params(version - 1), s.prompt_ids, s.output_ids[:switch])
+    old = fake_sglang.reference_logprobs(fake_sglang.tiny_version(version - 1), s.prompt_ids, s.output_ids[:switch])
     np.testing.assert_allclose(s.output_logprobs[:switch], old, atol=2e-4, rtol=0)
-    new = fake_sglang.reference_logprobs(_params(version), s.prompt_ids, s.output_ids)[switch:]
+    new = fake_sglang.reference_logprobs(fake_sglang.tiny_version(version), s.prompt_ids, s.output_ids)[switch:]
     np.testing.assert_allclose(s.output_logprobs[switch:], new, atol=2e-4, rtol=0)
   assert stats["aborted_resumed"] >= 2 and pub_stats["server_failures"] == 0
   assert stats["publish_published"] == len(tries) + 1 and len(pub_stats) and stats["publish_last_pause_s"] > 0
@@ -152,7 +125,7 @@ def test_update_during_generation_tags_every_token_with_the_weights_that_made_it
 def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path):
   """SGLang accepts an update with other shapes (success: true) and serves garbage: refuse it first."""
   import dataclasses
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model
   urls = [s.url for s in cluster["servers"]]
@@ -182,7 +155,7 @@ def test_update_with_other_shapes_is_refused_before_it_is_sent(cluster, tmp_path
 def _wide_export(intermediate_size=128):
   """An exporter of the tiny model with another MLP width (the shapes a served tiny model refuses)."""
   import dataclasses
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import tokenizer
   wide = dataclasses.replace(model_config.ModelConfig(**fake_sglang.TINY_MODEL), intermediate_size=intermediate_size)
 
@@ -208,7 +181,7 @@ def test_refused_republish_keeps_the_last_good_directory_and_resync_sends_it(clu
       pub = publisher_lib.WeightPublisher(lambda p, d: exporter["fn"](p, d), root, client, keep_last=2,
                                           resync_interval=3600)
       try:
-        assert await pub.publish(_params(10), 10) == {a.url: True, b.url: True}
+        assert await pub.publish(fake_sglang.tiny_version(10), 10) == {a.url: True, b.url: True}
         good = _files(os.path.join(root, "v10"))
         exporter["fn"] = _wide_export()
         with pytest.raises(publisher_lib.PublishError, match="intermediate_size=128.*has 64"):
@@ -225,7 +198,7 @@ def test_refused_republish_keeps_the_last_good_directory_and_resync_sends_it(clu
   assert after_refusal == good and not [n for n in leftovers if n.startswith(".")]
   assert back == [b.url] and stats["refused_shapes"] == 1
   for group in samples:
-    _check_against_model(group, 10)  # both servers, b included, run the good v10
+    fake_sglang.assert_served_by(group, 10)  # both servers, b included, run the good v10
   assert b.url in {s.server_url for g in samples for s in g}
   # Exported files are readable by a server running as another user.
   for name in good:
@@ -270,10 +243,10 @@ def test_failed_server_leaves_rotation_and_is_resynced(cluster):
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client, keep_last=2,
                                           timeout=30, resync_interval=0.3)
       try:
-        await pub.publish(_params(8), 8)
+        await pub.publish(fake_sglang.tiny_version(8), 8)
         os.kill(b.proc.pid, signal.SIGKILL)
         waits.wait_process(b.proc, 60, "the SIGKILLed server to exit")
-        assert await pub.publish(_params(9), 9) == {a.url: True, b.url: False}
+        assert await pub.publish(fake_sglang.tiny_version(9), 9) == {a.url: True, b.url: False}
         assert client.available_urls == [a.url] and b.url in pub.out_of_sync
         while_down = await asyncio.gather(*(_generate(client, [1, 2, i + 1]) for i in range(3)))
         # The same port comes back with its start-up weights (v0): it must not serve until re-synced.
@@ -292,7 +265,7 @@ def test_failed_server_leaves_rotation_and_is_resynced(cluster):
   while_down, after, info, stats, available = asyncio.run(run())
   assert all(s.server_url == a.url for g in while_down for s in g)
   for samples in while_down + after:
-    _check_against_model(samples, 9)
+    fake_sglang.assert_served_by(samples, 9)
   assert available == [a.url, b.url] and info["weight_version"] == "v9" and stats["resynced"] >= 1
   assert b.url in {s.server_url for g in after for s in g}
 
@@ -318,7 +291,7 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
         log_path=tmp_path / f"fake{i}.log"))
 
   def export(params, out_dir):
-    fake_sglang.export_tiny(_params(0), out_dir)
+    fake_sglang.export_tiny(fake_sglang.tiny_version(0), out_dir)
 
   async def run():
     async with client_lib.RolloutClient(urls, vocab_size=VOCAB, health_interval=0.2) as client:
@@ -376,7 +349,7 @@ def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
   against the job's starting weights, not adopted as the reference; a refused re-publish of v1 leaves
   root/v1 as it was, and the resync sends that good directory."""
   procs, urls = _fake_servers(tmp_path, 1)
-  reference = fake_sglang.export_tiny(_params(0), str(tmp_path / "start"))
+  reference = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp_path / "start"))
   exporter = {"fn": _wide_export()}
   root = tmp_path / "w"
 
@@ -389,7 +362,7 @@ def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
         with pytest.raises(publisher_lib.PublishError, match="intermediate_size=128.*has 64"):
           await pub.publish(None, 1)
         first = (_fake_stats(urls[0]), os.listdir(root))
-        exporter["fn"] = lambda p, d: fake_sglang.export_tiny(_params(1), d)
+        exporter["fn"] = lambda p, d: fake_sglang.export_tiny(fake_sglang.tiny_version(1), d)
         assert await pub.publish(None, 1) == {urls[0]: True}
         good = _files(root / "v1")
         exporter["fn"] = _wide_export(96)
@@ -416,7 +389,7 @@ def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
 def test_server_reporting_another_model_is_refused_at_start(tmp_path):
   """Fake server: what /get_model_info reports is cross-checked against the starting weights."""
   procs, urls = _fake_servers(tmp_path, 2, info={"vocab_size": 2 * VOCAB})
-  reference = fake_sglang.export_tiny(_params(0), str(tmp_path / "start"))
+  reference = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp_path / "start"))
 
   async def run():
     pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, str(tmp_path / "w"), urls, reference_dir=reference)
@@ -456,7 +429,7 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
       self.client = client_lib.RolloutClient(urls, vocab_size=VOCAB)
       await self.client.start()
       self.pub = publisher_lib.WeightPublisher(
-          lambda p, d: (_wide_export() if p == "wide" else fake_sglang.export_tiny)(_params(0), d),
+          lambda p, d: (_wide_export() if p == "wide" else fake_sglang.export_tiny)(fake_sglang.tiny_version(0), d),
           str(tmp_path / "w"), self.client)  # the reference: the first export (v1)
 
     async def next_groups(self, version):

@@ -3,7 +3,6 @@ killed mid-broadcast."""
 import asyncio
 import os
 
-import numpy as np
 import pytest
 
 from tests import fake_sglang
@@ -15,42 +14,16 @@ from vcpo_jax.rollout.servers import admin, publisher as publisher_lib, wire as 
 pytestmark = pytest.mark.integration
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
 CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
-PARAMS = {}
-
-
-def _params(version):
-  if version not in PARAMS:
-    PARAMS[version] = fake_sglang.tiny_params(version)
-  return PARAMS[version]
-
-
 @pytest.fixture()
 def cluster(tmp_path):
-  init_dir = fake_sglang.export_tiny(_params(0), str(tmp_path / "init" / "v0"))
-  root = str(tmp_path / "weights")
-  os.makedirs(root)
-  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
-  servers = [fake_sglang.start_embedded(init_dir, root, cache, str(tmp_path / "logs")) for _ in range(2)]
-  try:
-    for s in servers:
-      s.wait_healthy(180)
-    yield {"servers": servers, "root": root, "init_dir": init_dir, "cache": cache, "logs": str(tmp_path / "logs")}
-  finally:
-    for s in servers:
-      s.stop()
+  with fake_sglang.embedded_cluster(str(tmp_path)) as c:
+    yield c
 
 
 async def _served_logprobs(client, url_count):
   params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
   groups = await asyncio.gather(*(client.generate([5, 6, 7 + i], params, n=2) for i in range(2 * url_count)))
   return [s for g in groups for s in g]
-
-
-def _check(samples, version):
-  for s in samples:
-    assert list(s.token_versions) == [version] * len(s.output_ids)
-    ref = fake_sglang.reference_logprobs(_params(version), s.prompt_ids, s.output_ids)
-    np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
 
 
 def _sender(bucket_mb=0.01, cls=wire_lib.WireSender):
@@ -66,10 +39,10 @@ def test_two_servers_in_one_group_serve_the_wire_published_weights(cluster):
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client,
                                           reference_dir=cluster["init_dir"], wire=sender)
       try:
-        assert await pub.publish(_params(1), 1) == {u: True for u in urls}  # the first load: by disk
+        assert await pub.publish(fake_sglang.tiny_version(1), 1) == {u: True for u in urls}  # the first load: by disk
         assert pub.stats["wire_versions"] == 0 and sorted(os.listdir(cluster["root"])) == ["v1"]
         for version in (2, 3):
-          assert await pub.publish(_params(version), version) == {u: True for u in urls}
+          assert await pub.publish(fake_sglang.tiny_version(version), version) == {u: True for u in urls}
           infos = [await client.request_json(u, "GET", "/get_model_info") for u in urls]
           assert [info["weight_version"] for _, info in infos] == [f"v{version}"] * 2
         assert sorted(os.listdir(cluster["root"])) == ["v1"]  # no file for a wire version
@@ -80,7 +53,7 @@ def test_two_servers_in_one_group_serve_the_wire_published_weights(cluster):
       return samples
 
   samples = asyncio.run(run())
-  _check(samples, 3)  # float32 on the wire: the servers run exactly the learner's v3
+  fake_sglang.assert_served_by(samples, 3)  # float32 on the wire: the servers run exactly the learner's v3
   assert {s.server_url for s in samples} == set(cluster["servers"][i].url for i in range(2))
 
 
@@ -129,12 +102,12 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
       pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client,
                                           reference_dir=cluster["init_dir"], wire=sender, resync_interval=0.5)
       try:
-        await pub.publish(_params(1), 1)
-        assert await pub.publish(_params(2), 2) == {u: True for u in urls}
+        await pub.publish(fake_sglang.tiny_version(1), 1)
+        assert await pub.publish(fake_sglang.tiny_version(2), 2) == {u: True for u in urls}
         sender.victim = servers[1].proc
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        result = await pub.publish(_params(3), 3)
+        result = await pub.publish(fake_sglang.tiny_version(3), 3)
         took = loop.time() - t0
         assert result == {urls[0]: True, urls[1]: False}
         assert pub.stats["wire_failures"] == 1 and pub.stats["disk_resync_exports"] == 1
@@ -147,7 +120,7 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
         servers[1].start()
         servers[1].wait_healthy(180)
         await waits.async_wait_until(lambda: urls[1] not in pub.out_of_sync, 120, "the restarted server resynced")
-        assert await pub.publish(_params(4), 4) == {u: True for u in urls}
+        assert await pub.publish(fake_sglang.tiny_version(4), 4) == {u: True for u in urls}
         assert pub.stats["wire_groups"] == 2 and pub.stats["wire_versions"] == 2
         late = await _served_logprobs(client, 2)
       finally:
@@ -156,8 +129,8 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
 
   took, samples, late = asyncio.run(run())
   assert took < 60  # within the wire's deadline (20 s) plus the disk resync, not SGLang's 30 minutes
-  _check(samples, 3)
-  _check(late, 4)
+  fake_sglang.assert_served_by(samples, 3)
+  fake_sglang.assert_served_by(late, 4)
 
 
 def test_the_async_job_trains_with_publish_wire(tmp_path):
