@@ -47,6 +47,24 @@ def test_buckets_hold_the_exporters_tensors_byte_for_byte(tmp_path, dtype, scan)
       assert got[t.name].tobytes() == ref.tobytes(), t.name
 
 
+def test_a_bucket_packed_from_fsdp_sharded_params_reaches_one_device_whole():
+  """Params sharded over 8 devices make a sharded bucket; the broadcast needs all of its bytes on one device."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  params = jax.device_get(model.init_params(CFG, jax.random.PRNGKey(3)))
+  sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(
+      mesh, P("fsdp") if x.ndim and x.shape[0] % 8 == 0 else P())), params)
+  (bucket,) = wire_pack.plan_buckets(wire_pack.manifest(CFG, "bfloat16"), 1 << 30)
+  want = np.asarray(wire_pack.pack_fn(bucket)(params))
+  packed = wire_pack.pack_fn(bucket)(sharded)
+  assert not packed.sharding.is_fully_replicated  # the case: its first shard is 1/8 of the bucket
+  whole = wire_pack.one_device_copy(packed)
+  assert len(whole.sharding.device_set) == 1
+  np.testing.assert_array_equal(np.asarray(whole), want)
+  replicated = jax.device_put(want, NamedSharding(mesh, P()))
+  assert len(wire_pack.one_device_copy(replicated).sharding.device_set) == 1
+
+
 def _t(name, n, dtype):
   return wire_pack.WireTensor(name, (n,), dtype, (name,), None, False)
 

@@ -135,7 +135,7 @@ class WireSender:
       self._pack_fns[key] = (wire_pack.pack_layout_fn(bucket, hf_export.leaf_specs(layout.cfg)) if layout
                              else wire_pack.pack_fn(bucket))
     packed = self._pack_fns[key](layout.leaves if layout is not None else params)
-    packed = packed.addressable_shards[0].data if len(packed.sharding.device_set) > 1 else packed
+    packed = wire_pack.one_device_copy(packed)
     on_host = all(d.platform == "cpu" for d in packed.devices())
     if self.backend == "nccl" or on_host:  # DLPack hands the buffer to torch without a copy
       return self.torch.utils.dlpack.from_dlpack(packed)

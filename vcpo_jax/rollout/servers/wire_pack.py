@@ -92,9 +92,9 @@ def _leaf_bytes(leaf, t: WireTensor):
   return _as_bytes((x.T if t.transpose else x).astype(jnp.dtype(t.dtype)))
 
 
-def pack_fn(bucket: Sequence[WireTensor], out_sharding=None):
-  """A jitted (params -> uint8[bucket bytes]) for one bucket; replicated output by default on a mesh, so the
-  caller takes one device's copy (a sharded array cannot go through DLPack)."""
+def pack_fn(bucket: Sequence[WireTensor]):
+  """A jitted (params -> uint8[bucket bytes]) for one bucket; on a mesh its output may be sharded like the
+  params (one_device_copy gives the broadcast its whole buffer)."""
   bucket = tuple(bucket)
   bucket_offsets(bucket)
 
@@ -102,10 +102,10 @@ def pack_fn(bucket: Sequence[WireTensor], out_sharding=None):
     parts = [_leaf_bytes(hf.get_path(params, t.path), t) for t in bucket]
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-  return jax.jit(pack, out_shardings=out_sharding)
+  return jax.jit(pack)
 
 
-def pack_layout_fn(bucket: Sequence[WireTensor], specs: Sequence[tuple[tuple[str, ...], bool]], out_sharding=None):
+def pack_layout_fn(bucket: Sequence[WireTensor], specs: Sequence[tuple[tuple[str, ...], bool]]):
   """pack_fn for the export's HF layout (hf_export.HfLayout.leaves, in `specs` order): its leaves are already
   transposed and cast, so a bucket only slices layers and concatenates bytes."""
   bucket = tuple(bucket)
@@ -119,7 +119,16 @@ def pack_layout_fn(bucket: Sequence[WireTensor], specs: Sequence[tuple[tuple[str
       parts.append(_as_bytes((x[t.layer] if t.layer is not None else x).astype(jnp.dtype(t.dtype))))
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-  return jax.jit(pack, out_shardings=out_sharding)
+  return jax.jit(pack)
+
+
+def one_device_copy(packed_N: jax.Array) -> jax.Array:
+  """The whole packed bucket on one device: DLPack takes no multi-device array, and a bucket packed from
+  FSDP-sharded params comes out sharded too (its first shard would be a fraction of the bytes)."""
+  if len(packed_N.sharding.device_set) == 1:
+    return packed_N
+  first = packed_N.addressable_shards[0]
+  return first.data if packed_N.sharding.is_fully_replicated else jax.device_put(packed_N, first.device)
 
 
 def pack_named(bucket: Sequence[WireTensor], tensors: dict[str, np.ndarray]) -> np.ndarray:
