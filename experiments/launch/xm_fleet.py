@@ -21,6 +21,7 @@ import sys
 import time
 
 from experiments.launch import fleet as fleet_lib
+from experiments.launch.xm_launch import db_config  # XManager's SQLite inside the run's workdir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,17 +54,6 @@ def local_fleet(config: str, workdir: str, learners: int, servers: int, extra: l
       server_hosts=("127.0.0.1",) * servers, server_ports=tuple(ports[1:]), coordinator_port=ports[0],
       engine=engine, min_servers=min_servers, devices_per_process=devices,
       publish=fleet_lib.config_publish(config, extra), extra=tuple(extra))
-
-
-def db_config(workdir: str) -> str:
-  """XManager's SQLite metadata inside the run's workdir (WORKDIR/xm); returns the yaml's path."""
-  xm_dir = os.path.join(os.path.abspath(workdir), "xm")
-  os.makedirs(xm_dir, exist_ok=True)
-  path = os.path.join(xm_dir, "db.yaml")
-  with open(path, "w") as f:
-    f.write("sql_connector: sqlite\nsql_connection_settings:\n  backend: sqlite\n"
-            f"  db_name: {os.path.join(xm_dir, 'experiments.sqlite3')}\n")
-  return path
 
 
 def _jobs(xm, xm_local, exp, procs: list[fleet_lib.Process]):
