@@ -14,6 +14,9 @@ from vcpo_jax.model import transformer as M
 
 CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64, rope_theta=1e6)
+# Jitted: op by op, each op of an init or a forward is a compile of its own.
+init_params = jax.jit(M.init_params, static_argnums=0)
+token_logprobs = jax.jit(M.token_logprobs, static_argnums=1)
 
 
 def _cfg(**kw):
@@ -23,7 +26,7 @@ def _cfg(**kw):
 @pytest.mark.parametrize("tied,param_dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
 def test_round_trip_is_bit_identical(tmp_path, tied, param_dtype):
   cfg = _cfg(tie_word_embeddings=tied, param_dtype=param_dtype)
-  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  params = init_params(cfg, jax.random.PRNGKey(0))
   out = hf_export.export_hf(params, cfg, str(tmp_path / "ckpt"))
   params2, cfg2 = hf.import_hf(out)
   assert cfg2 == cfg
@@ -44,7 +47,7 @@ def test_transformers_logprobs_match(tmp_path, tied):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   cfg = _cfg(tie_word_embeddings=tied)
-  params = M.init_params(cfg, jax.random.PRNGKey(1))
+  params = init_params(cfg, jax.random.PRNGKey(1))
   # Larger weights than init so the test is sensitive to every block.
   params = jax.tree_util.tree_map(lambda x: x * 4.0, params)
   out = hf_export.export_hf(params, cfg, str(tmp_path / "ckpt"))
@@ -53,7 +56,7 @@ def test_transformers_logprobs_match(tmp_path, tied):
   with torch.no_grad():
     logits = ref(torch.tensor(toks)).logits.double()
   want = torch.log_softmax(logits, -1)[:, :-1].gather(-1, torch.tensor(toks[:, 1:, None]))[..., 0].numpy()
-  got = np.asarray(M.token_logprobs(params, cfg, jnp.asarray(toks), jnp.ones((3, 24), jnp.int32)))
+  got = np.asarray(token_logprobs(params, cfg, jnp.asarray(toks), jnp.ones((3, 24), jnp.int32)))
   np.testing.assert_allclose(got[:, 1:], want, atol=1e-4)
 
 
@@ -61,13 +64,13 @@ def test_tokenizer_files_are_exported(tmp_path):
   tokenizer = pytest.importorskip("vcpo_jax.model.tokenizer")
   tok = tokenizer.build_tokenizer()
   cfg = _cfg(vocab_size=max(64, tok.vocab_size))
-  out = hf_export.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"), tok)
+  out = hf_export.export_hf(init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"), tok)
   assert os.path.isfile(os.path.join(out, "tokenizer.json"))
   assert os.path.isfile(os.path.join(out, "tokenizer_config.json"))
 
 
 def _export(tmp_path, cfg=CFG):
-  return hf_export.export_hf(M.init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"))
+  return hf_export.export_hf(init_params(cfg, jax.random.PRNGKey(0)), cfg, str(tmp_path / "ckpt"))
 
 
 def test_import_rejects_other_architecture(tmp_path):
@@ -97,7 +100,7 @@ def test_import_names_missing_tensor_and_wrong_shape(tmp_path):
 
 def test_failed_export_leaves_nothing(tmp_path):
   cfg = CFG
-  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  params = init_params(cfg, jax.random.PRNGKey(0))
   bad = dict(params)
   del bad["norm"]
   with pytest.raises(KeyError):
