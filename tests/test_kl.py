@@ -18,8 +18,11 @@ from vcpo_jax.model import transformer as M
 from test_learner import CFG, GRAD_TOL, LR, _assert_tree_close, _batch
 
 
+_token_logprobs = jax.jit(M.token_logprobs, static_argnums=1)  # op by op, each op is a compile of its own
+
+
 def _logp(params, batch):
-  return np.asarray(M.token_logprobs(params, CFG, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.mask_BxT)),
+  return np.asarray(_token_logprobs(params, CFG, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.mask_BxT)),
                     np.float64)
 
 
@@ -55,7 +58,7 @@ def test_kl_step_uses_the_frozen_reference_inside_the_step():
   computed, m_computed = sgd_step(start(jax.tree.map(jnp.asarray, ref)), batch)
   given, m_given = sgd_step(start(None), batch.replace(ref_logp_BxT=_logp(ref, batch).astype(np.float32)))
   # A scalar reduction of B*T terms: u sqrt(B*T) ~ 6e-7 (u = 2^-24); 1e-5 leaves room for the log-probs' own
-  # rounding (the step's jitted forward vs this eager one), which k3 ~ log_r^2 / 2 doubles.
+  # rounding (the step's forward vs this one, compiled apart), which k3 ~ log_r^2 / 2 doubles.
   np.testing.assert_allclose(float(m_given["kl/mean"]), float(m_computed["kl/mean"]), rtol=1e-5)
   # The two differ only by the reference log-probs' float32 rounding (a relative u per token), which the
   # gradient sums over B*T tokens: GRAD_TOL of each leaf's scale (test_learner).
