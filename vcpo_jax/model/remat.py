@@ -42,6 +42,7 @@ def activation_bytes(cfg, policy: str, rows: int, seq_len: int) -> dict:
   """Per-device activation memory of a backward over `rows` x `seq_len` under `policy`: the layers' kept
   residuals (one layer's from 1 vs 2 layers, times the depth), the rest of the model's (embedding, head), and
   one layer's full residuals twice (recomputed forward and its cotangents: the backward's working set)."""
+  cfg = dataclasses.replace(cfg, remat_budget_gb=0.0)  # no shape depends on it: one cached trace for every budget
   one, two = (residual_bytes(dataclasses.replace(cfg, remat=policy), n, rows, seq_len) for n in (1, 2))
   per_layer = two - one
   working = 2 * (residual_bytes(dataclasses.replace(cfg, remat="none"), 2, rows, seq_len)
