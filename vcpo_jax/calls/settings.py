@@ -19,14 +19,22 @@ def one_of(*names: str, why: str = "") -> Rule:
   return Rule(lambda v: isinstance(v, str) and v in names, f"must be one of {listed}{why}")
 
 
+def is_int_at_least(low: int) -> Callable[[Any], bool]:
+  """An int (not a bool) >= low: the predicate of every int field's check (these sections' and the job's)."""
+  return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def is_number(ok: Callable[[float], bool]) -> Callable[[Any], bool]:
+  """A finite int or float (not a bool) that `ok` accepts: the predicate of every number field's check."""
+  return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v)
+
+
 def int_at_least(low: int, why: str = "") -> Rule:
-  return Rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low,
-              f"must be an int >= {low}{why}")
+  return Rule(is_int_at_least(low), f"must be an int >= {low}{why}")
 
 
 def number_above(low: float, why: str = "") -> Rule:
-  return Rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > low,
-              f"must be a number > {low:g}{why}")
+  return Rule(is_number(lambda v: v > low), f"must be a number > {low:g}{why}")
 
 
 def setting(default: Any, rule: Rule) -> Any:

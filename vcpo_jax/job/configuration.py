@@ -3,7 +3,6 @@ generated from the registries so every registered option is settable (and sweepa
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from typing import Any
@@ -13,6 +12,7 @@ import ml_collections
 from vcpo_jax import tasks
 from vcpo_jax.algo import losses
 from vcpo_jax.job.startup_errors import ConfigError
+from vcpo_jax.calls import settings
 from vcpo_jax.learner import config as learner_config_lib
 from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
@@ -174,12 +174,7 @@ def device_plan(config, environ=None) -> placement.DevicePlan:
 # ------------------------------------------------------------------------------------- validation
 # Scalar fields read after start-up (by the warm start, the rollout client, the RL loop): each is checked here
 # so that a bad value fails before any work. field -> (accepts, requirement); missing sections are skipped.
-def _int_at_least(low):
-  return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _number(ok):
-  return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v))
+_int_at_least, _number = settings.is_int_at_least, settings.is_number  # the typed sections' predicates
 
 
 _SCALAR_FIELDS = {
