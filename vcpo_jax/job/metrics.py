@@ -4,11 +4,29 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from typing import Mapping
 
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
+
+
+def _import_summary_writer():
+  """tensorboardX's SummaryWriter without torch: tensorboardX imports torch, when installed, only to accept torch
+  tensors, which we never log; that import was ~1.7 s of every job's and server's 3.8 s start-up (python -X
+  importtime -c 'import vcpo_jax.main'). A torch imported before (or after) is left as it is."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX imports
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
+SummaryWriter = _import_summary_writer()
 
 HIST_PREFIX = "hist/"
 # TensorBoard tags allow only these characters; others ('@' in eval/pass@k) become '_', here rather than in
