@@ -117,8 +117,8 @@ def base_env(ctx: Context, site: str | None) -> dict:
              BENCH_MODEL="tiny" if ctx.dry else "qwen2.5-0.5b", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
              TRANSFORMERS_OFFLINE="1")
   if ctx.dry:  # one device, as on the GPU machine (not the test suite's 8 fake CPU devices); other flags kept
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+    from vcpo_jax.parallel import placement
+    env["XLA_FLAGS"] = placement.xla_flags(env.get("XLA_FLAGS", ""))
   return env
 
 

@@ -135,3 +135,24 @@ def test_bad_server_cpus_fail_the_config_check():
   c.rollout.server_cpus = "one"
   with pytest.raises(ValueError, match="rollout.server_cpus='one'"):
     configuration.validate_config(c)
+
+
+# ------------------------------------------------------------------ XLA flags of the processes a job starts
+@pytest.mark.parametrize("flags,devices,expected", [
+    ("--xla_force_host_platform_device_count=8 --xla_gpu_enable_latency_hiding_scheduler=true", 0,
+     "--xla_gpu_enable_latency_hiding_scheduler=true"),
+    ("--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8", 4,
+     "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=4"),
+    ("", 0, ""),
+    ("", 2, "--xla_force_host_platform_device_count=2"),
+])
+def test_xla_flags_replace_only_the_fake_device_count(flags, devices, expected):
+  assert placement.xla_flags(flags, devices) == expected
+
+
+def test_a_server_keeps_the_users_xla_flags_but_not_the_fake_devices():
+  from vcpo_jax.rollout.servers import launcher
+  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_gpu_autotune_level=2", "HOME": "/h"}
+  env = launcher.server_environ(environ, {"CUDA_VISIBLE_DEVICES": "1", "HOME": None})
+  assert env == {"XLA_FLAGS": "--xla_gpu_autotune_level=2", P: "false", "CUDA_VISIBLE_DEVICES": "1"}
+  assert launcher.server_environ({}, {}) == {P: "false"}  # no XLA_FLAGS invented

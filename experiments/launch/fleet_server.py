@@ -19,6 +19,8 @@ import socket
 import sys
 import time
 
+from vcpo_jax.parallel import placement
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -63,7 +65,8 @@ def server_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # a learner's fake-device flag is not the server's
+  if "XLA_FLAGS" in env:  # a learner's fake-device flag is not the server's; the other flags are
+    env["XLA_FLAGS"] = placement.xla_flags(env["XLA_FLAGS"])
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # may share a GPU with a learner
   if args.engine == "sglang":
     env.update(HOST=args.host, WEIGHT_VERSION="v0")

@@ -15,6 +15,7 @@ from scipy import stats
 from experiments.launch import local as launch, workunit
 from experiments.stats import analysis, loader, report
 from experiments.launch.sweep import arm, chain, fixed, name_units, parse_arg, product, seeds, sweep, zipit
+from tests import xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEPS = os.path.join(REPO, "experiments", "studies", "claims", "sweeps")
@@ -280,8 +281,8 @@ def _launch(tmp_path, module, python=sys.executable, timeout=600, extra=()):
   sweep_file.write_text(TINY_SWEEP)
   cmd = [python, "-m", module, "--config=configs/tiny.py:emulate", f"--sweep={sweep_file}",
          f"--root={tmp_path / 'runs'}", "--parallel=2", *extra]
-  # Units run as a user's would: without the suite's 8 fake devices (conftest.py sets XLA_FLAGS).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # Units run as a user's would: without the suite's 8 fake devices (its compile flags kept: conftest.py).
+  env = dict(os.environ, XLA_FLAGS=xla_env.xla_flags())
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 
 # Per-process accelerator memory (read by JAX when its GPU client starts, so set before first device use).
 PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
+FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # CPU emulation of several devices
 MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 _PROC_GPUS = "/proc/driver/nvidia/gpus"
 
@@ -117,6 +118,13 @@ def apply_env(env: dict, updates: Mapping[str, str | None]) -> dict:
     else:
       env[key] = value
   return env
+
+
+def xla_flags(flags: str, fake_devices: int = 0) -> str:
+  """XLA_FLAGS `flags` for another process: its fake CPU device count replaced by `fake_devices` (0: none, the
+  process sees its real devices); every other flag (a user's GPU tuning, compile options) is kept."""
+  kept = [f for f in flags.split() if not f.startswith(FAKE_DEVICES_FLAG)]
+  return " ".join(kept + ([f"{FAKE_DEVICES_FLAG}={fake_devices}"] if fake_devices else []))
 
 
 def configure_learner(plan: DevicePlan) -> None:

@@ -73,6 +73,18 @@ def end_process_tree(proc: subprocess.Popen, grace_s: float = 5.0):
     proc.communicate(timeout=grace_s)
 
 
+def server_environ(environ: Mapping[str, str], updates: Mapping[str, str | None]) -> dict:
+  """A server's environment: the parent's, as one device (not the parent's fake CPU devices: tests, CPU
+  emulation; its other XLA flags kept), no up-front grab of a GPU, then the device plan's `updates`."""
+  env = dict(environ)
+  if "XLA_FLAGS" in env:
+    env["XLA_FLAGS"] = placement.xla_flags(env["XLA_FLAGS"])
+  # Without a device plan a server still never grabs most of a GPU up front: the process that started
+  # it (a learner, a test) may be using the same device. No effect on CPU.
+  env[placement.PREALLOCATE_VAR] = "false"
+  return placement.apply_env(env, updates)
+
+
 class ServerStartError(RuntimeError):
   """The server process exited or never became healthy; the message carries its output."""
 
@@ -96,13 +108,7 @@ class EmbeddedServer:
     self.proc: subprocess.Popen | None = None
 
   def start(self):
-    # JAX in the server must not grab the fake multi-device flag of the parent (tests) or all CPU threads.
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    # Without a device plan a server still never grabs most of a GPU up front: the process that started
-    # it (a learner, a test) may be using the same device. No effect on CPU.
-    env[placement.PREALLOCATE_VAR] = "false"
-    placement.apply_env(env, self.env_updates)
+    env = server_environ(os.environ, self.env_updates)
     with placement.thread_affinity(self.cpus):
       self._log = open(self.log_path, "w")
       self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
