@@ -11,8 +11,8 @@ import ml_collections
 
 from vcpo_jax import tasks
 from vcpo_jax.algo import losses
-from vcpo_jax.job.startup_errors import ConfigError
 from vcpo_jax.calls import settings
+from vcpo_jax.job.startup_errors import ConfigError
 from vcpo_jax.learner import config as learner_config_lib
 from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
