@@ -10,13 +10,10 @@ import safetensors.numpy
 
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf, hf_export
-from vcpo_jax.model import transformer as M
+from tests.model_jit import init_params, token_logprobs
 
 CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64, rope_theta=1e6)
-# Jitted: op by op, each op of an init or a forward is a compile of its own.
-init_params = jax.jit(M.init_params, static_argnums=0)
-token_logprobs = jax.jit(M.token_logprobs, static_argnums=1)
 
 
 def _cfg(**kw):

@@ -13,16 +13,13 @@ from vcpo_jax.learner import config as learner_config
 from vcpo_jax.learner import optimizer as O
 from vcpo_jax.learner import step as Lr
 from vcpo_jax.learner import train_state
-from vcpo_jax.model import transformer as M
+from tests import model_jit
 
 from test_learner import CFG, GRAD_TOL, LR, _assert_tree_close, _batch
 
 
-_token_logprobs = jax.jit(M.token_logprobs, static_argnums=1)  # op by op, each op is a compile of its own
-
-
 def _logp(params, batch):
-  return np.asarray(_token_logprobs(params, CFG, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.mask_BxT)),
+  return np.asarray(model_jit.token_logprobs(params, CFG, jnp.asarray(batch.tokens_BxT), jnp.asarray(batch.mask_BxT)),
                     np.float64)
 
 

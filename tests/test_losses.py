@@ -445,6 +445,7 @@ def test_dr_grpo_step_divides_by_generation_budget():
   from vcpo_jax.learner.batch import RLBatch
   from vcpo_jax.model import config as model_config
   from vcpo_jax.model import transformer as M
+  from tests import model_jit
 
   cfg = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                                  num_kv_heads=1, head_dim=8, max_seq_len=32)
@@ -460,8 +461,7 @@ def test_dr_grpo_step_divides_by_generation_budget():
                   lag_B=np.zeros(rows, np.float32), valid_B=np.ones(rows, np.float32))
   opt = optimizer_lib.build_optimizer(learning_rate=0.0, weight_decay=0.0, ess_scaling=False)
   params = jax.jit(functools.partial(M.init_params, cfg))(jax.random.PRNGKey(0))
-  logprobs = jax.jit(M.token_logprobs, static_argnums=1)  # op by op, each op is a compile of its own
-  logp_BxT = np.asarray(logprobs(params, cfg, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT)), np.float64)
+  logp_BxT = np.asarray(model_jit.token_logprobs(params, cfg, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT)), np.float64)
   # pg with reinforce advantages (A = R): loss = mean over non-empty rows of -R_i sum_t m_t logp_t / budget.
   seqs = [i for i in range(rows) if mask_BxT[i].sum() > 0]
   want = np.mean([-float(rewards_B[i]) * (logp_BxT[i] * mask_BxT[i]).sum() / budget for i in seqs])

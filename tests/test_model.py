@@ -6,16 +6,13 @@ import pytest
 
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
+# The model's functions run jitted, as the learner and the engine run them.
+from tests.model_jit import (decode, forward, hidden_states, init_params, prompt_logprobs_and_logits,
+                             token_logprobs, token_logprobs_and_entropy)
 
 CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64)
 
-# The model's functions run jitted, as the learner and the engine run them: op by op, each of a forward's hundreds
-# of ops is a compile of its own (measured: the KV-cache test 14.5 s op by op, 2.3 s jitted).
-init_params = jax.jit(M.init_params, static_argnums=0)
-forward, hidden_states, decode, token_logprobs, token_logprobs_and_entropy, prompt_logprobs_and_logits = (
-    jax.jit(f, static_argnums=1) for f in (M.forward, M.hidden_states, M.decode, M.token_logprobs,
-                                           M.token_logprobs_and_entropy, M.prompt_logprobs_and_logits))
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.model import transformer as model_lib
 from vcpo_jax.parallel import sharding
+from tests import model_jit
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -108,8 +109,7 @@ def test_our_logprobs_equal_transformers(tmp_path, tied):
   params, cfg = hf.import_hf(model_dir)
   assert cfg.tie_word_embeddings is tied and cfg.rope_theta == 1e6 and cfg.matmul_precision == "highest"
   tokens = _tokens(cfg.vocab_size)
-  token_logprobs = jax.jit(model_lib.token_logprobs, static_argnums=1)  # op by op: a compile per op
-  ours = token_logprobs(params, cfg, jnp.asarray(tokens), jnp.ones(tokens.shape, jnp.float32))
+  ours = model_jit.token_logprobs(params, cfg, jnp.asarray(tokens), jnp.ones(tokens.shape, jnp.float32))
   np.testing.assert_allclose(np.asarray(ours), hf_logprobs(model_dir, tokens), atol=1e-4)
 
 

@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+from vcpo_jax.parallel import placement
+
 ENGINES = ("embedded", "sglang")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "")
 
@@ -122,7 +124,7 @@ def server_args(fleet: Fleet, index: int) -> dict[str, str]:
 
 def learner_env(fleet: Fleet) -> dict[str, str]:
   d = fleet.devices_per_process
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={d}"} if d > 0 else {}
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": placement.xla_flags("", d)} if d > 0 else {}
 
 
 def flag_list(args: dict[str, str]) -> list[str]:

@@ -17,6 +17,8 @@ import sys
 
 from absl import app, flags
 
+from vcpo_jax.parallel import placement
+
 _CONFIG = flags.DEFINE_string("config", "configs/countdown.py", "config file[:variant]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run's workdir (shared by every process)")
 _NUM = flags.DEFINE_integer("num_processes", 2, "JAX processes (one job each)")
@@ -43,7 +45,7 @@ def process_args(config: str, workdir: str, num: int, process_id: int, port: int
 
 
 def process_env(devices: int) -> dict[str, str]:
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} \
+  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": placement.xla_flags("", devices)} \
       if devices > 0 else {}
 
 
