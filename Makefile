@@ -10,15 +10,20 @@ BENCH_ARGS ?=
 
 .PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
 
+# --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
+# wheel at install took half of the install (measured: requirements.txt 38 s -> 19 s, requirements-dev.txt 65 s
+# -> 32 s with a warm pip cache on 2 cores).
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 $(VENV)/.runtime: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+	$(PIP_INSTALL) -r requirements.txt
+	$(PIP_INSTALL) --no-deps -e .
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PIP_INSTALL) -r requirements-dev.txt
 	touch $@
 
 # On a CUDA 12 machine: `make install-gpu train`; adds the CUDA plugin (and CUDA wheels) to the pinned jax.
