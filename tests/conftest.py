@@ -15,13 +15,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles hundreds of small programs and runs each a few times, so on CPU LLVM's optimisation passes
 # are most of its time (measured, -n 0: tests/test_bounded_norms.py + tests/test_grad_path_job.py 289 s -> 121 s;
-# tests/test_model.py 126 s -> 97 s). XLA's MLIR fusion emitters cost more compile time than the elemental
-# emitters they replace (measured, -n 0, cold cache: a bounded-norms, grad-path and learner selection 78 -> 42
-# CPU s; a 4-step tiny emulated job 22 -> 16 CPU s). Off for the tests and the jobs they start; no fast-math
-# either way, and the benchmarks, which time programs, never run under them. VCPO_TEST_XLA_OPT=1 keeps XLA's
-# defaults.
-CPU_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                    "--xla_cpu_use_fusion_emitters=false")
+# tests/test_model.py 126 s -> 97 s). Off for the tests and the jobs they start; no fast-math either way, and
+# the benchmarks, which time programs, never run under them. VCPO_TEST_XLA_OPT=1 keeps XLA's defaults.
+CPU_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 if os.environ["JAX_PLATFORMS"] == "cpu" and os.environ.get("VCPO_TEST_XLA_OPT") != "1":
   _flags = os.environ["XLA_FLAGS"].split()
   os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in CPU_FAST_COMPILE if f.split("=")[0] not in
