@@ -60,7 +60,7 @@ def _reward_errors(n: int) -> list:
 def _server_restarts() -> list[str]:
   """Starts an embedded server on a tiny model, kills it (a crash), stops it, starts a new one, stops it."""
   import jax
-  from vcpo_jax.model import config as model_config, hf, hf_export, tokenizer, transformer
+  from vcpo_jax.model import config as model_config, hf_export, tokenizer, transformer
   from vcpo_jax.rollout.servers import launcher
   cfg = model_config.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                                  num_kv_heads=2, head_dim=8, max_seq_len=64)

@@ -169,7 +169,7 @@ def test_ctrl_c_stops_the_servers(tmp_path):
 def test_async_run_against_server_urls(tmp_path):
   """rollout.server_urls: the job starts no server, publishes its starting weights to the given one."""
   import jax
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
   from vcpo_jax.rollout.servers import launcher
@@ -287,7 +287,7 @@ def test_a_third_backend_drives_the_loop_and_its_rewards_are_used(tmp_path):
   backend's event-loop work goes on while the learner step runs (the async overlap)."""
   import jax
   from vcpo_jax.job import checkpointing, configuration
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf_export
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model_lib
   from vcpo_jax.rollout.rewards import Rewarder

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from experiments.launch import local as launch, workunit
-from experiments.studies.optimizer import pilot, sweep
+from experiments.studies.optimizer import pilot
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "experiments", "studies", "claims", "config.py") + ":trace"

@@ -33,7 +33,7 @@ def params_of(version: int):
 
 
 def export(params, out_dir):
-  from vcpo_jax.model import hf, hf_export  # noqa: PLC0415
+  from vcpo_jax.model import hf_export  # noqa: PLC0415
   from vcpo_jax.model import tokenizer
   hf_export.export_hf(params, _cfg(), out_dir, tokenizer.build_tokenizer())
 
@@ -116,7 +116,7 @@ def test_other_shapes_are_refused_before_sending(server, tmp_path):
 
   def export_wide(params, out_dir):
     import jax  # noqa: PLC0415
-    from vcpo_jax.model import hf, hf_export  # noqa: PLC0415
+    from vcpo_jax.model import hf_export  # noqa: PLC0415
     from vcpo_jax.model import tokenizer
     from vcpo_jax.model import transformer as model
     hf_export.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())
@@ -151,7 +151,7 @@ def test_refused_updates_never_touch_the_last_good_weights(server, tmp_path):
 
   def export_wide(params, out_dir):
     import jax  # noqa: PLC0415
-    from vcpo_jax.model import hf, hf_export  # noqa: PLC0415
+    from vcpo_jax.model import hf_export  # noqa: PLC0415
     from vcpo_jax.model import tokenizer  # noqa: PLC0415
     from vcpo_jax.model import transformer as model  # noqa: PLC0415
     hf_export.export_hf(model.init_params(wide, jax.random.PRNGKey(0)), wide, out_dir, tokenizer.build_tokenizer())

@@ -64,7 +64,7 @@ class MarkerEnv:
 
 
 def test_episode_turns_on_a_real_server(tools_server):
-  from vcpo_jax.model import hf, hf_export
+  from vcpo_jax.model import hf
   from vcpo_jax.model import tokenizer
   from vcpo_jax.model import transformer as model
   from vcpo_jax.model.tokenizer import completion_text

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from experiments.launch import workunit
-from experiments.stats import analysis, loader, report
+from experiments.stats import analysis, loader
 
 STEADY_SHARE = 0.999  # a step is steady when this share of its samples is at lag k
 DIP = 0.2
