@@ -11,8 +11,8 @@ BENCH_ARGS ?=
 .PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
 
 # --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
-# wheel at install took half of the install (measured: requirements.txt 38 s -> 19 s, requirements-dev.txt 65 s
-# -> 32 s with a warm pip cache on 2 cores).
+# wheel at install took half of the install (`pip install -q [--no-compile] -r requirements.txt`, then
+# requirements-dev.txt, in fresh venvs with a warm pip cache on 2 cores: 38 s -> 19 s and 65 s -> 32 s).
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 
 $(VENV)/.runtime: requirements.txt pyproject.toml
