@@ -28,7 +28,7 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 
 # On a CUDA 12 machine: `make install-gpu train`; adds the CUDA plugin (and CUDA wheels) to the pinned jax.
 install-gpu: $(VENV)/.runtime requirements-gpu.txt
-	$(PY) -m pip install -q -r requirements-gpu.txt
+	$(PIP_INSTALL) -r requirements-gpu.txt
 
 train: $(VENV)/.runtime
 	$(PY) -m vcpo_jax.main --config=configs/countdown.py --workdir=$(WORKDIR)
@@ -88,7 +88,7 @@ gpu-check-dry: $(VENV)/.dev
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.
 QUICK_ROOT ?= workdir/quick
 $(VENV)/.report: $(VENV)/.runtime pyproject.toml
-	$(PY) -m pip install -q -e '.[report]'
+	$(PIP_INSTALL) -e '.[report]'
 	touch $@
 
 reproduce-quick: $(VENV)/.report

@@ -437,14 +437,12 @@ def test_dr_grpo_step_divides_by_generation_budget():
   """Dr.GRPO's normalizer is a constant: the learner step's 'seq-mean-token-sum-norm' loss is each response's
   token sum / rl.max_new_tokens (the generation budget, via LearnerConfig.generation_budget), never the
   batch's longest response; whole batch and micro-batch chunks alike, against float64 numpy."""
-  import functools
   from vcpo_jax.learner import config as learner_config
   from vcpo_jax.learner import optimizer as optimizer_lib
   from vcpo_jax.learner import step as step_lib
   from vcpo_jax.learner import train_state
   from vcpo_jax.learner.batch import RLBatch
   from vcpo_jax.model import config as model_config
-  from vcpo_jax.model import transformer as M
   from tests import model_jit
 
   cfg = model_config.ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
@@ -460,8 +458,9 @@ def test_dr_grpo_step_divides_by_generation_budget():
                   rewards_B=rewards_B, group_B=np.repeat(np.arange(rows // 4), 4).astype(np.int32),
                   lag_B=np.zeros(rows, np.float32), valid_B=np.ones(rows, np.float32))
   opt = optimizer_lib.build_optimizer(learning_rate=0.0, weight_decay=0.0, ess_scaling=False)
-  params = jax.jit(functools.partial(M.init_params, cfg))(jax.random.PRNGKey(0))
-  logp_BxT = np.asarray(model_jit.token_logprobs(params, cfg, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT)), np.float64)
+  params = model_jit.init_params(cfg, jax.random.PRNGKey(0))
+  logp_BxT = np.asarray(model_jit.token_logprobs(params, cfg, jnp.asarray(tokens_BxT), jnp.asarray(mask_BxT)),
+                        np.float64)
   # pg with reinforce advantages (A = R): loss = mean over non-empty rows of -R_i sum_t m_t logp_t / budget.
   seqs = [i for i in range(rows) if mask_BxT[i].sum() > 0]
   want = np.mean([-float(rewards_B[i]) * (logp_BxT[i] * mask_BxT[i]).sum() / budget for i in seqs])
