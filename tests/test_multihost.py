@@ -1,8 +1,8 @@
 """Multi-host on localhost: two processes with jax.distributed, 4 CPU devices each, one global mesh.
 
-The forward check is quick; the job checks (marked slow) run the tiny job as 2 processes x 4 devices: emulate
-mode equals 1 process x 8 devices (metrics and final params), async mode with one embedded server, SIGKILL of
-both + restart keeps the data order, and killing one process ends the other with a clear error.
+The forward check is quick; the job checks (marked slow) run the tiny job as 2 processes x 4 devices: killing
+one process ends the other with a clear error, and the pair restarted from its checkpoint keeps the data order
+and equals 1 process x 8 devices (metrics and final params); async mode with one embedded server.
 """
 import json
 import os
@@ -171,9 +171,35 @@ def _workdir_with_base(tmp_path, reference, name):
 @pytest.mark.slow
 @pytest.mark.integration
 @CPU_ONLY
-def test_two_processes_emulate_equal_one_process(tmp_path, reference):
+def test_one_killed_process_ends_the_other_and_the_resumed_pair_equals_one_process(tmp_path, reference):
+  """2 processes x 4 devices, emulate mode. SIGKILL of one process mid-run ends the other with a clear error;
+  the pair restarted from the last checkpoint keeps the data order and ends with the metrics and final params
+  of 1 process x 8 devices (steps before the kill from the first run, the rest from the resumed one)."""
   workdir = _workdir_with_base(tmp_path, reference, "two")
+  procs = _launch(workdir, port=free_port())
+  ckpt = os.path.join(workdir, "checkpoints")
+
+  def first_checkpoint():
+    assert all(p.poll() is None for p in procs), "a process ended before its first checkpoint"
+    return os.path.isdir(ckpt) and "1" in os.listdir(ckpt)
+
+  # Freeze process 1 (SIGSTOP) as soon as step 1 is committed, so the pair cannot run to the end before the kill.
+  try:
+    waits.wait_until(first_checkpoint, 300, "the first checkpoint", interval_s=0.005)
+  finally:
+    procs[1].send_signal(signal.SIGSTOP)
+    procs[1].send_signal(signal.SIGKILL)
+  waits.wait_process(procs[1], 60, "the SIGKILLed process to exit")
+  t0 = time.time()
+  assert procs[0].wait(timeout=120) != 0
+  assert time.time() - t0 < 60  # heartbeat_timeout_s=10
+  log = _log(workdir, 0)
+  assert ("The following tasks are unhealthy (stopped sending heartbeats)" in log
+          or "ProcessGroupError" in log), log[-4000:]
+  assert max(r["step"] for r in _lines(workdir, "consumed.jsonl")) < 4, "the run ended before the kill"
+
   _run(workdir)
+  assert "resumed from checkpoint at step" in _log(workdir, 0)
   assert [r["indices"] for r in _lines(workdir, "consumed.jsonl")] == \
       [r["indices"] for r in _lines(reference, "consumed.jsonl")]
   got, want = _lines(workdir, "metrics.jsonl"), _lines(reference, "metrics.jsonl")
@@ -197,44 +223,3 @@ def test_two_processes_async_with_one_embedded_server(tmp_path, reference):
   with open(os.path.join(workdir, "result.json")) as f:
     assert json.load(f)["steps"] == 4
   assert os.path.isdir(os.path.join(workdir, "weights", "v4"))  # exported by gathering across processes
-
-
-def _wait_for(path, procs, timeout=300):
-  def appeared():
-    assert all(p.poll() is None for p in procs), f"a process ended before {path} appeared"
-    return os.path.exists(path)
-  waits.wait_until(appeared, timeout, f"{path} to appear", interval_s=0.2)
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-@CPU_ONLY
-def test_sigkill_both_then_restart_keeps_the_data_order(tmp_path, reference):
-  workdir = _workdir_with_base(tmp_path, reference, "killed")
-  procs = _launch(workdir, port=free_port())
-  _wait_for(os.path.join(workdir, "checkpoints", "2"), procs)
-  for p in procs:
-    p.send_signal(signal.SIGKILL)
-  for p in procs:
-    waits.wait_process(p, 60, "a SIGKILLed process to exit")
-  _run(workdir)
-  assert "resumed from checkpoint at step" in _log(workdir, 0)
-  assert [r["indices"] for r in _lines(workdir, "consumed.jsonl")] == \
-      [r["indices"] for r in _lines(reference, "consumed.jsonl")]
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-@CPU_ONLY
-def test_killing_one_process_ends_the_other_with_a_clear_error(tmp_path, reference):
-  workdir = _workdir_with_base(tmp_path, reference, "one_dies")
-  procs = _launch(workdir, port=free_port(), extra=["--config.rl.steps=100"])
-  _wait_for(os.path.join(workdir, "checkpoints", "1"), procs)
-  procs[1].send_signal(signal.SIGKILL)
-  t0 = time.time()
-  code = procs[0].wait(timeout=120)
-  assert code != 0
-  assert time.time() - t0 < 60  # heartbeat_timeout_s=10
-  log = _log(workdir, 0)
-  assert ("The following tasks are unhealthy (stopped sending heartbeats)" in log
-          or "ProcessGroupError" in log), log[-4000:]
