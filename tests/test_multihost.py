@@ -186,6 +186,9 @@ def test_one_killed_process_ends_the_other_and_the_resumed_pair_equals_one_proce
   # Freeze process 1 (SIGSTOP) as soon as step 1 is committed, so the pair cannot run to the end before the kill.
   try:
     waits.wait_until(first_checkpoint, 300, "the first checkpoint", interval_s=0.005)
+  except BaseException:
+    procs[0].kill()  # nothing left behind by a failed wait
+    raise
   finally:
     procs[1].send_signal(signal.SIGSTOP)
     procs[1].send_signal(signal.SIGKILL)
