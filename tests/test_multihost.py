@@ -188,13 +188,15 @@ def test_one_killed_process_ends_the_other_and_the_resumed_pair_equals_one_proce
     waits.wait_until(first_checkpoint, 300, "the first checkpoint", interval_s=0.005)
   except BaseException:
     procs[0].kill()  # nothing left behind by a failed wait
+    waits.wait_process(procs[0], 60, "the killed process to exit")
     raise
   finally:
     procs[1].send_signal(signal.SIGSTOP)
     procs[1].send_signal(signal.SIGKILL)
   waits.wait_process(procs[1], 60, "the SIGKILLed process to exit")
   t0 = time.time()
-  assert procs[0].wait(timeout=120) != 0
+  code = waits.wait_process(procs[0], 120, "the other process to end on the heartbeat error")
+  assert code != 0
   assert time.time() - t0 < 60  # heartbeat_timeout_s=10
   log = _log(workdir, 0)
   assert ("The following tasks are unhealthy (stopped sending heartbeats)" in log
