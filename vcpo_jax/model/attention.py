@@ -6,6 +6,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.parallel import target
+
 # Shape letters: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, E head dim.
 # model.attention picks one: "auto" = cuDNN flash attention where supported (GPU, bf16/fp16, head dim a
 # multiple of 8 <= 128, even lengths), else jax.nn.dot_product_attention with implementation=None (XLA
@@ -31,8 +33,9 @@ def einsum_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, precision, dty
 
 def cudnn_unsupported(q_BxTxHxE, k_BxSxKxE) -> str | None:
   """Why cuDNN flash attention cannot run these inputs here (None when it can)."""
-  if jax.default_backend() != "gpu":
-    return f"backend is {jax.default_backend()!r}, not gpu"
+  platform = target.current().platform
+  if platform != "gpu":
+    return f"target platform is {platform!r}, not gpu"
   if q_BxTxHxE.dtype not in (jnp.bfloat16, jnp.float16):
     return f"compute dtype {q_BxTxHxE.dtype} (cuDNN needs bfloat16 or float16)"
   E = q_BxTxHxE.shape[-1]

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from vcpo_jax.model import transformer as M
+from vcpo_jax.parallel import target
 
 # Least recomputation first (and most memory): none keeps every intermediate; dots keeps every dot's output;
 # dots_no_batch only the weight matmuls' (attention's batched dots are recomputed); full keeps each layer's
@@ -75,14 +76,10 @@ def budget_gb(cfg) -> tuple[float, str]:
   """(GB per device, where it comes from): model.remat_budget_gb, else the device's memory limit."""
   if cfg.remat_budget_gb:
     return float(cfg.remat_budget_gb), "model.remat_budget_gb"
-  stats = None
-  try:
-    stats = jax.local_devices()[0].memory_stats()
-  except Exception:  # noqa: BLE001 - a backend without memory stats (CPU) raises or returns None
-    pass
-  if stats and stats.get("bytes_limit"):
-    return stats["bytes_limit"] / 1e9, f"{jax.local_devices()[0].device_kind}'s bytes_limit"
-  return DEFAULT_DEVICE_GB, f"default (backend {jax.default_backend()!r} reports no memory limit)"
+  t = target.current()
+  if t.memory_bytes:
+    return t.memory_bytes / 1e9, t.memory_source
+  return DEFAULT_DEVICE_GB, f"default ({t.memory_source})"
 
 
 def estimate_gb(cfg, policy: str, rows: int, seq_len: int, state_bytes: float) -> float:
