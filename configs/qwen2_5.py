@@ -24,7 +24,7 @@ SHAPES = {
 
 # The device each size is documented to fit at its own rows (rl.max_new_tokens + the prompt, one group of 8 rows
 # per learner micro-batch): (GPUs, GB each). At the paper's long-response rows (8 rows of 8,192 tokens) every
-# size is documented on LONG_ROWS_DEVICES, fsdp over all of them. tests/test_remat_auto.py checks both with XLA's
+# size is documented on LONG_ROWS_DEVICES, fsdp over all of them. tests/test_remat_auto.py checks them with XLA's
 # memory analysis of the compiled step.
 DEVICES = {"0.5b": (1, 80.0), "1.5b": (1, 80.0), "7b": (8, 80.0)}
 LONG_ROWS_DEVICES = (8, 80.0)

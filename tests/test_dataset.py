@@ -300,33 +300,6 @@ def test_no_files_and_config_errors_name_the_config_field(word_problems):
     configuration.validate_config(config)
 
 
-# ------------------------------------------------------------------------------------------- the job
-@pytest.mark.integration
-@pytest.mark.slow
-def test_demo_config_runs_end_to_end(tmp_path):
-  env = dict(os.environ, VCPO_PROGRESS="0", VCPO_WORD_PROBLEMS=str(tmp_path / "data"))
-  env["XLA_FLAGS"] = xla_env.xla_flags()
-  tiny = ["--config.rl.steps=2", "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.task.eval_size=4",
-          "--config.task.eval_samples=2", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
-          "--config.rl.mode=emulate", "--config.model.num_layers=1", "--config.model.hidden_size=32",
-          "--config.model.intermediate_size=64", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
-          "--config.model.head_dim=16", "--config.algo.micro_batch_size=0"]
-  workdir = tmp_path / "run"
-  out = subprocess.run([sys.executable, "-m", "vcpo_jax.main", "--config=configs/dataset.py:demo_jsonl",
-                        f"--workdir={workdir}", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert sorted(os.listdir(tmp_path / "data")) == ["test.jsonl", "test.parquet", "train.jsonl", "train.parquet"]
-  result = json.loads((workdir / "result.json").read_text())
-  keys = {"eval/greedy_accuracy", "eval/sampled_accuracy", "eval/greedy/pass@1", "eval/avg@2", "eval/pass@1",
-          "eval/pass@2", "eval/word_problems/avg@2", "eval/word_problems/pass@2",
-          "eval/word_problems/greedy/pass@1"}
-  assert keys <= set(result["base"]) and keys <= set(result["final"])
-  last = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][-1]
-  assert keys <= set(last)
-  assert "skipped" in out.stderr
-
-
 # ------------------------------------------------------------------------------------- an environment
 USER_ENV = '''
 from vcpo_jax.tasks.environments import base
@@ -451,13 +424,15 @@ def test_an_episode_on_your_rows_calls_the_sandboxed_python_tool(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_the_job_runs_your_files_with_the_python_tool_from_one_flag(tmp_path):
-  """`--config.task.options.dataset.environment=python`: the job's episodes are multi-turn with the sandboxed
-  tool (its tools/ metrics are logged), no code written."""
+def test_the_demo_job_runs_end_to_end_on_your_files_with_the_python_tool_from_one_flag(tmp_path):
+  """`configs/dataset.py:demo_jsonl` end to end (the demo's files written, warm start, RL, the evaluations'
+  pass@k keys in result.json and metrics.jsonl) with `--config.task.options.dataset.environment=python`: the
+  episodes are multi-turn with the sandboxed tool (its tools/ metrics are logged), no code written. One job
+  checks both (the demo alone and the tool alone each started one before)."""
   env = dict(os.environ, VCPO_PROGRESS="0", VCPO_WORD_PROBLEMS=str(tmp_path / "data"))
   env["XLA_FLAGS"] = xla_env.xla_flags()
-  tiny = ["--config.rl.steps=2", "--config.sft.steps=0", "--config.task.eval_size=2",
-          "--config.task.eval_samples=1", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
+  tiny = ["--config.rl.steps=2", "--config.sft.steps=2", "--config.sft.batch_size=4", "--config.task.eval_size=4",
+          "--config.task.eval_samples=2", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
           "--config.rl.mode=emulate", "--config.model.num_layers=1", "--config.model.hidden_size=32",
           "--config.model.intermediate_size=64", "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
           "--config.model.head_dim=16", "--config.algo.micro_batch_size=0", "--config.model.max_seq_len=320",
@@ -467,8 +442,16 @@ def test_the_job_runs_your_files_with_the_python_tool_from_one_flag(tmp_path):
                         f"--workdir={workdir}", *tiny], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path / "data")) == ["test.jsonl", "test.parquet", "train.jsonl", "train.parquet"]
+  result = json.loads((workdir / "result.json").read_text())
+  keys = {"eval/greedy_accuracy", "eval/sampled_accuracy", "eval/greedy/pass@1", "eval/avg@2", "eval/pass@1",
+          "eval/pass@2", "eval/word_problems/avg@2", "eval/word_problems/pass@2",
+          "eval/word_problems/greedy/pass@1"}
+  assert keys <= set(result["base"]) and keys <= set(result["final"])
   last = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][-1]
+  assert keys <= set(last)
   assert {"tools/turns_per_episode", "tools/calls_per_episode", "tools/turn_capped_fraction"} <= set(last)
+  assert "skipped" in out.stderr  # the rows longer than the context are counted and logged
 
 
 def test_the_job_reads_your_files_once(tmp_path, monkeypatch):

@@ -62,9 +62,11 @@ def _case(size: str, seq_len: int | None):
   return cfg, lc, configuration.build_optimizer(job), mesh, job.algo.micro_batch_size
 
 
-# (size, tokens per row, rows of one micro-batch): the config's own rows (prompt + rl.max_new_tokens) and the
-# paper's long-response regime (8 rows of 8,192 tokens, one group per micro-batch).
-CASES = [(size, t) for size in ("0.5b", "1.5b", "7b") for t in (None, 8192)]
+# (size, tokens per row): the config's own rows (prompt + rl.max_new_tokens) or the paper's long-response regime
+# (8 rows of 8,192 tokens, one group per micro-batch). Every pair is documented; the suite compiles one per size,
+# both regimes and both device counts among them (`python tests/test_remat_auto.py` prints all six, every policy).
+ALL_CASES = [(size, t) for size in ("0.5b", "1.5b", "7b") for t in (None, 8192)]
+CASES = [("0.5b", 8192), ("1.5b", None), ("7b", None)]
 
 
 @pytest.mark.slow
@@ -124,7 +126,7 @@ def test_remat_budget_is_validated():
 
 if __name__ == "__main__":  # the figures: python tests/test_remat_auto.py [size ...] (every policy, then auto)
   logging.basicConfig(level=logging.INFO)
-  for size, t in CASES:
+  for size, t in ALL_CASES:
     if len(sys.argv) > 1 and size not in sys.argv[1:]:
       continue
     cfg, lc, opt, mesh, rows = _case(size, t)

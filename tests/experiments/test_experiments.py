@@ -298,15 +298,21 @@ def _check_finished(root):
   assert len(sft_logs) == 1
 
 
+HAVE_XMANAGER = importlib.util.find_spec("xmanager") is not None
+
+
 @pytest.mark.slow
-def test_local_launcher_runs_two_tiny_units_then_skips_them(tmp_path):
+def test_local_launcher_runs_two_tiny_units_skips_them_and_xmanager_extends_them(tmp_path):
+  """The local launcher runs two tiny units, a relaunch skips them, and more steps (nothing else changed) extend
+  both from their last checkpoint through the XManager launcher (the same plan; the local one where XManager
+  is not installed): one extension run checks both launchers' extend path and XManager's packaging."""
   first = _launch(tmp_path, "experiments.launch")
   assert first.returncode == 0, first.stdout + first.stderr
   _check_finished(tmp_path / "runs")
   again = _launch(tmp_path, "experiments.launch", timeout=120)
   assert again.returncode == 0 and "2 done, 0 to run" in again.stdout, again.stdout + again.stderr
-  # More steps, nothing else changed: both units resume from their last checkpoint and run on to step 3.
-  longer = _launch(tmp_path, "experiments.launch", extra=["--", "--config.rl.steps=3"])
+  extender = "experiments.launch.xm_launch" if HAVE_XMANAGER else "experiments.launch"
+  longer = _launch(tmp_path, extender, extra=["--", "--config.rl.steps=3"])
   assert longer.returncode == 0 and "(0 resume, 2 extend)" in longer.stdout, longer.stdout + longer.stderr
   for name in ("seq_tis-k1", "vcpo-k1"):
     unit = tmp_path / "runs" / name
@@ -314,16 +320,8 @@ def test_local_launcher_runs_two_tiny_units_then_skips_them(tmp_path):
     assert json.load(open(unit / "result_2.json"))["steps"] == 2
     steps = [json.loads(line)["step"] for line in open(unit / "metrics.jsonl") if line.strip()]
     assert 3 in steps and "resumed from checkpoint at step 2" in open(unit / workunit.LOG).read()
+  if HAVE_XMANAGER:
+    assert "XManager experiment" in longer.stdout
+    assert os.path.getsize(tmp_path / "runs" / "xm" / "experiments.sqlite3") > 0  # metadata inside the run root
   other = _launch(tmp_path, "experiments.launch", timeout=120, extra=["--", "--config.optim.learning_rate=0.5"])
   assert other.returncode == 2 and "hold runs of a different config" in other.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("xmanager") is None,
-                    reason="xmanager not installed (optional extra: pip install -e .[xmanager])")
-def test_xmanager_launcher_runs_two_tiny_units(tmp_path):
-  result = _launch(tmp_path, "experiments.launch.xm_launch")
-  assert result.returncode == 0, result.stdout + result.stderr
-  _check_finished(tmp_path / "runs")
-  assert "XManager experiment" in result.stdout
-  assert os.path.getsize(tmp_path / "runs" / "xm" / "experiments.sqlite3") > 0  # metadata inside the run root
