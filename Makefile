@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
+.PHONY: train test test-extra test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
 
 # --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
 # wheel at install took half of the install (`pip install -q [--no-compile] -r requirements.txt`, then
@@ -35,6 +35,11 @@ train: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
+
+# The extra tier: tests marked `extra` (the dry GPU check end to end; ~2 min), which `make test` skips and CI runs
+# after it (.ci/run).
+test-extra: $(VENV)/.dev
+	VCPO_TEST_EXTRA=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m extra $(PYTEST_ARGS) tests
 
 # The unit tier: no job processes, no servers (tests marked slow or integration are left out; conftest.py
 # fails a unit test that starts a process or a server).

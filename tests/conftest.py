@@ -49,7 +49,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# Tests marked `extra` (the dry GPU check, the TPU compile check) run under `make test-extra`, which sets
+# VCPO_TEST_EXTRA=1 and which CI runs after `make test`; `make test` skips them, naming the target.
+EXTRA_TIER = os.environ.get("VCPO_TEST_EXTRA") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
+  if not EXTRA_TIER:
+    for item in items:
+      if item.get_closest_marker("extra") is not None:
+        item.add_marker(pytest.mark.skip(reason="run by `make test-extra` (CI runs it after make test)"))
   backend = jax.default_backend()
   if backend == "cpu":
     return
@@ -58,6 +67,25 @@ def pytest_collection_modifyitems(config, items):
     if marker is not None:
       why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "needs the CPU backend")
       item.add_marker(pytest.mark.skip(reason=f"cpu_only on {backend}: {why}"))
+
+
+def _is_controller(config) -> bool:
+  return not hasattr(config, "workerinput")  # an xdist worker has workerinput; the controller or -n 0 has not
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist starts its workers
+def pytest_sessionstart(session):
+  if _is_controller(session.config):
+    from calibration import loop_seconds  # noqa: PLC0415
+    session.config._calibration_start = loop_seconds()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  """The host's speed at the suite's start and end: a suite timing is read against it (README)."""
+  if _is_controller(config) and hasattr(config, "_calibration_start"):
+    from calibration import ITERATIONS, loop_seconds  # noqa: PLC0415
+    terminalreporter.write_line(f"calibration: {config._calibration_start:.2f} s at the start, {loop_seconds():.2f} s "
+                                f"at the end ({ITERATIONS:,}-iteration Python loop, tests/calibration.py)")
 
 
 def skip_if_not_enough_devices(n: int):

@@ -129,6 +129,7 @@ def test_a_part_past_its_limit_is_stopped_with_its_children(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.extra  # ~100 CPU-s: `make test-extra`, which CI runs after `make test`
 @pytest.mark.timeout(1800)
 def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   out = tmp_path / "out"
