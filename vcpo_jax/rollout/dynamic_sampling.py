@@ -18,10 +18,12 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from vcpo_jax.calls.settings import Rule, int_at_least, is_number, read_section, setting
+from vcpo_jax.rollout import types
 
 SECTION = "rl.dynamic_sampling"
 DEFAULT_TOLERANCE = 1e-6  # slime's: a float64 std above it is a spread
-CAP_PER_BATCH_GROUP = 10  # max_drops_per_step 0: this many drops per group of the step's batch
+CAP_PER_BATCH_GROUP = 10
+PASS = 0.5  # a dropped group's common outcome at or above this is counted all-pass, else all-fail  # max_drops_per_step 0: this many drops per group of the step's batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +47,11 @@ class DropCapExceeded(RuntimeError):
 
 def verdict(outcomes_N: Sequence[float], tolerance: float) -> str:
   """'keep' when the outcomes spread (float64 population std > tolerance), else 'all_pass' (their common value is
-  > 0) or 'all_fail'."""
+  >= PASS, a pass for the built-in verifiers' 1 / 0) or 'all_fail'."""
   o_N = np.asarray(list(outcomes_N), np.float64)
   if o_N.size and float(o_N.std()) > tolerance:
     return "keep"
-  return "all_pass" if o_N.size and float(o_N.mean()) > 0 else "all_fail"
+  return "all_pass" if o_N.size and float(o_N.mean()) >= PASS else "all_fail"
 
 
 def prompt_key(group: Any) -> str:
@@ -147,8 +149,7 @@ class GroupFilter:
 
 def generated_tokens(sample: Any) -> int:
   """Tokens the model generated in a sample (an episode's tool-output tokens, mask 0, excluded)."""
-  mask = getattr(sample, "output_mask", None)
-  return len(sample.output_ids) if mask is None else int(np.sum(np.asarray(mask) > 0))
+  return len(types.generated_versions(sample))
 
 
 def _ratio(num: float, den: float) -> float:
