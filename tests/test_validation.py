@@ -69,6 +69,10 @@ CHECKED_WHERE_USED = [
     ("algo.ess.rule", "cubic"), ("algo.ess.base_ess_ratio", "half"),
     ("optim.schedule.warmup_steps", -1), ("optim.schedule.decay_steps", 1.5), ("optim.schedule.decay_steps", -2),
     ("optim.schedule.final_lr_fraction", -0.5), ("optim.schedule.name", "step"), ("optim.name", "lion"),
+    # Typed sections (their dataclasses' rules): rl.dynamic_sampling and rl.overlong.
+    ("rl.dynamic_sampling.enabled", "yes"), ("rl.dynamic_sampling.tolerance", -1e-6),
+    ("rl.dynamic_sampling.max_drops_per_step", 2.5), ("rl.overlong.penalty", 1), ("rl.overlong.cache_length", -4),
+    ("rl.overlong.cache_length", 25),
 ]
 
 

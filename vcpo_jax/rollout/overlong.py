@@ -50,13 +50,13 @@ def overlong_config(section: Optional[Mapping[str, Any]] = None) -> OverlongConf
 def shaping(section: Optional[Mapping[str, Any]], max_new_tokens: int) -> Optional[Shaping]:
   """The resolved shaping (None when it does nothing); cache_length above max_length is an error naming it."""
   cfg = overlong_config(section)
-  if not (cfg.penalty or cfg.mask_truncated):
-    return None
   max_length = cfg.max_length or max_new_tokens
   cache_length = cfg.cache_length or max(1, max_length // 5)
-  if cache_length > max_length:
+  if cache_length > max_length:  # checked when off too: turning it on later must not be what fails
     raise ValueError(f"invalid config: {SECTION}.cache_length={cfg.cache_length!r}: must be <= max_length "
                      f"({max_length}{' = rl.max_new_tokens' if not cfg.max_length else ''})")
+  if not (cfg.penalty or cfg.mask_truncated):
+    return None
   return Shaping(cfg.penalty, max_length, cache_length, cfg.mask_truncated)
 
 
