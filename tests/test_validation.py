@@ -117,6 +117,7 @@ def _fake_run(tmp_path, *, leader, steps, eval_every, checkpoint_every, log_ever
       prompts=types.SimpleNamespace(get_state=lambda: {}),
       consumed_log=str(tmp_path / "consumed.jsonl"), scalars_log=str(tmp_path / "metrics.jsonl"),
       model_cfg=None, tok=None, task=None, eval_examples=None, rewarder=types.SimpleNamespace(stats=dict),
+      layout=types.SimpleNamespace(shaping=None),
       _reward_counts_since_last_step=dict)
   return run
 
