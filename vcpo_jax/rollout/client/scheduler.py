@@ -138,7 +138,6 @@ class RolloutScheduler:
           await done
       if self._filter is not None and not self._filter.judge(group):
         del self._groups[group.index]  # its slot is free: the producer admits the next prompt now
-        self._counts["groups_dropped"] += 1
         self._filter.check_cap(self._next_step)
         return
       self._ready.add(group.index)
