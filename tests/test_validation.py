@@ -82,6 +82,11 @@ def test_bad_scalar_fails_at_validation_naming_field_and_value(field, value):
     configuration.validate_config(_config(**{field: value}))
 
 
+def test_dynamic_sampling_needs_groups_of_two():
+  with pytest.raises(ValueError, match=r"^invalid config: rl\.dynamic_sampling\.enabled=True: needs rl\.group_size >= 2"):
+    configuration.validate_config(_config(**{"rl.dynamic_sampling.enabled": True, "rl.group_size": 1}))
+
+
 def test_every_validated_field_has_a_bad_case():
   assert {field for field, _ in BAD} == set(configuration._SCALAR_FIELDS)
 

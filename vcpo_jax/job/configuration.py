@@ -278,7 +278,9 @@ def validate_config(config: ml_collections.ConfigDict, *, with_task: bool = True
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
   reward_config(config), tools_config(config)  # errors name reward.<field> / tools.<field>
-  dynamic_sampling.dynamic_sampling_config(rl.get("dynamic_sampling"))  # rl.dynamic_sampling.<field>
+  if dynamic_sampling.dynamic_sampling_config(rl.get("dynamic_sampling")).enabled and rl.group_size < 2:
+    _fail("rl.dynamic_sampling.enabled", True, f"needs rl.group_size >= 2 (got {rl.group_size}): one sample "
+          "never spreads, so every group would be dropped")
   overlong_shaping(config)  # rl.overlong.<field>
   if with_task:
     build_task(config, with_pool=False)
