@@ -86,6 +86,16 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # Every mode logs the step's lag histogram (lag/frac_0..k). docs/results/lag_model.md: vs a real run.
       emulation=ml_collections.ConfigDict(dict(
           lag_model="fixed", speed_ratio=1.0, duration_cv=0.5, server_rows=64, first_token_fraction=0.0)),
+      # Dynamic sampling (docs/dynamic-sampling.md): drop each group whose verifier outcomes do not spread (float64
+      # std <= tolerance: no advantage) as it is scored, and refill its slot with a new prompt at the version then
+      # served; only kept groups reach the learner (and count for the lag bound). More than max_drops_per_step
+      # drops while one batch fills (0: 10 x prompts_per_step) ends the job with one line.
+      # Fields and their checks: DynamicSamplingConfig (vcpo_jax/rollout/dynamic_sampling.py).
+      dynamic_sampling=ml_collections.ConfigDict(dict(enabled=False, tolerance=1e-6, max_drops_per_step=0)),
+      # DAPO's overlong shaping of the kept samples (vcpo_jax/rollout/overlong.py): penalty adds
+      # 0 .. -1 as the generated tokens go from max_length - cache_length to max_length (0: rl.max_new_tokens; 0:
+      # a fifth of it); mask_truncated takes samples cut by the length limit out of the loss (not the baseline).
+      overlong=ml_collections.ConfigDict(dict(penalty=False, max_length=0, cache_length=0, mask_truncated=False)),
   ))
 
   c.algo = ml_collections.ConfigDict(dict(

@@ -193,6 +193,26 @@ def test_nonfinite_input_skips_update(field):
   assert int(good.skipped_updates) == 1 and float(metrics["update_applied"]) == 1.0
 
 
+def test_rows_masked_out_of_the_loss_keep_their_rewards_in_the_baseline():
+  """rl.overlong.mask_truncated empties a valid row's mask (row 0, and all of group 1): the step stays finite, the
+  masked rows' tokens do not matter, their rewards do (they stay in their group's baseline and std)."""
+  batch = _batch()
+  mask = np.array(batch.mask_BxT)
+  mask[[0, 4, 5, 6, 7]] = 0.0
+  masked = batch.replace(mask_BxT=mask)
+  state, metrics = _run(learner_config.LearnerConfig(), masked)
+  assert float(metrics["update_applied"]) == 1.0 and np.isfinite(metrics["loss"])
+  tokens = np.array(batch.tokens_BxT)
+  tokens[0] = (tokens[0] + 7) % CFG.vocab_size
+  other_tokens, _ = _run(learner_config.LearnerConfig(), masked.replace(tokens_BxT=tokens))
+  _assert_tree_close(other_tokens.params, state.params, 0.0, "masked row's tokens")
+  rewards = np.array(batch.rewards_B)
+  rewards[0] = 0.0
+  other_reward, _ = _run(learner_config.LearnerConfig(), masked.replace(rewards_B=rewards))
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(other_reward.params),
+                                                     jax.tree.leaves(state.params)))
+
+
 @pytest.mark.slow
 @skip_if_not_enough_devices(8)
 @pytest.mark.parametrize("mesh_shape", [dict(data=2, fsdp=2, tensor=2), dict(data=8)])

@@ -208,6 +208,45 @@ def test_lag_bound_holds_for_whole_episodes(k):
     assert max(lags) >= 1  # episodes did span versions
 
 
+def test_dynamic_sampling_filters_whole_episodes_within_the_bound():
+  """rl.dynamic_sampling with a tool task: episodes are judged on their outcome, kept ones keep lag <= k, and the
+  filter counts generated tokens only (not the calculator's replies)."""
+  from vcpo_jax.rollout import dynamic_sampling
+  rng, k = random.Random(11), 2
+  policy = VersionedPolicy(rng)
+  runner = episodes.EpisodeRunner(calculator.environment_of(max_turns=4), encode=TOK.encode,
+                                  decode=lambda ids: completion_text(TOK, ids), stop_ids=TOK.stop_ids,
+                                  max_new_tokens=200)
+  gen = lambda prompt, params, n: runner.generate(policy, prompt, params, n)  # noqa: E731
+  judged = []
+
+  def score(group):  # a coin per episode: about half the groups of 2 agree
+    group.rewards = [float(np.random.default_rng([group.index, i]).integers(2)) for i in range(len(group.samples))]
+    judged.append(group)
+
+  group_filter = dynamic_sampling.GroupFilter.from_section({"enabled": True, "max_drops_per_step": 100},
+                                                           batch_groups=3)
+  sched = sched_lib.RolloutScheduler(gen, ({"prompt_ids": [1, 2], "index": i} for i in range(10_000)),
+                                     sampling_params={"max_new_tokens": 1}, group_size=2, batch_groups=3,
+                                     max_lag=k, on_complete=score, group_filter=group_filter)
+
+  async def run():
+    kept = []
+    for v in range(8):
+      policy.version = v
+      kept += await sched.next_batch(v)
+    await sched.close()
+    return kept
+
+  kept = asyncio.run(run())
+  assert len(kept) == 24 and all(max(g.rewards) != min(g.rewards) for g in kept)
+  assert max(lag for g in kept for lag in g.sample_lags) <= k and sched.stats.get("lag_violations", 0) == 0
+  assert group_filter.totals["groups_dropped_all_pass"] + group_filter.totals["groups_dropped_all_fail"] > 0
+  tool_tokens = sum(int(np.sum(s.output_mask == 0)) for g in judged for s in g.samples)
+  assert tool_tokens > 0 and group_filter.totals["tokens_generated"] == sum(
+      int(np.sum(s.output_mask > 0)) for g in judged for s in g.samples)
+
+
 # -- the job --------------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -69,6 +69,10 @@ CHECKED_WHERE_USED = [
     ("algo.ess.rule", "cubic"), ("algo.ess.base_ess_ratio", "half"),
     ("optim.schedule.warmup_steps", -1), ("optim.schedule.decay_steps", 1.5), ("optim.schedule.decay_steps", -2),
     ("optim.schedule.final_lr_fraction", -0.5), ("optim.schedule.name", "step"), ("optim.name", "lion"),
+    # Typed sections (their dataclasses' rules): rl.dynamic_sampling and rl.overlong.
+    ("rl.dynamic_sampling.enabled", "yes"), ("rl.dynamic_sampling.tolerance", -1e-6),
+    ("rl.dynamic_sampling.max_drops_per_step", 2.5), ("rl.overlong.penalty", 1), ("rl.overlong.cache_length", -4),
+    ("rl.overlong.cache_length", 25),
 ]
 
 
@@ -76,6 +80,11 @@ CHECKED_WHERE_USED = [
 def test_bad_scalar_fails_at_validation_naming_field_and_value(field, value):
   with pytest.raises(ValueError, match="^" + re.escape(f"invalid config: {field}={value!r}: must be")):
     configuration.validate_config(_config(**{field: value}))
+
+
+def test_dynamic_sampling_needs_groups_of_two():
+  with pytest.raises(ValueError, match=r"^invalid config: rl\.dynamic_sampling\.enabled=True: needs rl\.group_size >= 2"):
+    configuration.validate_config(_config(**{"rl.dynamic_sampling.enabled": True, "rl.group_size": 1}))
 
 
 def test_every_validated_field_has_a_bad_case():
@@ -113,6 +122,7 @@ def _fake_run(tmp_path, *, leader, steps, eval_every, checkpoint_every, log_ever
       prompts=types.SimpleNamespace(get_state=lambda: {}),
       consumed_log=str(tmp_path / "consumed.jsonl"), scalars_log=str(tmp_path / "metrics.jsonl"),
       model_cfg=None, tok=None, task=None, eval_examples=None, rewarder=types.SimpleNamespace(stats=dict),
+      layout=types.SimpleNamespace(shaping=None),
       _reward_counts_since_last_step=dict)
   return run
 

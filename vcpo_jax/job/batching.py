@@ -12,6 +12,7 @@ import numpy as np
 from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.learner.config import check_chunks
 from vcpo_jax.parallel import processes, sharding
+from vcpo_jax.rollout import overlong
 from vcpo_jax.rollout.backend import RolloutBackend
 from vcpo_jax.rollout.types import Group, output_mask
 
@@ -26,6 +27,7 @@ class BatchLayout:
   mesh: Any = None  # several processes: rows are fed to the processes whose devices hold them
   micro_batch_size: int = 0
   timeout_s: float = 1800.0  # a follower's longest wait for its rows
+  shaping: Optional[overlong.Shaping] = None  # rl.overlong: length penalty, truncated rows out of the loss
 
 
 async def next_batch(backend: RolloutBackend, version: int, layout: BatchLayout) -> tuple[list[Group], RLBatch]:
@@ -36,7 +38,7 @@ async def next_batch(backend: RolloutBackend, version: int, layout: BatchLayout)
   rows = None
   if processes.is_leader():  # with one process, the leader
     rows = groups_to_batch(groups, seq_len=layout.seq_len, pad_id=layout.pad_id, num_rows=layout.num_rows,
-                           vocab_size=layout.vocab_size)
+                           vocab_size=layout.vocab_size, shaping=layout.shaping)
   if not processes.multi_process():
     return groups, rows
   if rows is not None:
@@ -58,12 +60,13 @@ def _check_sample(g: Group, ids: np.ndarray, logprobs, mask: np.ndarray, seq_len
 
 
 def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_rows: int | None = None,
-                    vocab_size: int | None = None) -> RLBatch:
+                    vocab_size: int | None = None, shaping: Optional[overlong.Shaping] = None) -> RLBatch:
   """One row per sample, [prompt | response | pad], the mask 1 on generated tokens only (an episode's
   tool outputs inside the response are 0); rows beyond the real samples (to fill `num_rows`) are
   invalid padding rows. Groups must be consumed (.sample_lags) and scored (.rewards). Token ids outside
   [0, vocab_size) and non-finite sampler log-probs are rejected here: inside jit they would be clamped or
-  poison the whole batch silently."""
+  poison the whole batch silently. `shaping` (rl.overlong) adds the length penalty to the rewards (the
+  groups' own .rewards, the verifier's outcome, are left as they are) and empties the mask of truncated rows."""
   for g in groups:
     if g.rewards is None or len(g.rewards) != len(g.samples):
       raise ValueError(f"group {g.index} is not scored: backends score each group with the job's Rewarder as it completes")
@@ -91,6 +94,11 @@ def groups_to_batch(groups: Sequence[Group], *, seq_len: int, pad_id: int, num_r
     logp[row, start:end] = np.where(out_mask > 0, np.asarray(s.output_logprobs, np.float32), 0.0)
     version[row, start:end] = np.where(out_mask > 0, np.asarray(s.token_versions, np.int32), -1)
     rewards[row], group[row], lag[row], valid[row] = g.rewards[j], gi, g.sample_lags[j], 1.0
+    if shaping is not None and shaping.penalty:
+      rewards[row] += np.float32(overlong.length_penalty([out_mask.sum()], shaping.max_length,
+                                                         shaping.cache_length)[0])
+    if shaping is not None and shaping.mask_truncated and overlong.truncated(s):
+      mask[row] = 0.0  # still valid: its reward counts in the group's baseline and std
   # Padding rows get their own group ids so no group statistic mixes them with real samples.
   pad_rows = np.arange(len(rows), B)
   group[pad_rows] = len(groups) + np.arange(len(pad_rows))

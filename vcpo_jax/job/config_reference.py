@@ -196,8 +196,9 @@ def registries(config: ml_collections.ConfigDict) -> list[tuple[str, str, str, s
 
 def typed_sections() -> dict[str, type]:
   """Config sections read into a frozen dataclass whose fields carry their checks: section -> the dataclass."""
-  from vcpo_jax.rollout import episodes, rewards  # noqa: PLC0415
-  return {"reward": rewards.RewardConfig, "tools": episodes.ToolsConfig}
+  from vcpo_jax.rollout import dynamic_sampling, episodes, overlong, rewards  # noqa: PLC0415
+  return {"reward": rewards.RewardConfig, "tools": episodes.ToolsConfig,
+          dynamic_sampling.SECTION: dynamic_sampling.DynamicSamplingConfig, overlong.SECTION: overlong.OverlongConfig}
 
 
 def _rules() -> dict[str, str]:

@@ -20,7 +20,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend as backend_lib
-from vcpo_jax.rollout import episodes, rewards
+from vcpo_jax.rollout import dynamic_sampling, episodes, overlong, rewards
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib
 from vcpo_jax.rollout.servers import weight_store, wire as wire_lib
 
@@ -90,6 +90,11 @@ def reward_config(config) -> rewards.RewardConfig:
 def tools_config(config) -> episodes.ToolsConfig:
   """The section `tools` (tool calls' pool), typed; a bad field fails naming tools.<field>."""
   return episodes.tools_config(config.get("tools"))
+
+
+def overlong_shaping(config) -> overlong.Shaping | None:
+  """The section rl.overlong resolved (None: off); a bad field fails naming rl.overlong.<field>."""
+  return overlong.shaping(config.rl.get("overlong"), config.rl.max_new_tokens)
 
 
 # ------------------------------------------------------------------------------------- learner
@@ -273,6 +278,10 @@ def validate_config(config: ml_collections.ConfigDict, *, with_task: bool = True
   if config.task.name not in tasks.TASKS:
     _fail("task.name", config.task.name, f"unknown task; known: {tasks.TASKS.names()}")
   reward_config(config), tools_config(config)  # errors name reward.<field> / tools.<field>
+  if dynamic_sampling.dynamic_sampling_config(rl.get("dynamic_sampling")).enabled and rl.group_size < 2:
+    _fail("rl.dynamic_sampling.enabled", True, f"needs rl.group_size >= 2 (got {rl.group_size}): one sample "
+          "never spreads, so every group would be dropped")
+  overlong_shaping(config)  # rl.overlong.<field>
   if with_task:
     build_task(config, with_pool=False)
   _validate_algo(config)

@@ -25,7 +25,7 @@ from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.model import hf
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
-from vcpo_jax.rollout import backend as backend_lib, group_metrics
+from vcpo_jax.rollout import backend as backend_lib, dynamic_sampling, group_metrics
 from vcpo_jax.rollout.rewards import Rewarder
 from vcpo_jax.rollout.servers.publisher import PublishError
 
@@ -62,7 +62,7 @@ class RLRun:
     self.layout = batching.BatchLayout(
         seq_len=model_cfg.max_seq_len, pad_id=tok.pad_id, num_rows=self.batch_rows,
         vocab_size=model_cfg.vocab_size, mesh=self.mesh, micro_batch_size=self.learner_cfg.micro_batch_size,
-        timeout_s=self.timeout_s)
+        timeout_s=self.timeout_s, shaping=configuration.overlong_shaping(config))
     self.step_fn = learner.make_rl_step(model_cfg, self.learner_cfg, self.optimizer, mesh=self.mesh)
     state = train_state.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
                                        mesh=self.mesh)
@@ -141,7 +141,8 @@ class RLRun:
       return
     with open(self.consumed_log, "a") as f:
       f.write(json.dumps({"step": self.step, "indices": [g.index for g in groups]}) + "\n")
-    scalars = {**step_metrics, **group_metrics.step_metrics(groups, seconds=seconds, max_lag=rl.get("max_lag")),
+    scalars = {**step_metrics, **group_metrics.step_metrics(groups, seconds=seconds, max_lag=rl.get("max_lag"),
+                                                                        shaping=self.layout.shaping),
                **extra, **self._reward_counts_since_last_step()}
     for key, value in step_metrics.items():
       arr = np.asarray(value)
@@ -215,9 +216,13 @@ async def rl_loop(run: RLRun, rollouts: backend_lib.RolloutBackend) -> None:
 
 
 def run_rl_loop(run: RLRun) -> None:
-  """Runs rl_loop; a refused weight update ends the job with one line (the field or tensor, both values)."""
+  """Runs rl_loop; a refused weight update ends the job with one line (the field or tensor, both values), as
+  does dynamic sampling past its cap."""
   try:
     asyncio.run(rl_loop(run, run.make_backend()))
+  except dynamic_sampling.DropCapExceeded as e:
+    logging.error("dynamic sampling stopped the job after step %d: %s", run.step, e)
+    raise SystemExit(f"error: {e}") from None
   except PublishError as e:
     reason = " ".join(str(e).split())
     logging.error("weight update refused after step %d: %s", run.step, reason)

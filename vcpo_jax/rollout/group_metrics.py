@@ -5,25 +5,39 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from vcpo_jax.rollout import types
+from vcpo_jax.rollout import dynamic_sampling, overlong, types
 from vcpo_jax.tasks.environments import tool_calls
 
 
-def step_metrics(groups: Sequence[types.Group], *, seconds: float, max_lag: Optional[int]) -> dict[str, float]:
+def step_metrics(groups: Sequence[types.Group], *, seconds: float, max_lag: Optional[int],
+                 shaping: Optional[overlong.Shaping] = None) -> dict[str, float]:
   """Every group metric of one step (the RL loop's one call): reward/, response_length/, throughput/,
   tools/ (multi-turn runs only) and lag/frac_0..k."""
-  return {**batch_metrics(groups, seconds), **episode_metrics(groups), **lag_metrics(groups, max_lag)}
+  return {**batch_metrics(groups, seconds, shaping), **episode_metrics(groups), **lag_metrics(groups, max_lag)}
 
 
-def batch_metrics(groups: Sequence[types.Group], seconds: float) -> dict[str, float]:
-  """Reward and response-length statistics of a step's samples (generated tokens only) and its throughput."""
+def batch_metrics(groups: Sequence[types.Group], seconds: float,
+                  shaping: Optional[overlong.Shaping] = None) -> dict[str, float]:
+  """Reward (the verifier's outcome) and response-length statistics of a step's samples (generated tokens only),
+  its throughput, the share of its groups whose outcomes do not spread (no advantage: 0 with dynamic sampling)
+  and of its samples cut by the length limit; with the length penalty on, its mean."""
   rewards = np.asarray([r for g in groups for r in g.rewards], np.float32)
   lengths = np.asarray([types.output_mask(g, s, len(s.output_ids)).sum() for g in groups for s in g.samples],
                        np.float32)
-  return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-          "response_length/mean": float(lengths.mean()),
-          "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
-          "throughput/step_seconds": seconds}
+  flat = [dynamic_sampling.verdict(g.rewards, dynamic_sampling.DEFAULT_TOLERANCE) != "keep"
+          for g in groups]
+  out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+         "reward/zero_spread_groups": float(np.mean(flat)),
+         "response_length/mean": float(lengths.mean()),
+         "response_length/truncated_fraction": float(np.mean([overlong.truncated(s) for g in groups
+                                                                for s in g.samples])),
+         "throughput/tokens": float(lengths.sum()),
+         "throughput/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+         "throughput/step_seconds": seconds}
+  if shaping is not None and shaping.penalty:
+    out["reward/overlong_penalty_mean"] = float(np.mean(overlong.length_penalty(
+        lengths, shaping.max_length, shaping.cache_length)))
+  return out
 
 
 def episode_metrics(groups: Sequence[types.Group]) -> dict[str, float]:

@@ -13,7 +13,7 @@ import ml_collections
 
 from vcpo_jax.model import hf_export
 from vcpo_jax.parallel import placement
-from vcpo_jax.rollout import backend, episodes as episodes_lib, protocol, types
+from vcpo_jax.rollout import backend, dynamic_sampling, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
 from vcpo_jax.rollout.servers import background, launcher, publisher as publisher_lib, weight_store
 from vcpo_jax.rollout.servers import wire as wire_lib, wire_group
@@ -49,6 +49,7 @@ class HttpBackendConfig:
   group_size: int = backend.config_field("rl")
   prompts_per_step: int = backend.config_field("rl")
   max_lag: int = backend.config_field("rl")
+  dynamic_sampling: Optional[dict] = backend.config_field("rl", None)  # the group filter's section
   hf_path: str = backend.config_field("model", "")  # external servers' starting weights, when no WORKDIR/base
   server_urls: str = backend.config_field("rollout")
   num_servers: int = backend.config_field("rollout")
@@ -171,7 +172,9 @@ class HttpBackend(backend.RolloutBackend):
     self._sched = scheduler_lib.RolloutScheduler(
         generate, self.ctx.prompts, sampling_params=self.sampling_params,
         group_size=self.group_size, batch_groups=self.batch_groups, max_lag=self.max_lag,
-        on_complete=self.ctx.rewarder.score_group, pass_example=self.episodes is not None)
+        on_complete=self.ctx.rewarder.score_group, pass_example=self.episodes is not None,
+        group_filter=dynamic_sampling.GroupFilter.from_section(self.cfg.dynamic_sampling,
+                                                               batch_groups=self.batch_groups))
     if self._restored is not None:
       self._sched.load_state_dict(self._restored)
     self._sched.set_served_version(version)
@@ -207,7 +210,9 @@ class HttpBackend(backend.RolloutBackend):
 
   def stats(self) -> dict[str, float]:
     out = flat_metrics(self._client.stats) if self._client is not None else {}
-    return {**out, **(flat_metrics(self._sched.stats) if self._sched is not None else {})}
+    if self._sched is not None:
+      out.update({**flat_metrics(self._sched.stats), **self._sched.filter_metrics()})
+    return out
 
   def state_dict(self) -> dict:
     return {"scheduler": self._sched.state_dict()} if self._sched is not None else {}

@@ -9,8 +9,12 @@ feasible iff, for every deadline d, the unconsumed groups with deadline <= d fit
   count(deadline <= d) <= B * (d - next_step + 1).
 Admission keeps that true (a new group has the latest deadline, so only d = u + k needs checking: the
 reference's "started but unconsumed < B*(k+1)" rule, made exact), and a batch is the B earliest-admitted
-completed groups, taken only once the groups left behind still satisfy it. Nothing is dropped: a slow
-group blocks its deadline's batch rather than be skipped (long prompts are never starved).
+completed groups, taken only once the groups left behind still satisfy it. Nothing is dropped for being slow:
+a slow group blocks its deadline's batch rather than be skipped (long prompts are never starved). With a group
+filter (dynamic sampling) a scored group whose outcomes do not spread is dropped as it completes: it leaves the
+unconsumed set at once, which frees its slot, and the producer admits a new prompt at the version then served
+(its deadline the latest, so the rule above still holds); the lag bound is checked on kept groups only, as
+only they are consumed.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import inspect
 import time
 from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence
 
+from vcpo_jax.rollout import dynamic_sampling
 from vcpo_jax.rollout.types import Group, sample_lag
 
 GenerateFn = Callable[..., Awaitable[Sequence[Any]]]  # (prompt_ids, sampling_params, n=) -> samples
@@ -48,13 +53,15 @@ class RolloutScheduler:
   seed + i * group_size (the client adds the sample index), so runs are reproducible per group.
   `max_inflight_groups` optionally caps the groups started but not yet consumed below B * (k + 1).
   `on_complete(group)` runs as each group's samples arrive (e.g. scoring it), while the trainer is busy
-  elsewhere; an error there fails the next batch like a generation error.
+  elsewhere; an error there fails the next batch like a generation error. `group_filter` (dynamic sampling)
+  judges each scored group: a dropped one frees its slot for a new prompt and is never consumed.
   """
 
   def __init__(self, generate_fn: GenerateFn, prompts: Iterator[dict], *, sampling_params: dict,
                group_size: int, batch_groups: int, max_lag: int,
                max_inflight_groups: Optional[int] = None,
-               on_complete: Optional[Callable[[Group], Any]] = None, pass_example: bool = False):
+               on_complete: Optional[Callable[[Group], Any]] = None, pass_example: bool = False,
+               group_filter: Optional[dynamic_sampling.GroupFilter] = None):
     self.group_size = _positive_int("group_size", group_size)
     self.batch_groups = _positive_int("batch_groups", batch_groups)
     self.max_lag = _positive_int("max_lag", max_lag, minimum=0)
@@ -65,6 +72,7 @@ class RolloutScheduler:
     self._generate, self._prompts, self._params = generate_fn, iter(prompts), dict(sampling_params)
     self._max_inflight = max_inflight_groups
     self._on_complete = on_complete
+    self._filter = group_filter
     # generate_fn also takes the group's prompt example (example=...): multi-turn episodes start their
     # environments from it.
     self._example_kw = (lambda group: {"example": group.example}) if pass_example else (lambda group: {})
@@ -128,6 +136,10 @@ class RolloutScheduler:
         done = self._on_complete(group)
         if inspect.isawaitable(done):  # e.g. scoring in the reward pool: the loop runs on meanwhile
           await done
+      if self._filter is not None and not self._filter.judge(group):
+        del self._groups[group.index]  # its slot is free: the producer admits the next prompt now
+        self._filter.check_cap(self._next_step)
+        return
       self._ready.add(group.index)
     except asyncio.CancelledError:
       raise
@@ -200,7 +212,7 @@ class RolloutScheduler:
     self._changed.set()  # a newer version opens admission slots
     t0 = time.perf_counter()
     while True:
-      if isinstance(self._error, ValueError):
+      if isinstance(self._error, (ValueError, dynamic_sampling.DropCapExceeded)):
         raise self._error
       if self._error is not None:
         raise RuntimeError(f"rollout generation failed: {self._error!r}") from self._error
@@ -212,6 +224,8 @@ class RolloutScheduler:
     for group in batch:
       self._consume(group, learner_version)
     self._next_step = learner_version + 1
+    if self._filter is not None:
+      self._filter.close_step()
     self._counts["batches"] += 1
     self._counts["last_batch_wait_ms"] = int(1000 * (time.perf_counter() - t0))
     self._counts["batch_wait_ms"] += self._counts["last_batch_wait_ms"]
@@ -236,6 +250,10 @@ class RolloutScheduler:
     out["max_lag_seen"] = max(self._lag_hist, default=0)
     return out
 
+  def filter_metrics(self) -> dict[str, float]:
+    """The group filter's metrics of the last batch (dynamic_sampling/...); {} without a filter."""
+    return dict(self._filter.last) if self._filter is not None else {}
+
   # -- checkpointing -----------------------------------------------------------------------------
   def state_dict(self) -> dict:
     """Counters and the unconsumed prompts (in flight or ready): they are re-issued on resume.
@@ -246,7 +264,8 @@ class RolloutScheduler:
     pending += [{"index": i, "example": ex} for i, ex in self._reissue]
     return {"next_step": self._next_step, "next_index": self._next_index,
             "pending": sorted(pending, key=lambda p: p["index"]), "counts": dict(self._counts),
-            "lag_hist": {str(k): v for k, v in self._lag_hist.items()}}
+            "lag_hist": {str(k): v for k, v in self._lag_hist.items()},
+            **({"dynamic_sampling": self._filter.state_dict()} if self._filter is not None else {})}
 
   def load_state_dict(self, state: dict) -> None:
     if self._producer is not None:
@@ -258,6 +277,8 @@ class RolloutScheduler:
     self._reissue = collections.deque((p["index"], p["example"]) for p in state["pending"])
     self._counts = collections.Counter(state.get("counts", {}))
     self._lag_hist = collections.Counter({int(k): v for k, v in state.get("lag_hist", {}).items()})
+    if self._filter is not None and "dynamic_sampling" in state:
+      self._filter.load_state_dict(state["dynamic_sampling"])
 
   async def close(self) -> None:
     tasks = list(self._tasks.values()) + ([self._producer] if self._producer else [])

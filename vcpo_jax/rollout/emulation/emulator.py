@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 
 from vcpo_jax.model import sampling
-from vcpo_jax.rollout import backend, episodes, multiturn, types
+from vcpo_jax.rollout import backend, dynamic_sampling, episodes, multiturn, types
 from vcpo_jax.rollout.emulation import lag_model as lag_model_lib, ring_store
 
 # (params, prompts, seeds) -> rows with .output_ids and .logprobs (sampling.generate's RowResult), or
@@ -65,9 +65,12 @@ class LagEmulator:
     # The model's batch has rl.prompts_per_step groups; a short last batch takes its first lags.
     return [max(step - lag, oldest) for lag in lags[:num_groups]] + [oldest] * max(0, num_groups - len(lags))
 
-  def rollout(self, step: int, examples: Sequence[dict]) -> list[types.Group]:
-    """Generates group_size samples per example, group i with the params of group_versions(step)[i]."""
-    versions = self.group_versions(step, len(examples))
+  def rollout(self, step: int, examples: Sequence[dict], slots: Optional[Sequence[int]] = None) -> list[types.Group]:
+    """Generates group_size samples per example, group i with the params of group_versions(step)[slots[i]]
+    (slots: the batch positions the examples fill, default 0, 1, ...; a refill takes its slot's version)."""
+    slots = list(range(len(examples))) if slots is None else list(slots)
+    every = self.group_versions(step, max(slots, default=-1) + 1)
+    versions = [every[s] for s in slots]
     prompts = [[int(t) for t in e["prompt_ids"]] for e in examples for _ in range(self.group_size)]
     # One seed per (example index, sample): the same example always draws the same random streams.
     seeds = [int(np.random.default_rng([self.seed, int(e.get("index", i)), s]).integers(2**31 - 1))
@@ -113,6 +116,7 @@ class EmulatedBackendConfig:
   prompts_per_step: int = backend.config_field("rl")
   max_lag: int = backend.config_field("rl")
   emulation: Optional[Mapping[str, Any]] = backend.config_field("rl", None)  # lag_model and its options
+  dynamic_sampling: Optional[Mapping[str, Any]] = backend.config_field("rl", None)  # the group filter's section
 
 
 class EmulatedBackend(backend.RolloutBackend):
@@ -123,10 +127,16 @@ class EmulatedBackend(backend.RolloutBackend):
   own, whose params the train state holds, and the previous checkpoint's k until the next one commits; none at
   k = 0): a resumed run samples from the same past policies as an uninterrupted one, instead of ramping its lag
   up again from 0.
+
+  With a group filter (rl.dynamic_sampling) a dropped group's slot is refilled at once with the next prompt,
+  sampled with that slot's version (in 'fixed', t - k: what a steady asynchronous pipeline refilling at once
+  gives), until every slot holds a kept group; the filter's counters travel in the checkpoint.
   """
 
-  def __init__(self, emulator: LagEmulator, ctx: backend.RolloutContext, *, batch_groups: int):
+  def __init__(self, emulator: LagEmulator, ctx: backend.RolloutContext, *, batch_groups: int,
+               group_filter: Optional[dynamic_sampling.GroupFilter] = None):
     self.emulator, self.ctx, self.batch_groups = emulator, ctx, batch_groups
+    self.group_filter = group_filter
     self.store = ring_store.RingStore(os.path.join(ctx.workdir, "emulation_ring"))
     self._checkpoint_versions: list[int] = []  # the past versions the latest checkpoint (saved or restored) names
 
@@ -153,7 +163,8 @@ class EmulatedBackend(backend.RolloutBackend):
                                              seed=cfg.seed, options=options)
     emulator = LagEmulator(generate, max_lag=cfg.max_lag, group_size=cfg.group_size, seed=cfg.seed,
                            lag_model=lag_model, pass_examples=runner is not None)
-    return cls(emulator, ctx, batch_groups=cfg.prompts_per_step)
+    group_filter = dynamic_sampling.GroupFilter.from_section(cfg.dynamic_sampling, batch_groups=cfg.prompts_per_step)
+    return cls(emulator, ctx, batch_groups=cfg.prompts_per_step, group_filter=group_filter)
 
   def state_dict(self) -> dict:
     """Saves the ring's past versions (called at each checkpoint, with the prompt iterator's state)."""
@@ -163,10 +174,15 @@ class EmulatedBackend(backend.RolloutBackend):
     # The previous checkpoint's versions stay until this one commits: a failed write must not orphan them.
     self.store.prune(set(past) | set(self._checkpoint_versions))
     self._checkpoint_versions = past
-    return {"ring_versions": past}
+    out = {"ring_versions": past}
+    if self.group_filter is not None:
+      out["dynamic_sampling"] = self.group_filter.state_dict()
+    return out
 
   def load_state_dict(self, state: dict) -> None:
     self._checkpoint_versions = [int(v) for v in state.get("ring_versions", [])]
+    if self.group_filter is not None and "dynamic_sampling" in state:
+      self.group_filter.load_state_dict(state["dynamic_sampling"])
 
   async def start(self, version: int, params: Any) -> None:
     # The checkpoint's ring ends at `version` (the restored params): load the consecutive versions before it.
@@ -174,11 +190,31 @@ class EmulatedBackend(backend.RolloutBackend):
       self.emulator.push(v, self.store.load(v, like=params))
     self.emulator.push(version, params)
 
-  async def next_groups(self, version: int) -> list[types.Group]:
-    examples = [next(self.ctx.prompts) for _ in range(self.batch_groups)]
+  async def _scored_rollout(self, version: int, slots: Sequence[int]) -> list[types.Group]:
+    examples = [next(self.ctx.prompts) for _ in slots]
     # In a worker thread, so the event loop (and Ctrl-C) stays responsive during generation.
-    groups = await asyncio.to_thread(self.emulator.rollout, version, examples)
+    groups = await asyncio.to_thread(self.emulator.rollout, version, examples, slots)
     return list(await asyncio.gather(*(self.ctx.rewarder.score_group(g) for g in groups)))
+
+  async def next_groups(self, version: int) -> list[types.Group]:
+    groups = await self._scored_rollout(version, range(self.batch_groups))
+    if self.group_filter is None:
+      return groups
+    batch: list[Optional[types.Group]] = [None] * self.batch_groups
+    todo = list(range(self.batch_groups))
+    while todo:
+      for slot, group in zip(todo, groups):
+        if self.group_filter.judge(group):
+          batch[slot] = group
+      todo = [slot for slot in todo if batch[slot] is None]
+      if todo:
+        self.group_filter.check_cap(version)
+        groups = await self._scored_rollout(version, todo)
+    self.group_filter.close_step()
+    return batch
+
+  def stats(self) -> dict[str, float]:
+    return dict(self.group_filter.last) if self.group_filter is not None else {}
 
   async def publish(self, version: int, params: Any) -> None:
     self.emulator.push(version, params)
