@@ -28,9 +28,8 @@ _F32 = jnp.float32
 
 
 def _zero_taps(cfg: M.ModelConfig, taps: Taps, tokens_BxT, positions_BxT):
-  mask = M.causal_mask(positions_BxT)
   shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=taps, head=False).init(
-      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, mask))
+      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))
   zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
   return zeros(shapes["norm_taps"]), zeros(shapes["perturbations"])
 
@@ -67,7 +66,7 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   G._check_mode(mode)
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
-  attn_mask = M.causal_mask(positions_BxT, key_mask_BxT)
+  attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)
   taps = Taps(mode)
   taps0, perts0 = _zero_taps(cfg, taps, tokens_BxT, positions_BxT)
 

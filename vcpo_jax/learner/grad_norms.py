@@ -120,9 +120,8 @@ def embedding_weighted_grad(tokens_BxT, g_BxTxD, c_B, vocab_size: int):
 # ---------------------------------------------------------------------------------------------------------
 
 def _zero_perturbations(cfg: model_config.ModelConfig, tokens_BxT, positions_BxT):
-  mask = M.causal_mask(positions_BxT)
   shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=True).init(
-      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, mask))["perturbations"]
+      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))["perturbations"]
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -130,7 +129,7 @@ def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positio
   """Returns (logp_BxT, ent_BxT, inputs, out_grads): flat dicts keyed by module path tuples."""
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
-  attn_mask = M.causal_mask(positions_BxT, key_mask_BxT)
+  attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)
   perts = _zero_perturbations(cfg, tokens_BxT, positions_BxT)
 
   def total_logp(perts):

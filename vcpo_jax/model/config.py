@@ -48,6 +48,10 @@ class ModelConfig:
   # remat="auto": GB per device the learner step may use; 0 = the device's own memory limit.
   remat_budget_gb: float = 0.0
   attention: str = "auto"      # a name in attention.IMPLEMENTATIONS
+  # Where the attention mask is exactly causal (a full forward with no key mask: the learner's right-padded
+  # rows), jax.nn's kernels get is_causal=True instead of a [B, T, S] boolean mask, which cuDNN turns into a
+  # [B, 1, T, S] bias (and, in jax <= 0.11.0, a bias gradient). Same values; False: always the boolean mask.
+  causal_flag: bool = False
   # Vocabulary columns per LM-head chunk (vcpo_jax.model.lm_head): [tokens, vocab] float32 logits never exist at
   # once in the learner; 0 = the plain full-logits path.
   logits_chunk: int = 2048
@@ -69,8 +73,9 @@ class ModelConfig:
     if self.matmul_precision not in PRECISIONS:
       raise ValueError(f"model.matmul_precision must be one of {sorted(PRECISIONS)}, "
                        f"got {self.matmul_precision!r}")
-    if not isinstance(self.scan_layers, bool):
-      raise ValueError(f"model.scan_layers must be a bool, got {self.scan_layers!r}")
+    for name in ("scan_layers", "causal_flag"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"model.{name} must be a bool, got {getattr(self, name)!r}")
     if isinstance(self.logits_chunk, bool) or not isinstance(self.logits_chunk, int) or self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be an int >= 0 (0: full logits), got {self.logits_chunk!r}")
     if self.remat not in REMAT_CHOICES:

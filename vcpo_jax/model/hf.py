@@ -87,6 +87,7 @@ def hf_config(cfg: config_lib.ModelConfig, *, bos_token_id=None, eos_token_id=No
       "vcpo_scan_layers": cfg.scan_layers,
       "vcpo_remat": cfg.remat,
       "vcpo_attention": cfg.attention,
+      "vcpo_causal_flag": cfg.causal_flag,
       "vcpo_logits_chunk": cfg.logits_chunk,
   }
 
@@ -149,7 +150,8 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> conf
       param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype),
       matmul_precision=d.get("vcpo_matmul_precision", "highest"),
       scan_layers=bool(d.get("vcpo_scan_layers", False)), remat=d.get("vcpo_remat", "none"),
-      attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)))
+      attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)),
+      causal_flag=bool(d.get("vcpo_causal_flag", config_lib.ModelConfig.causal_flag)))
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -165,7 +167,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "head_dim", "tie_word_embeddings")
 # Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
 _RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "remat_budget_gb",
-               "attention")
+               "attention", "causal_flag")
 
 
 def model_config(section) -> config_lib.ModelConfig:
