@@ -53,6 +53,24 @@ def test_logprobs_are_log_softmax_of_next_token(params):
   assert np.all(np.asarray(ent)[:, :4] == 0) and np.all(np.asarray(ent)[:, 4:] > 0)
 
 
+@pytest.mark.parametrize("lm_head", ["token_tiles", "plain"])
+def test_lm_head_choices_give_the_same_logprobs_and_grads(params, lm_head):
+  """model.lm_head: token tiles (5 tokens, the last tile padded) and plain full logits equal the default
+  vocabulary chunks (3 chunks of 24 over 64 columns, the last overlapping): log-probs, entropies, gradients."""
+  base = model_config.ModelConfig(**{**CFG.to_dict(), "logits_chunk": 24})
+  cfg = model_config.ModelConfig(**{**base.to_dict(), "lm_head": lm_head, "logits_token_tile": 5})
+  toks = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, CFG.vocab_size)
+  mask = (jnp.arange(12)[None, :] >= 4).astype(jnp.float32) * jnp.ones((3, 1))
+  loss = lambda p, c: jnp.sum(sum(M.token_logprobs_and_entropy(p, c, toks, mask)) * jnp.arange(12.0)[None])
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  for got, want in zip(token_logprobs_and_entropy(params, cfg, toks, mask),
+                       token_logprobs_and_entropy(params, base, toks, mask)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  for g, want in zip(jax.tree.leaves(grad(params, cfg)), jax.tree.leaves(grad(params, base))):
+    scale = float(jnp.max(jnp.abs(want)))  # float32 sums in another order: 1e-5 of the leaf's scale
+    np.testing.assert_allclose(g / scale, want / scale, atol=1e-5)
+
+
 def test_kv_cache_decode_matches_full_forward(params):
   B, P, N = 3, 5, 7
   toks = jax.random.randint(jax.random.PRNGKey(2), (B, P + N), 0, CFG.vocab_size)
@@ -94,7 +112,7 @@ def test_bfloat16_compute_is_close_to_float32(params):
 
 
 @pytest.mark.parametrize("field,value", [("num_layers", 0), ("num_heads", 3), ("dtype", "float8"),
-                                         ("head_dim", 7)])
+                                         ("head_dim", 7), ("lm_head", "fused"), ("logits_token_tile", 0)])
 def test_invalid_config_names_field(field, value):
   with pytest.raises(ValueError, match=field):
     model_config.ModelConfig(**{**CFG.to_dict(), field: value})

@@ -164,7 +164,7 @@ def token_logprobs_and_entropy(params, cfg: ModelConfig, tokens_BxT, mask_BxT, p
                                key_mask_BxT=None):
   x_BxTxD = hidden_states(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
   return lm_head.token_logprobs_and_entropy(x_BxTxD, head_kernel(params, cfg), tokens_BxT, mask_BxT,
-                                            cfg.precision, cfg.logits_chunk)
+                                            **cfg.head_logprob_args())
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
@@ -205,7 +205,7 @@ def prompt_logprobs_and_logits(params, cfg: ModelConfig, x_BxPxD, tokens_BxP, la
   (chunked LM head; position 0 gets 0) and float32 logits [B, V] at each row's position last_B."""
   w_DxV = head_kernel(params, cfg)
   logp_BxP = lm_head.token_logprobs_and_entropy(x_BxPxD, w_DxV, tokens_BxP, jnp.ones_like(tokens_BxP),
-                                                cfg.precision, cfg.logits_chunk)[0]
+                                                **cfg.head_logprob_args())[0]
   x_Bx1xD = jnp.take_along_axis(x_BxPxD, jnp.asarray(last_B, jnp.int32)[:, None, None], axis=1)
   return logp_BxP, lm_head_plain.logits(x_Bx1xD, w_DxV, cfg.precision)[:, 0]
 
