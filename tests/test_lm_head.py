@@ -9,6 +9,7 @@ import pytest
 
 from vcpo_jax.model import lm_head as L
 from vcpo_jax.model import lm_head_plain
+from tests.model_jit import dot_operand_dtypes
 
 B, T, D, V = 3, 7, 8, 37   # V = 4 chunks of 8 + an overlapping last chunk that owns 5 columns
 CHUNK = 8
@@ -88,20 +89,6 @@ def test_token_tiles_match_plain(tied, tile):
     _close(g, r)
 
 
-def _dot_operand_dtypes(jaxpr) -> set:
-  """The operand dtypes of every dot_general in a jaxpr, its sub-jaxprs (scan, custom VJP) included."""
-  out = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      out.add(tuple(str(v.aval.dtype) for v in eqn.invars))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-        if hasattr(sub, "eqns"):
-          out |= _dot_operand_dtypes(sub)
-  return out
-
-
 def test_token_tiles_multiply_bfloat16_operands_forward_and_backward():
   """bf16 compute: every head GEMM of the token-tiled path (forward and the VJP's two) reads bf16 operands
   (float32 accumulation), while the plain path's autodiff backward multiplies float32 logit gradients."""
@@ -110,9 +97,9 @@ def test_token_tiles_multiply_bfloat16_operands_forward_and_backward():
   def grad_jaxpr(**kw):
     loss = lambda x, w: jnp.sum(L.token_logprobs_and_entropy(x, w, tokens, mask, **kw)[0])
     return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(xb, wb).jaxpr
-  assert _dot_operand_dtypes(grad_jaxpr(chunk=CHUNK, token_tile=8)) == {("bfloat16", "bfloat16")}
-  assert _dot_operand_dtypes(grad_jaxpr(chunk=CHUNK)) == {("bfloat16", "bfloat16")}  # vocabulary chunks too
-  assert any("float32" in dtypes for dtypes in _dot_operand_dtypes(grad_jaxpr(chunk=0)))
+  assert set(dot_operand_dtypes(grad_jaxpr(chunk=CHUNK, token_tile=8))) == {("bfloat16", "bfloat16")}
+  assert set(dot_operand_dtypes(grad_jaxpr(chunk=CHUNK))) == {("bfloat16", "bfloat16")}  # vocabulary chunks too
+  assert any("float32" in dtypes for dtypes in dot_operand_dtypes(grad_jaxpr(chunk=0)))
 
 
 @pytest.mark.parametrize("mode", ["ghost", "explicit"])

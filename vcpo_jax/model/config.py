@@ -40,6 +40,9 @@ class ModelConfig:
   max_seq_len: int = 256
   param_dtype: str = "float32"
   dtype: str = "float32"
+  # The final norm and the LM head (logits, log-probs) in this dtype; "" = dtype. "float32" with bfloat16
+  # layers: bf16 compute with a float32 log-prob head (its GEMMs at matmul_precision; "highest" = true f32).
+  head_dtype: str = ""
   # Every dot in the model (learner log-probs and the sampler alike) runs at this precision.
   matmul_precision: str = "highest"
   # Layers under nn.scan: params (and the KV cache) stacked on a leading "layers" axis; compile time does not
@@ -77,6 +80,9 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.head_dtype and self.head_dtype not in _DTYPES:
+      raise ValueError(f"model.head_dtype must be '' (model.dtype) or one of {sorted(_DTYPES)}, "
+                       f"got {self.head_dtype!r}")
     if self.matmul_precision not in PRECISIONS:
       raise ValueError(f"model.matmul_precision must be one of {sorted(PRECISIONS)}, "
                        f"got {self.matmul_precision!r}")
@@ -115,6 +121,11 @@ class ModelConfig:
   @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
+
+  @property
+  def head_config(self) -> "ModelConfig":
+    """This config with the head's dtype as the compute dtype (the final norm and the LM head run in it)."""
+    return self if not self.head_dtype else dataclasses.replace(self, dtype=self.head_dtype, head_dtype="")
 
   @property
   def jnp_param_dtype(self):

@@ -83,6 +83,7 @@ def hf_config(cfg: config_lib.ModelConfig, *, bos_token_id=None, eos_token_id=No
       "dtype": _TORCH_DTYPE[cfg.param_dtype],
       # Ours, ignored by transformers/SGLang: the compute dtype to use when re-imported.
       "vcpo_compute_dtype": cfg.dtype,
+      "vcpo_head_dtype": cfg.head_dtype,
       "vcpo_matmul_precision": cfg.matmul_precision,
       "vcpo_scan_layers": cfg.scan_layers,
       "vcpo_remat": cfg.remat,
@@ -155,7 +156,8 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> conf
       attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)),
       causal_flag=bool(d.get("vcpo_causal_flag", config_lib.ModelConfig.causal_flag)),
       lm_head=d.get("vcpo_lm_head", config_lib.ModelConfig.lm_head),
-      logits_token_tile=int(d.get("vcpo_logits_token_tile", config_lib.ModelConfig.logits_token_tile)))
+      logits_token_tile=int(d.get("vcpo_logits_token_tile", config_lib.ModelConfig.logits_token_tile)),
+      head_dtype=d.get("vcpo_head_dtype", ""))
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -171,7 +173,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "head_dim", "tie_word_embeddings")
 # Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
 _RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "remat_budget_gb",
-               "attention", "causal_flag", "lm_head", "logits_chunk", "logits_token_tile")
+               "attention", "causal_flag", "lm_head", "logits_chunk", "logits_token_tile", "head_dtype")
 
 
 def model_config(section) -> config_lib.ModelConfig:

@@ -101,7 +101,7 @@ class Transformer(nn.Module):
             (x, None if cache is None else cache[i]), None, cos, sin, mask_BxTxS, cache_index)
         new_cache.append(layer_cache)
       new_cache = None if cache is None else tuple(new_cache)
-    x = layers.RMSNorm(cfg, self.capture, name="norm")(x)
+    x = layers.RMSNorm(cfg.head_config, self.capture, name="norm")(x)  # model.head_dtype from here on
     if not self.head:
       return x, new_cache
     w_DxV = embedding.T if cfg.tie_word_embeddings else HeadKernel(cfg, name="lm_head")()
