@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
+.PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs \
+  aot-gpu
 
 # --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
 # wheel at install took half of the install (`pip install -q [--no-compile] -r requirements.txt`, then
@@ -83,6 +84,21 @@ gpu-check-unit:
 # The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
 gpu-check-dry: $(VENV)/.dev
 	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
+
+# Ahead-of-time compiles on this CPU machine, no accelerator (benchmarks/aot/; docs/gpu-aot.md): each in a
+# venv of its own with the pinned jax's GPU build (CUDA 12 plugin, ~3 GB of NVIDIA wheels).
+# AOT_ARGS adds options (e.g. AOT_ARGS="--steps grpo --variant base --variant xla:model.attention=xla").
+AOT_ARGS ?=
+AOT_GPU_VENV ?= .venv-aot-gpu
+
+$(AOT_GPU_VENV)/.installed: requirements.txt requirements-gpu.txt pyproject.toml
+	test -x $(AOT_GPU_VENV)/bin/python || $(PYTHON) -m venv $(AOT_GPU_VENV)
+	$(AOT_GPU_VENV)/bin/python -m pip install -q --no-compile -r requirements.txt -r requirements-gpu.txt
+	$(AOT_GPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
+	touch $@
+
+aot-gpu: $(AOT_GPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.gpu $(AOT_ARGS)
 
 # The results pipeline end to end in <= 15 min on 2 cores (experiments/studies/claims/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.
