@@ -9,7 +9,7 @@ PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
 .PHONY: train test test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs \
-  aot-gpu
+  aot-gpu aot-gpu-levers gpu-sweep gpu-sweep-dry
 
 # --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
 # wheel at install took half of the install (`pip install -q [--no-compile] -r requirements.txt`, then
@@ -85,6 +85,14 @@ gpu-check-unit:
 gpu-check-dry: $(VENV)/.dev
 	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
 
+# The check's third call: the levers' sweep of the GRPO step (benchmarks/bench_gpu_sweep.py, <= 8 min), and its
+# dry run on a CPU (tiny model, every lever; tests/test_gpu_check.py runs it).
+gpu-sweep:
+	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,sweep --budget-s 505 $(GPU_CHECK_ARGS)
+
+gpu-sweep-dry: $(VENV)/.dev
+	$(PY) -m benchmarks.gpu_check --dry --parts env,sweep $(GPU_CHECK_ARGS)
+
 # Ahead-of-time compiles on this CPU machine, no accelerator (benchmarks/aot/; docs/gpu-aot.md): each in a
 # venv of its own with the pinned jax's GPU build (CUDA 12 plugin, ~3 GB of NVIDIA wheels).
 # AOT_ARGS adds options (e.g. AOT_ARGS="--steps grpo --variant base --variant xla:model.attention=xla").
@@ -99,6 +107,10 @@ $(AOT_GPU_VENV)/.installed: requirements.txt requirements-gpu.txt pyproject.toml
 
 aot-gpu: $(AOT_GPU_VENV)/.installed
 	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.gpu $(AOT_ARGS)
+
+# The GPU sweep's levers (benchmarks/gpu_sweep_levers.py), each compiled for the H100: benchmarks/results-gpu-levers-aot.md.
+aot-gpu-levers: $(AOT_GPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot_levers $(AOT_ARGS)
 
 # The results pipeline end to end in <= 15 min on 2 cores (experiments/studies/claims/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.
