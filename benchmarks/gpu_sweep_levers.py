@@ -23,7 +23,8 @@ class Lever:
 
 # In priority order: when the sweep's time runs short the last ones are skipped (and reported as skipped).
 LEVERS = (
-    Lever("baseline", "the GPU check's program today: 19.1% MFU on an H100 (benchmarks/results-gpu-steps.md)"),
+    Lever("baseline", "the program the GPU check measured at 19.1% MFU on an H100 (benchmarks/results-gpu-steps.md):"
+          " the boolean attention mask", (("model.causal_flag", "False"),)),
     Lever("causal", "suspect 1: is_causal instead of a boolean mask, so cuDNN reads no [B,1,T,S] bias and the "
           "backward writes no bias gradient (jax#34685)", CAUSAL),
     Lever("tiles", "suspect 2: the LM head (~27% of FLOPs) as 4 token tiles of 1024, one [1024,896]x[896,V] GEMM "
@@ -54,9 +55,8 @@ COMBINED = "combined"
 def add_model_fields(config, overrides):
   """Adds to config.model the ModelConfig fields the overrides name that the job config leaves at their defaults
   (so that apply_overrides, which sets only fields a config has, can set them)."""
-  import dataclasses as dc
   from vcpo_jax.model import config as model_config
-  defaults = {f.name: f.default for f in dc.fields(model_config.ModelConfig)}
+  defaults = {f.name: f.default for f in dataclasses.fields(model_config.ModelConfig)}
   for key, _ in overrides:
     field = key.removeprefix("model.")
     if key.startswith("model.") and field in defaults and field not in config.model:

@@ -55,7 +55,7 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
       attention="auto",            # cuDNN flash attention on GPU with bf16/fp16, else jax.nn's XLA path
       # The learner's exactly-causal forward hands attention is_causal=True, not a boolean mask (cuDNN then
       # reads no [B, 1, T, S] bias and writes no bias gradient; the same values: docs/gpu.md, GPU levers).
-      causal_flag=False,
+      causal_flag=True,
       # LM head: vocab_chunks (logits_chunk columns at a time), token_tiles (logits_token_tile tokens of
       # full-vocabulary logits at a time) or plain; head_dtype="float32" with bfloat16 compute keeps the final
       # norm and the head in float32 (docs/gpu.md, GPU levers).

@@ -112,6 +112,7 @@ def test_the_steps_part_leaves_every_variant_its_minimum():
 def test_sweep_levers_have_reasons_and_their_gemms_are_the_model_flops():
   """At most 12 combinations (with the combined best), each with its reason and valid overrides; the ceiling's
   GEMMs are exactly the 6 N tokens of the MFU count (forward, dX, dW of every kernel)."""
+  import dataclasses
   import jax
   from benchmarks import bench_flops
   from benchmarks import gpu_sweep_levers as levers
@@ -120,7 +121,7 @@ def test_sweep_levers_have_reasons_and_their_gemms_are_the_model_flops():
   from vcpo_jax.model import transformer as model_lib
   names = [lever.name for lever in levers.LEVERS]
   assert len(set(names)) == len(names) and len(names) + 1 <= 12 and names[0] == "baseline"
-  fields = {f.name for f in __import__("dataclasses").fields(model_config.ModelConfig)}
+  fields = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
   for lever in levers.LEVERS:
     assert len(lever.reason) > 30 and lever.limit_s <= 90
     for key, _ in lever.overrides:

@@ -55,7 +55,8 @@ class ModelConfig:
   # Where the attention mask is exactly causal (a full forward with no key mask: the learner's right-padded
   # rows), jax.nn's kernels get is_causal=True instead of a [B, T, S] boolean mask, which cuDNN turns into a
   # [B, 1, T, S] bias (and, in jax <= 0.11.0, a bias gradient). Same values; False: always the boolean mask.
-  causal_flag: bool = False
+  # True by default: the H100 program compiled on CPU loses the bias and its gradient (docs/gpu.md).
+  causal_flag: bool = True
   # The LM head's log-probs (and their gradient), one of LM_HEADS: "vocab_chunks" = an online log-sum-exp
   # over vocabulary chunks of logits_chunk columns (vcpo_jax.model.lm_head: [tokens, vocab] float32 logits
   # never exist at once); "token_tiles" = full-vocabulary logits of logits_token_tile tokens at a time, one
