@@ -29,18 +29,18 @@ LEVERS = (
           "backward writes no bias gradient (jax#34685)", CAUSAL),
     Lever("tiles", "suspect 2: the LM head (~27% of FLOPs) as 4 token tiles of 1024, one [1024,896]x[896,V] GEMM "
           "each, instead of 75 sequential vocabulary chunks", TILES),
-    Lever("tiles4096", "one tile per micro-batch: the fewest head GEMMs (full f32 logits, 2.5 GB) with the bf16 "
-          "custom backward", TILES + (("model.logits_token_tile", "4096"),)),
-    Lever("plain", "full logits with jax's own backward (float32 GEMMs there): 'drop vocab chunking' "
-          "(marin#2315)", CAUSAL + (("model.lm_head", "plain"),)),
     Lever("micro16", "suspect 3: 16 rows (8k tokens) per micro-batch: larger GEMM row blocks, half the "
           "accumulation steps", TILES + (("algo.micro_batch_size", "16"),)),
-    Lever("micro64", "no accumulation (32k tokens at once); remat='auto' picks what fits 80 GB (suspect 5: "
-          "full remat costs ~33% more FLOPs)", TILES + (("algo.micro_batch_size", "64"),), limit_s=75.0),
     Lever("xla_flags", "suspect 6: MaxText's XLA GPU flags (latency-hiding scheduler, cuBLAS over Triton GEMMs, "
           "double-buffered loops)", TILES + XLA_RECIPE),
     Lever("unrolled", "suspect 4: layers unrolled instead of nn.scan (scan overhead on GPU: jax#13356); compiles "
           "~3x longer", TILES + (("model.scan_layers", "False"),), limit_s=90.0),
+    Lever("micro64", "no accumulation (32k tokens at once); remat='auto' picks what fits 80 GB (suspect 5: "
+          "full remat costs ~33% more FLOPs)", TILES + (("algo.micro_batch_size", "64"),), limit_s=75.0),
+    Lever("tiles4096", "one tile per micro-batch: the fewest head GEMMs (full f32 logits, 2.5 GB) with the bf16 "
+          "custom backward", TILES + (("model.logits_token_tile", "4096"),)),
+    Lever("plain", "full logits with jax's own backward (float32 GEMMs there): 'drop vocab chunking' "
+          "(marin#2315)", CAUSAL + (("model.lm_head", "plain"),)),
     Lever("f32_head", "the precision lever: bf16 layers with a float32 'highest' LM head, its price in time "
           "(benchmarks/bf16_mismatch.py gives its mismatch)",
           TILES + (("model.head_dtype", "float32"), ("model.matmul_precision", "highest")), limit_s=75.0),
