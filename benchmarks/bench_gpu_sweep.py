@@ -27,6 +27,7 @@ from benchmarks import bench_gpu_step
 from benchmarks import gpu_sweep_levers as levers_lib
 from benchmarks import gpu_sweep_report as report
 from benchmarks import model_choice
+from benchmarks import summary
 
 CEILING_LIMIT_S = 60.0
 VCPO_LIMIT_S = 60.0
@@ -195,7 +196,7 @@ def produce(quick: bool, limit_s: float) -> list[dict]:
         errors[lever.name] = "skipped: its time went to the final stage's reserve"
         continue
       step(lever.name, list(lever.overrides), "grpo", min(lever.limit_s, left(reserve)))
-    combined = levers_lib.combined({k: min(r["seconds"]) for k, r in results.items()})
+    combined = levers_lib.combined({k: summary.summarize(r["seconds"]).median for k, r in results.items()})
     if combined is not None:
       step(combined.name, list(combined.overrides), "grpo", combined.limit_s)
     best = report.best_lever(results)
