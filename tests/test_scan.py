@@ -208,6 +208,26 @@ def test_causal_flag_equals_the_boolean_mask_on_right_padded_rows(monkeypatch):
   assert set(seen) == {(False, False)}
 
 
+def test_per_sequence_norms_with_token_tiles_equal_vocabulary_chunks():
+  """model.lm_head="token_tiles" (7-token tiles, the last padded) under both VCPO paths: the book-keeping
+  norms and weighted gradient, and the bounded path's norms, equal those with vocabulary chunks."""
+  from vcpo_jax.learner import bounded_norms
+  _, stacked, tokens, mask, _ = _setup()
+  chunks = dataclasses.replace(SCAN, logits_chunk=16)
+  tiles = dataclasses.replace(chunks, lm_head="token_tiles", logits_token_tile=7)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def run(p, cfg):
+    grads, sq_B, _ = G.per_sequence_sq_norms_and_grad(p, cfg, tokens, mask, _coef_fn)
+    return grads, sq_B, bounded_norms.sq_norms_and_vjp(p, cfg, tokens, mask)[0]
+  (g0, sq0, b0), (g1, sq1, b1) = run(stacked, chunks), run(stacked, tiles)
+  np.testing.assert_allclose(sq1, sq0, rtol=1e-5)
+  np.testing.assert_allclose(b1, b0, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
+
+
 def test_is_causal_attention_equals_einsum_with_the_causal_mask():
   """attend(is_causal=True) on the XLA path equals the einsum reference with the causal mask (GQA); T != S is
   refused."""
