@@ -84,6 +84,30 @@ def run(pairs, args) -> list[dict]:
   return results
 
 
+def run_in_parallel(sizes, args) -> list[dict]:
+  """Each size's (config, slice) pairs in a process of its own (compiles are single-threaded for long stretches),
+  the same options passed on; results in SLICES' order."""
+  import subprocess
+  import sys
+  import tempfile
+  own, passed, skip = ("--jobs", "--only", "--out", "--docs"), [], False
+  for a in sys.argv[1:]:  # the caller's options, less those set per child
+    if not skip and not a.startswith(tuple(o + "=" for o in own)) and a not in own:
+      passed.append(a)
+    skip = a in own
+  with tempfile.TemporaryDirectory(prefix="aot_tpu_") as tmp:
+    procs = [(size, subprocess.Popen([sys.executable, "-m", "benchmarks.aot.tpu", "--jobs", "1", "--only", size,
+                                      "--out", os.path.join(tmp, size), "--docs", ""] + passed))
+             for size in sizes]
+    results = []
+    for size, proc in procs:
+      if proc.wait() != 0:
+        raise RuntimeError(f"compiling {size} failed (exit code {proc.returncode})")
+      with open(os.path.join(tmp, size + ".json")) as f:
+        results += json.load(f)["results"]
+  return results
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", default="", help="comma-separated sizes of SLICES to compile (default: all)")
@@ -94,6 +118,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the server's decode")
   parser.add_argument("--decode-rows", type=int, default=64, help="the server's pool (--max-batch)")
   parser.add_argument("--out", default=DEFAULT_OUT, help="results prefix: writes <out>.md and <out>.json")
+  parser.add_argument("--jobs", type=int, default=3, help="> 1: each size compiled in a process of its own, in "
+                      "parallel; 1: all in this process")
   parser.add_argument("--from-json", default=None,
                       help="re-render <out>.md's summary and the docs table from this results json (no compile)")
   parser.add_argument("--docs", default=None,
@@ -110,12 +136,15 @@ def main(argv=None) -> list[dict]:
       saved = json.load(f)
     results, command = saved["results"], saved["command"]
   else:
-    results, command = run(pairs, args), report.command_line()
+    sizes = list(dict.fromkeys(z for z, _ in pairs))
+    parallel = args.jobs > 1 and len(sizes) > 1 and not args.slice
+    results = run_in_parallel(sizes, args) if parallel else run(pairs, args)
+    command = report.command_line()
   text = report.write(args.out, "Shipped configs compiled for TPU slices", INTRO, results, command)
   table = summary_table(results)
   with open(args.out + ".md", "a") as f:
     f.write("\n## Summary\n\n" + table + "\n")
-  docs = args.docs or (DOCS if command == DEFAULT_COMMAND else None)  # the page shows the default run only
+  docs = DOCS if args.docs is None and command == DEFAULT_COMMAND else args.docs  # the default run's page
   if docs:
     update_docs(docs, table, command)
   print(text + "\n" + table)
