@@ -80,3 +80,32 @@ def test_variants_and_steps_make_one_labelled_case_each():
   assert cases[2].overrides == (("model.scan_layers", "False"), ("model.attention", "xla"), ("model.remat", "full"))
   with pytest.raises(SystemExit):
     parser.parse_args(["--steps", "sft"])
+
+
+def _result(step="job", **kw):
+  r = {"label": step, "config": "configs/qwen2_5.py:0.5b", "step": step, "overrides": {}, "rows": 128,
+       "seq_len": 640, "micro_batch_size": 8, "dtype": "float32", "devices": 4, "mesh": {"fsdp": 4},
+       "device_kind": "TPU v5 lite", "hbm_bytes": 16 * 2**30, "compile_s": 12.0, "slice": "v5e:2x2",
+       "memory": {"peak_bytes": 14 * 2**30}, "headroom": 0.125, "fits": True,
+       "attention_kernel": "Pallas (Mosaic) kernel", "kv_cache_bytes": 10**9,
+       "choices": ["model.remat=auto -> 'dots' (~9 GB per device <= 17.2 GB)"]}
+  r.update(kw)
+  return r
+
+
+def test_tpu_table_says_fits_only_with_ten_percent_headroom_and_names_the_remat_choice(tmp_path):
+  from benchmarks.aot import tpu
+  refused = _result("decode", error="XlaRuntimeError: RESOURCE_EXHAUSTED", fits=False, memory={})
+  table = tpu.summary_table([_result(), _result(headroom=0.05), refused])
+  rows = table.splitlines()[2:]
+  assert "| 15.03 | 17.18 | 12.5% | yes |" in rows[0] and "| dots |" in rows[0]
+  assert "| fits, < 10% |" in rows[1]
+  assert "decode, 128 rows x 640 slots (1.00 GB KV cache)" in rows[2] and "| no: XlaRuntimeError" in rows[2]
+  page = tmp_path / "tpu.md"
+  page.write_text(f"intro\n{tpu.BEGIN}\nold\n{tpu.END}\nrest\n")
+  tpu.update_docs(str(page), table, tpu.DEFAULT_COMMAND)
+  text = page.read_text()
+  assert text.startswith("intro\n") and text.endswith("rest\n") and "old" not in text and table in text
+  page.write_text("no markers")
+  with pytest.raises(ValueError, match="no <!-- aot-tpu table"):
+    tpu.update_docs(str(page), table, tpu.DEFAULT_COMMAND)

@@ -185,6 +185,11 @@ def compile_case(case: Case, devices, target, top: int = 10) -> dict:
   logging.getLogger().setLevel(min(old_level, logging.INFO))
   t0 = time.perf_counter()
   try:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = lc.micro_batch_size if 0 < lc.micro_batch_size < rows else 0
+    if rows % shards or (micro and (rows % micro or micro % shards)):  # what the step's call checks on real rows
+      raise ValueError(f"algo.micro_batch_size={lc.micro_batch_size} and B={rows} rows: both must be multiples "
+                       f"of the mesh's data x fsdp = {shards} (and the micro-batch divide B)")
     with target_lib.compiling_for(target):
       step = learner.make_rl_step(model_cfg, lc, optimizer, mesh)
       state = abstract_state(model_cfg, optimizer, mesh)

@@ -33,6 +33,10 @@ def gpu_devices(spec: str = "h100", count: int = 1) -> tuple[list, target_lib.Ta
 def tpu_devices(slice_name: str) -> tuple[list, target_lib.Target]:
   """The chips of a TPU slice: "v5e:2x2" (all four), or "v5p:2x2x1/1" (the first chip of it: one chip alone).
   The Target's memory is the chip's HBM (target.HBM_BYTES_BY_KIND)."""
+  # No chip is opened: libtpu's one-process lock (it guards real chips) would keep two compiles (a test beside a
+  # run) apart, and with no TPU host there are no workers to look up.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   from jax.experimental import topologies
   name, _, first = slice_name.partition("/")
   devices = list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)

@@ -6,14 +6,16 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.model import attention_tpu
 from vcpo_jax.parallel import target
 
 # Shape letters: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, E head dim.
 # model.attention picks one: "auto" = cuDNN flash attention where supported (GPU, bf16/fp16, head dim a
-# multiple of 8 <= 128, even lengths), else jax.nn.dot_product_attention with implementation=None (XLA
-# chooses); "xla" = always the latter; "cudnn" = cuDNN, falling back to the einsum path where unsupported;
-# "einsum" = the explicit reference path.
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "einsum")
+# multiple of 8 <= 128, even lengths), splash attention on a TPU where supported (attention_tpu.py), else
+# jax.nn.dot_product_attention with implementation=None (XLA chooses); "xla" = always the latter; "cudnn" =
+# cuDNN, falling back to the einsum path where unsupported; "splash" = the splash kernel (in Pallas'
+# interpreter off a TPU: the CPU tests), falling back to XLA where unsupported; "einsum" = the reference path.
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "einsum")
 _warned: set = set()
 
 
@@ -66,6 +68,8 @@ def attend(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, *, implementation: str, 
                      f"{k_BxSxKxE.shape[1]} keys")
   k, v = k_BxSxKxE.astype(dtype), v_BxSxKxE.astype(dtype)
   q = q_BxTxHxE.astype(dtype)
+  if attention_tpu.chosen(implementation, q, k):
+    return attention_tpu.splash_attention(q, k, v, mask_BxTxS, dtype, interpret=target.current().platform != "tpu")
   impl = None
   if implementation in ("auto", "cudnn"):
     why = cudnn_unsupported(q, k)
