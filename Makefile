@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-extra test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs
+.PHONY: train test test-extra test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs \
+  aot-gpu aot-gpu-levers aot-tpu test-aot gpu-sweep gpu-sweep-dry
 
 # --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
 # wheel at install took half of the install (`pip install -q [--no-compile] -r requirements.txt`, then
@@ -88,6 +89,56 @@ gpu-check-unit:
 # The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
 gpu-check-dry: $(VENV)/.dev
 	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
+
+# The check's third call: the levers' sweep of the GRPO step (benchmarks/bench_gpu_sweep.py, <= 8 min), and its
+# dry run on a CPU (tiny model, every lever; tests/test_gpu_check.py runs it).
+gpu-sweep:
+	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,sweep --budget-s 505 $(GPU_CHECK_ARGS)
+
+gpu-sweep-dry: $(VENV)/.dev
+	$(PY) -m benchmarks.gpu_check --dry --parts env,sweep $(GPU_CHECK_ARGS)
+
+# Ahead-of-time compiles on this CPU machine, no accelerator (benchmarks/aot/; docs/gpu-aot.md, docs/tpu.md): each
+# in a venv of its own with the pinned jax's GPU (CUDA 12 plugin, ~3 GB of NVIDIA wheels) or TPU (libtpu) build.
+# AOT_ARGS adds options (e.g. AOT_ARGS="--steps grpo --variant base --variant xla:model.attention=xla").
+AOT_ARGS ?=
+AOT_GPU_VENV ?= .venv-aot-gpu
+AOT_TPU_VENV ?= .venv-aot-tpu
+
+$(AOT_GPU_VENV)/.installed: requirements.txt requirements-gpu.txt pyproject.toml
+	test -x $(AOT_GPU_VENV)/bin/python || $(PYTHON) -m venv $(AOT_GPU_VENV)
+	$(AOT_GPU_VENV)/bin/python -m pip install -q --no-compile -r requirements.txt -r requirements-gpu.txt
+	$(AOT_GPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
+	touch $@
+
+# libtpu comes with jax[tpu] at requirements.txt's jax (PyPI wheels, ~100 MB).
+$(AOT_TPU_VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(AOT_TPU_VENV)/bin/python || $(PYTHON) -m venv $(AOT_TPU_VENV)
+	$(AOT_TPU_VENV)/bin/python -m pip install -q --no-compile -r requirements.txt \
+	  "jax[tpu]==$$(sed -n 's/^jax==//p' requirements.txt)"
+	$(AOT_TPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
+	touch $@
+
+aot-gpu: $(AOT_GPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.gpu $(AOT_ARGS)
+
+# The GPU sweep's levers (benchmarks/gpu_sweep_levers.py), each compiled for the H100: benchmarks/results-gpu-levers-aot.md.
+aot-gpu-levers: $(AOT_GPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot_levers $(AOT_ARGS)
+
+aot-tpu: $(AOT_TPU_VENV)/.installed
+	JAX_PLATFORMS=cpu $(AOT_TPU_VENV)/bin/python -m benchmarks.aot.tpu $(AOT_ARGS)
+
+# The TPU compile test (tests/test_aot_tpu.py, ~1 compile; not in `make test`, which has no libtpu: it skips there):
+# the 0.5B step compiled for a v5e 2x2 slice fits with 10% headroom. Where the TPU venv cannot be built (no
+# registry, no libtpu wheel for this platform) it runs in .venv and is skipped with that reason.
+test-aot: $(VENV)/.dev
+	@if $(MAKE) $(AOT_TPU_VENV)/.installed; then \
+	  $(AOT_TPU_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider $(PYTEST_ARGS) tests/test_aot_tpu.py; \
+	else \
+	  echo "test-aot: could not build $(AOT_TPU_VENV) (jax[tpu] / libtpu): the test is skipped"; \
+	  $(PY) -m pytest -q -rs -n 0 $(PYTEST_ARGS) tests/test_aot_tpu.py; \
+	fi
 
 # The results pipeline end to end in <= 15 min on 2 cores (experiments/studies/claims/sweeps/quick.py: 1 seed, 3 arms,
 # k in {0, 64}, shortened runs); a relaunch skips finished units. Page: $(QUICK_ROOT)/report/report.md.

@@ -1,9 +1,10 @@
 """bf16 vs float32 log-prob mismatch on the main job's model after a short warm start (docs/gpu.md, Precision).
 
 `python -m benchmarks.bf16_mismatch [--sft-steps N]`: warm-starts the main job's model (float32), samples
-responses to Countdown prompts with the float32 sampler, then scores the same tokens four ways and prints
+responses to Countdown prompts with the float32 sampler, then scores the same tokens several ways and prints
 per-token |delta| and per-sequence |sum delta| (= |log w| at lag 0) against the float32 learner:
-the bf16-compute learner, the bf16 sampler (KV-cache decode), the float32 sampler, and bf16 vs bf16.
+the bf16-compute learner, the bf16 sampler (KV-cache decode), the float32 sampler, bf16 vs bf16, and the same
+with bf16 layers and a float32 LM head (model.head_dtype="float32", the head at "highest").
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main(argv=None) -> dict:
   config = countdown.get_config()
   cfg32 = hf.model_config(config.model)
   cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
+  cfg16h = dataclasses.replace(cfg16, head_dtype="float32", matmul_precision="highest")
   tok = tokenizer_lib.build_tokenizer()
   task = configuration.build_task(config)
   opt = configuration.build_optimizer(config, sft=True)
@@ -72,6 +74,9 @@ def main(argv=None) -> dict:
   same = np.array([a.output_ids == b.output_ids for a, b in zip(rows32, rows16)], np.float32)
   learner32 = np.asarray(model_lib.token_logprobs(params, cfg32, tokens, mask))
   learner16 = np.asarray(model_lib.token_logprobs(params, cfg16, tokens, mask))
+  learner16h = np.asarray(model_lib.token_logprobs(params, cfg16h, tokens, mask))
+  rows16h = sample(cfg16h)
+  same_h = np.array([a.output_ids == b.output_ids for a, b in zip(rows32, rows16h)], np.float32)
   zeros = np.zeros(len(prompts), np.float32)
   ones = np.ones(len(prompts), np.float32)
 
@@ -86,6 +91,8 @@ def main(argv=None) -> dict:
       "sampler_f32_vs_learner_f32": gap(learner32, sampler_logp(rows32)),
       "sampler_bf16_vs_learner_f32": gap(learner32, sampler_logp(rows16), same),
       "sampler_bf16_vs_learner_bf16": gap(learner16, sampler_logp(rows16), same),
+      "learner_bf16_f32head_vs_learner_f32": gap(learner16h, learner32),
+      "sampler_bf16_f32head_vs_learner_bf16_f32head": gap(learner16h, sampler_logp(rows16h), same_h),
       "backend": jax.default_backend(), "model": cfg32.to_dict(),
   }
   print(json.dumps(result, indent=2))

@@ -5,7 +5,8 @@ folder of their own with no network). Each part is a process under its own time 
 SIGINT (pytest still writes its report), then what is left of its process tree is killed, the part is recorded
 as timed out, and the next part starts. Every part's limit also shrinks to what is left of --budget-s.
 The default parts (env, steps, decode, wire) fit one device call; the job and the unit tier are the second
-(`--parts env,job,unit --budget-s 410`): together they outgrow the device tool's 600 s per call.
+(`--parts env,job,unit --budget-s 410`): together they outgrow the device tool's 600 s per call; the sweep is
+a third (`--parts env,sweep --budget-s 505`).
 
 | part   | what it runs                                                                 | GPU limit | dry limit |
 | ------ | ---------------------------------------------------------------------------- | --------- | --------- |
@@ -20,6 +21,8 @@ The default parts (env, steps, decode, wire) fit one device call; the job and th
 | job    | the main job shortened: warm start + 20 RL steps, k=2, learner and one       |  200 s    |  150 s    |
 |        | embedded server on the one device (dry: configs/tiny.py, 2 RL steps)         |           |           |
 | unit   | the unit tier, JAX_PLATFORMS=cuda, 14 workers (dry: two test files, CPU)     |  180 s    |   90 s    |
+| sweep  | GEMM ceiling at the model's shapes; GRPO step per lever combination; VCPO at |  480 s    |  360 s    |
+|        | the best (benchmarks.bench_gpu_sweep; its own call: `make gpu-sweep`)        |           |           |
 | (wheel install before, report after: ~10 s)                                           |  550 s    |  580 s    |
 
 The GPU limits are the H100 measurements (docs/gpu.md: env 4 s, steps 58 s, decode over 103 s, job 180-186 s,
@@ -68,10 +71,12 @@ class Part:
 
 
 PARTS = (Part("env", 15, 60), Part("steps", 160, 160), Part("decode", 140, 120), Part("wire", 150, 150),
-         Part("job", 200, 150), Part("unit", 180, 90))
+         Part("job", 200, 150), Part("unit", 180, 90), Part("sweep", 480, 360))
 DEFAULT_PARTS = ("env", "steps", "decode", "wire")
 SECOND_CALL_PARTS = ("env", "job", "unit")
 SECOND_CALL_BUDGET_S = 410.0  # the second call, `--parts env,job,unit --budget-s 410`
+SWEEP_CALL_PARTS = ("env", "sweep")
+SWEEP_CALL_BUDGET_S = 505.0   # `make gpu-sweep`: `--parts env,sweep --budget-s 505`
 BENCH_LIMIT_MARGIN_S = 5.0  # a benchmark part's own deadline ends this long before its SIGINT
 
 
@@ -91,9 +96,9 @@ def part_command(name: str, ctx: Context) -> tuple[list[str], dict]:
   py, quick = ctx.python, (["--quick"] if ctx.dry else [])
   if name == "env":
     return [py, "-m", "benchmarks.environment"], {}
-  if name in ("steps", "decode", "wire"):  # decode and wire share the device with torch (and wire with a
-    # server process): JAX must not take 75%
-    module = {"steps": "step", "decode": "decode", "wire": "wire"}[name]
+  if name in ("steps", "decode", "wire", "sweep"):  # decode and wire share the device with torch (and wire with
+    # a server process): JAX must not take 75%; steps and sweep run a process per step, one after another
+    module = {"steps": "step", "decode": "decode", "wire": "wire", "sweep": "sweep"}[name]
     return [py, "-m", f"benchmarks.bench_gpu_{module}", "--json",
             ctx.path(f"{name}.json")] + quick, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   if name == "job":

@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 from typing import Any, Mapping
 
 from benchmarks import goals as goals_lib
+from benchmarks import gpu_sweep_report
 from benchmarks import markdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +108,7 @@ def log_counts(path: str) -> dict:
 
 def collect(work: str, parts: list[dict], *, dry: bool, command: str, started: float) -> dict:
   figures = []
-  for name in ("steps", "decode", "wire"):
+  for name in ("steps", "decode", "wire", "sweep"):
     if any(p["part"] == name for p in parts):
       figures += read_json(os.path.join(work, f"{name}.json"), []) or []
   return {"environment": environment(work), "command": command,
@@ -147,6 +148,9 @@ def unit_section(unit: Mapping[str, Any]) -> str:
 def render(results: Mapping[str, Any]) -> str:
   goals = "\n".join(markdown.goals_table(results, goals_lib.GPU_CHECK_GOALS)).strip()
   sections = [parts_section(results["parts"]), goals, job_section(results["job"]), unit_section(results["unit"])]
+  sweep = gpu_sweep_report.section(results["figures"])
+  if sweep:
+    sections.append(sweep)
   return markdown.render_markdown(results, goals=(), title="vcpo_jax GPU check", sections=sections)
 
 

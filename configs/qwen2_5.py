@@ -46,12 +46,23 @@ def get_config(arg: str = "0.5b") -> ml_collections.ConfigDict:
       dtype="bfloat16" if size == "7b" else "float32",
       matmul_precision="default" if size == "7b" else "highest",
       scan_layers=True,            # one compiled layer: the step compiles in the same time at any depth
+                                   # (False: unrolled, as GPU recipes run; compiles ~3x longer at 24 layers)
       # The jax.checkpoint policy per layer; auto: the least recomputation
       # whose estimated step memory fits remat_budget_gb per device (0: the device's memory); choice and
       # estimates are logged when the step is first traced (vcpo_jax/model/remat.py).
       remat="auto",
       remat_budget_gb=0.0,
       attention="auto",            # cuDNN flash attention on GPU with bf16/fp16, else jax.nn's XLA path
+      # The learner's exactly-causal forward hands attention is_causal=True, not a boolean mask (cuDNN then
+      # reads no [B, 1, T, S] bias and writes no bias gradient; the same values: docs/gpu.md, GPU levers).
+      causal_flag=True,
+      # LM head: vocab_chunks (logits_chunk columns at a time), token_tiles (logits_token_tile tokens of
+      # full-vocabulary logits at a time) or plain; head_dtype="float32" with bfloat16 compute keeps the final
+      # norm and the head in float32 (docs/gpu.md, GPU levers).
+      lm_head="vocab_chunks",
+      logits_chunk=2048,
+      logits_token_tile=1024,
+      head_dtype="",
       hf_path="",                  # a local Hugging Face Qwen2/Qwen2.5 directory; "" = random init
   ))
   c.mesh.update(data=1, fsdp=-1, tensor=1)   # parameters and optimizer state sharded over every device

@@ -80,7 +80,12 @@ def test_parts_have_a_command_and_fit_the_budget():
   limits = {p.name: p.limit_s for p in gpu_check.PARTS}
   assert sum(limits[n] for n in gpu_check.DEFAULT_PARTS) + 10 <= gpu_check.BUDGET_S
   assert sum(limits[n] for n in gpu_check.SECOND_CALL_PARTS) + 10 <= gpu_check.SECOND_CALL_BUDGET_S
-  assert set(limits) == set(gpu_check.DEFAULT_PARTS) | set(gpu_check.SECOND_CALL_PARTS)
+  assert sum(limits[n] for n in gpu_check.SWEEP_CALL_PARTS) + 10 <= gpu_check.SWEEP_CALL_BUDGET_S
+  assert limits["sweep"] <= 8 * 60  # the sweep's budget on one GPU
+  assert set(limits) == (set(gpu_check.DEFAULT_PARTS) | set(gpu_check.SECOND_CALL_PARTS)
+                         | set(gpu_check.SWEEP_CALL_PARTS))
+  sweep, extra = gpu_check.part_command("sweep", ctx)
+  assert sweep[1:3] == ["-m", "benchmarks.bench_gpu_sweep"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   wire, extra = gpu_check.part_command("wire", ctx)
   assert wire[1:3] == ["-m", "benchmarks.bench_gpu_wire"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   job, extra = gpu_check.part_command("job", ctx)
@@ -102,6 +107,73 @@ def test_the_steps_part_leaves_every_variant_its_minimum():
       assert gpu_check.bench_limit_s(part.dry_limit_s) >= bench_gpu_step.min_limit_s()
   with pytest.raises(ValueError, match="BENCH_JOB_LIMIT_S=65 leaves the 3 variants"):
     bench_gpu_step.run_children(quick=True, limit_s=65)
+
+
+def test_sweep_levers_have_reasons_and_their_gemms_are_the_model_flops():
+  """At most 12 combinations (with the combined best), each with its reason and valid overrides; the ceiling's
+  GEMMs are exactly the 6 N tokens of the MFU count (forward, dX, dW of every kernel)."""
+  import dataclasses
+  import jax
+  from benchmarks import bench_flops
+  from benchmarks import gpu_sweep_levers as levers
+  from benchmarks import model_choice
+  from vcpo_jax.model import config as model_config
+  from vcpo_jax.model import transformer as model_lib
+  names = [lever.name for lever in levers.LEVERS]
+  assert len(set(names)) == len(names) and len(names) + 1 <= 12 and names[0] == "baseline"
+  fields = {f.name for f in dataclasses.fields(model_config.ModelConfig)}
+  for lever in levers.LEVERS:
+    assert len(lever.reason) > 30 and lever.limit_s <= 90
+    for key, _ in lever.overrides:
+      assert key.startswith(("xla_gpu_", "algo.")) or key.removeprefix("model.") in fields, key
+  cfg = model_choice.model_config("qwen2.5-0.5b")
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+  gemm_flops = sum(2 * m * k * n * count for _, m, k, n, count in levers.gemm_shapes(cfg, 4096))
+  assert gemm_flops == 6 * bench_flops.matmul_params(cfg, params) * 4096
+
+
+def test_sweep_combines_the_levers_that_helped():
+  from benchmarks import gpu_sweep_levers as levers
+  seconds = {"baseline": 1.0, "causal": 0.9, "tiles": 0.8, "micro16": 0.7, "micro64": 0.75, "xla_flags": 0.78,
+             "unrolled": 0.85, "plain": 0.79, "f32_head": 0.5}
+  best = levers.combined(seconds)
+  fields = dict(best.overrides)
+  assert fields["algo.micro_batch_size"] == "16"            # the best; micro64 sets the same field: left out
+  assert fields["xla_gpu_enable_triton_gemm"] == "false"    # beat tiles, sets other fields: added
+  assert fields["model.lm_head"] == "token_tiles"           # plain conflicts with the best's head: left out
+  assert "model.scan_layers" not in fields and "model.head_dtype" not in fields  # slower / a precision lever
+  assert "micro16 + xla_flags" in best.reason
+  assert levers.combined({"baseline": 1.0, "causal": 1.2}) is None
+
+
+def test_sweep_figures_and_section_from_child_results():
+  """The report's figures and markdown from hand-written child results: MFU against the peak and the ceiling at
+  the lever's own micro-batch, the best lever's VCPO ratios, the top ops, failed levers as rows."""
+  from benchmarks import gpu_sweep_levers as levers
+  from benchmarks import gpu_sweep_report as report
+
+  def result(seconds, tokens=4096):
+    return {"seconds": seconds, "micro_tokens": tokens, "analytic_flops": 1e14, "overrides": [], "remat": "none",
+            "xla_memory": {"peak_estimate_bytes": 24e9}, "compile_s": 12.0, "backend": "gpu", "rows": 64,
+            "seq_len": 512, "device_memory_after": {"peak_bytes_in_use": 25e9},
+            "top_ops": [{"op": "fusion.1", "ms_per_step": 100.0, "share": 0.2, "what": "fusion kLoop -> f32[8]"}]}
+  ceiling = {"peak": 7e14, "peak_details": {}, "ceilings": {"4096": {"flop_per_s": 4e14, "gemms": []},
+                                                            "8192": {"flop_per_s": 5e14, "gemms": []}}}
+  results = {"baseline": result([0.75, 0.74]), "micro16": result([0.4, 0.4], tokens=8192),
+             "f32_head": result([0.3, 0.3]), "vcpo_bounded@micro16": result([0.44, 0.44], tokens=8192)}
+  errors = {"tiles": "timed out after 60 s", "vcpo_book_keeping@micro16": "exit code 1: boom"}
+  figs = report.figures(ceiling, results, errors, None)
+  by_key = {f["key"]: f for f in figs}
+  assert report.best_lever(results) == "micro16"  # f32_head is faster but a precision lever
+  d = by_key["sweep_step_micro16"]["details"]
+  assert d["mfu_peak"] == pytest.approx(1e14 / 0.4 / 7e14) and d["mfu_ceiling"] == pytest.approx(1e14 / 0.4 / 5e14)
+  assert by_key["sweep_step_baseline"]["details"]["ceiling_tokens"] == 4096
+  assert by_key["sweep_best_mfu"]["value"] == pytest.approx(1e14 / 0.4 / 7e14)
+  assert by_key["sweep_vcpo_bounded_over_grpo"]["value"] == pytest.approx(1.1)
+  assert by_key["sweep_vcpo_book_keeping_over_grpo"]["error"] and by_key["sweep_step_tiles"]["error"]
+  md = report.section(figs)
+  assert "| tiles | timed out after 60 s |" in md and "lever micro16:" in md and "lever baseline:" in md
+  assert md.count("| fusion.1 | 100.00 | 20.0% |") == 2 and levers.LEVERS[0].reason in md
 
 
 @pytest.mark.integration
@@ -129,22 +201,23 @@ def test_a_part_past_its_limit_is_stopped_with_its_children(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.extra  # ~100 CPU-s: `make test-extra`, which CI runs after `make test`
-@pytest.mark.timeout(1800)
+@pytest.mark.extra  # minutes of CPU: `make test-extra`, which CI runs after `make test`
+@pytest.mark.timeout(2400)
 def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   out = tmp_path / "out"
   env = {k: v for k, v in os.environ.items() if k != "OUT"}
   # Wide limits: this checks the code path, and a loaded 2-core machine can take minutes per part.
   limits = [f"--limit={name}={seconds}" for name, seconds in
-            (("env", 120), ("steps", 300), ("decode", 300), ("wire", 300), ("job", 300), ("unit", 200))]
+            (("env", 120), ("steps", 300), ("decode", 300), ("wire", 300), ("job", 300), ("unit", 200),
+             ("sweep", 600))]
   proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out),
-                         "--budget-s", "1600"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                        timeout=1700)
+                         "--budget-s", "2200"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=2300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(os.listdir(out)) == ["details.tar.gz", "gpu_check.json", "gpu_check.log", "results-gpu.md"]
   results = json.loads((out / "gpu_check.json").read_text())
   parts = {p["part"]: p for p in results["parts"]}
-  assert list(parts) == ["env", "steps", "decode", "wire", "job", "unit"]
+  assert list(parts) == ["env", "steps", "decode", "wire", "job", "unit", "sweep"]
   assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), (out / "gpu_check.log").read_text()
   figures = {f["key"]: f for f in results["figures"]}
   for key in ("gpu_matmul_peak", "grpo_mfu", "vcpo_book_keeping_over_grpo", "vcpo_bounded_over_grpo",
@@ -152,6 +225,12 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
               "decode_engine_vs_hf_b2", "decode_engine_vs_hf_b4", "wire_publish_gloo", "disk_publish"):
     assert key in figures and not figures[key]["error"], (key, figures.get(key))
   assert figures["peak_memory_grpo"]["details"]["xla_memory"]["peak_estimate_bytes"] > 0
+  from benchmarks import gpu_sweep_levers  # the sweep: every lever, the ceiling, profiles, VCPO at the best
+  for key in ["sweep_matmul_peak", "sweep_best_mfu", "sweep_best_ceiling_fraction", "sweep_vcpo_bounded_over_grpo",
+              "sweep_vcpo_book_keeping_over_grpo"] + [f"sweep_step_{lever.name}" for lever in gpu_sweep_levers.LEVERS]:
+    assert key in figures and not figures[key]["error"], (key, figures.get(key))
+  assert figures["sweep_step_baseline"]["details"]["top_ops"]
+  assert any(k.startswith("sweep_gemm_ceiling_") and figures[k]["value"] > 0 for k in figures)
   job = results["job"]
   assert job["finished"] and job["steps_logged"] == 2 and 0 <= job["final_greedy_accuracy"] <= 1
   assert job["steps_per_s"] > 0
@@ -161,7 +240,8 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   md = (out / "results-gpu.md").read_text()
   headings = [line for line in md.splitlines() if line.startswith("#")]
   assert headings == ["# vcpo_jax GPU check", "## Parts", "## Goals", "## Main job, shortened (warm start + RL, "
-                      "async k=2, learner and one embedded server on one device)", "## Unit tier", "## Details"]
+                      "async k=2, learner and one embedded server on one device)", "## Unit tier",
+                      "## Sweep (levers of the GRPO step)", "## Details"]
   assert "python3 -m benchmarks.gpu_check --dry" in md and "backend: cpu" in md
   goal_rows = [line for line in md.split("## Goals")[1].split("##")[0].splitlines() if line.startswith("| ")]
   assert figures["wire_served_equal_gloo"]["value"] == 1.0  # the wire-updated server serves the learner's weights

@@ -1,4 +1,5 @@
-"""lm_head: the vocabulary-chunked head (custom VJP) equals the plain full-logits formulation (chunk=0)."""
+"""lm_head: the vocabulary-chunked head and the token-tiled head (custom VJPs) equal the plain full-logits
+formulation (chunk=0)."""
 import functools
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 
 from vcpo_jax.model import lm_head as L
 from vcpo_jax.model import lm_head_plain
+from tests.model_jit import dot_operand_dtypes
 
 B, T, D, V = 3, 7, 8, 37   # V = 4 chunks of 8 + an overlapping last chunk that owns 5 columns
 CHUNK = 8
@@ -39,7 +41,7 @@ def test_logprobs_and_entropy_match_plain(chunk):
   assert float(jnp.max(ref[1])) > 1.0  # entropies are far from 0: the test is not vacuous
 
 
-def _loss(chunk, tied):
+def _loss(chunk, tied, token_tile=0):
   """A loss mixing log-probs and entropies (an entropy bonus) with per-token weights, of (x, w) or, tied,
   of (x, E): E = w^T feeds x by its rows and is the head, passed as it is (vocab_major)."""
   _, _, tokens, mask = _inputs()
@@ -49,7 +51,8 @@ def _loss(chunk, tied):
   def f(x, w):
     if tied:
       x = jnp.tanh(x + w[tokens])   # w is E [V, D]: gradients reach it through x and the head
-    logp, ent = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk, vocab_major=tied)
+    logp, ent = L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk, vocab_major=tied,
+                                             token_tile=token_tile)
     return jnp.sum(a * logp) + 0.3 * jnp.sum(b * ent)
   return f
 
@@ -65,6 +68,38 @@ def test_gradients_wrt_x_and_w_match_plain(tied, chunk):
     _close(g, r)
   dw_DxV = ref[1].T if tied else ref[1]
   assert float(jnp.max(jnp.abs(dw_DxV[:, V - 1]))) > 0  # the overlapping last chunk's own column is trained
+
+
+@pytest.mark.parametrize("tied,tile", [(False, 8), (True, 5), (True, 64)])
+def test_token_tiles_match_plain(tied, tile):
+  """model.lm_head="token_tiles": log-probs, entropies and gradients wrt x and the head equal the plain path's
+  with tiles that do not divide the B*T = 21 tokens (padded rows) and with one tile of every token."""
+  x, w, tokens, mask = _inputs()
+  w = w.T if tied else w
+  f = lambda x, w: L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=CHUNK, vocab_major=tied, token_tile=tile)
+  got = jax.jit(f)(x, w)
+  ref = jax.jit(lambda x, w: L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=0, vocab_major=tied))(x, w)
+  for g, r in zip(got, ref):
+    assert g.dtype == jnp.float32
+    _close(g, r)
+  got = jax.jit(jax.grad(_loss(CHUNK, tied, tile), argnums=(0, 1)))(x, w)
+  ref = jax.jit(jax.grad(_loss(0, tied), argnums=(0, 1)))(x, w)
+  for g, r in zip(got, ref):
+    assert g.shape == r.shape and g.dtype == r.dtype
+    _close(g, r)
+
+
+def test_token_tiles_multiply_bfloat16_operands_forward_and_backward():
+  """bf16 compute: every head GEMM of the token-tiled path (forward and the VJP's two) reads bf16 operands
+  (float32 accumulation), while the plain path's autodiff backward multiplies float32 logit gradients."""
+  x, w, tokens, mask = _inputs()
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.float32)  # float32 params, bf16 compute (the learner's)
+  def grad_jaxpr(**kw):
+    loss = lambda x, w: jnp.sum(L.token_logprobs_and_entropy(x, w, tokens, mask, **kw)[0])
+    return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(xb, wb).jaxpr
+  assert set(dot_operand_dtypes(grad_jaxpr(chunk=CHUNK, token_tile=8))) == {("bfloat16", "bfloat16")}
+  assert set(dot_operand_dtypes(grad_jaxpr(chunk=CHUNK))) == {("bfloat16", "bfloat16")}  # vocabulary chunks too
+  assert any("float32" in dtypes for dtypes in dot_operand_dtypes(grad_jaxpr(chunk=0)))
 
 
 @pytest.mark.parametrize("mode", ["ghost", "explicit"])
@@ -118,6 +153,13 @@ def test_bad_chunk_names_the_field(chunk):
   x, w, tokens, mask = _inputs()
   with pytest.raises(ValueError, match="chunk="):
     L.token_logprobs_and_entropy(x, w, tokens, mask, chunk=chunk)
+
+
+@pytest.mark.parametrize("tile", [-1, 2.5, True])
+def test_bad_token_tile_names_the_field(tile):
+  x, w, tokens, mask = _inputs()
+  with pytest.raises(ValueError, match="token_tile="):
+    L.token_logprobs_and_entropy(x, w, tokens, mask, token_tile=tile)
 
 
 def test_chunked_grad_never_holds_full_logits():

@@ -7,8 +7,8 @@ import pytest
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
 # The model's functions run jitted, as the learner and the engine run them.
-from tests.model_jit import (decode, forward, hidden_states, init_params, prompt_logprobs_and_logits,
-                             token_logprobs, token_logprobs_and_entropy)
+from tests.model_jit import (decode, dot_operand_dtypes, forward, hidden_states, init_params,
+                             prompt_logprobs_and_logits, token_logprobs, token_logprobs_and_entropy)
 
 CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=64)
@@ -53,6 +53,24 @@ def test_logprobs_are_log_softmax_of_next_token(params):
   assert np.all(np.asarray(ent)[:, :4] == 0) and np.all(np.asarray(ent)[:, 4:] > 0)
 
 
+@pytest.mark.parametrize("lm_head", ["token_tiles", "plain"])
+def test_lm_head_choices_give_the_same_logprobs_and_grads(params, lm_head):
+  """model.lm_head: token tiles (5 tokens, the last tile padded) and plain full logits equal the default
+  vocabulary chunks (3 chunks of 24 over 64 columns, the last overlapping): log-probs, entropies, gradients."""
+  base = model_config.ModelConfig(**{**CFG.to_dict(), "logits_chunk": 24})
+  cfg = model_config.ModelConfig(**{**base.to_dict(), "lm_head": lm_head, "logits_token_tile": 5})
+  toks = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, CFG.vocab_size)
+  mask = (jnp.arange(12)[None, :] >= 4).astype(jnp.float32) * jnp.ones((3, 1))
+  loss = lambda p, c: jnp.sum(sum(M.token_logprobs_and_entropy(p, c, toks, mask)) * jnp.arange(12.0)[None])
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  for got, want in zip(token_logprobs_and_entropy(params, cfg, toks, mask),
+                       token_logprobs_and_entropy(params, base, toks, mask)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  for g, want in zip(jax.tree.leaves(grad(params, cfg)), jax.tree.leaves(grad(params, base))):
+    scale = float(jnp.max(jnp.abs(want)))  # float32 sums in another order: 1e-5 of the leaf's scale
+    np.testing.assert_allclose(g / scale, want / scale, atol=1e-5)
+
+
 def test_kv_cache_decode_matches_full_forward(params):
   B, P, N = 3, 5, 7
   toks = jax.random.randint(jax.random.PRNGKey(2), (B, P + N), 0, CFG.vocab_size)
@@ -93,8 +111,26 @@ def test_bfloat16_compute_is_close_to_float32(params):
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(p16))
 
 
+def test_bfloat16_layers_with_a_float32_head(params):
+  """model.head_dtype=float32 with bf16 compute: the final norm's output and every head GEMM are float32 while
+  the layers' GEMMs stay bf16; log-probs move towards the float32 model's (the head's own bf16 error gone)."""
+  bf16 = model_config.ModelConfig(**{**CFG.to_dict(), "dtype": "bfloat16"})
+  f32_head = model_config.ModelConfig(**{**bf16.to_dict(), "head_dtype": "float32"})
+  toks = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, CFG.vocab_size)
+  mask = jnp.ones((3, 12), jnp.float32)
+  assert hidden_states(params, f32_head, toks).dtype == jnp.float32
+  jaxpr = jax.make_jaxpr(lambda p: M.token_logprobs(p, f32_head, toks, mask))(params).jaxpr
+  dots = dot_operand_dtypes(jaxpr)
+  assert ("float32", "float32") in dots and ("bfloat16", "bfloat16") in dots
+  assert not any(set(d) == {"float32", "bfloat16"} for d in dots)
+  want = token_logprobs(params, CFG, toks, mask)
+  err = lambda cfg: float(jnp.mean(jnp.abs(token_logprobs(params, cfg, toks, mask) - want)))
+  assert 0 < err(f32_head) < err(bf16)
+
+
 @pytest.mark.parametrize("field,value", [("num_layers", 0), ("num_heads", 3), ("dtype", "float8"),
-                                         ("head_dim", 7)])
+                                         ("head_dim", 7), ("lm_head", "fused"), ("logits_token_tile", 0),
+                                         ("head_dtype", "float64")])
 def test_invalid_config_names_field(field, value):
   with pytest.raises(ValueError, match=field):
     model_config.ModelConfig(**{**CFG.to_dict(), field: value})

@@ -178,7 +178,74 @@ def test_dot_product_attention_equals_einsum_with_fully_masked_rows(implementati
     assert "einsum path" in caplog.text
 
 
-@pytest.mark.parametrize("field,value", [("remat", "some"), ("attention", "flash"), ("scan_layers", 1)])
+def test_causal_flag_equals_the_boolean_mask_on_right_padded_rows(monkeypatch):
+  """model.causal_flag: the learner's full forward (no key mask) hands jax.nn is_causal=True and no mask; its
+  log-probs, per-sequence norms and grads equal the einsum path's on right-padded rows (the response mask)."""
+  params, stacked, tokens, mask, _ = _setup()
+  cfg = dataclasses.replace(SCAN, causal_flag=True)
+  seen = []
+  dpa = jax.nn.dot_product_attention
+
+  def spy(*args, **kw):
+    seen.append((kw.get("is_causal", False), kw.get("mask") is None))
+    return dpa(*args, **kw)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  logp0, grad0 = jax.jit(lambda p: (M.token_logprobs(p, PLAIN, tokens, mask), jax.grad(
+      lambda p: _loss(p, PLAIN, tokens, mask, None))(p)))(params)
+  grads, sq_B, aux = jax.jit(lambda p: G.per_sequence_sq_norms_and_grad(p, cfg, tokens, mask, _coef_fn))(stacked)
+  logp1, grad1 = jax.jit(lambda p: (M.token_logprobs(p, cfg, tokens, mask), jax.grad(
+      lambda p: _loss(p, cfg, tokens, mask, None))(p)))(stacked)
+  assert seen and set(seen) == {(True, True)}  # every call, the norms' capture forward included
+  np.testing.assert_allclose(logp1, logp0, atol=1e-5)
+  np.testing.assert_allclose(aux["logp_BxT"], logp0, atol=1e-5)
+  assert np.all(np.asarray(sq_B) > 0)
+  for (path, g1), g0 in zip(jax.tree_util.tree_leaves_with_path(grad1),
+                            jax.tree.leaves(M.stack_layers(grad0, L))):
+    scale = float(jnp.max(jnp.abs(g0)))
+    np.testing.assert_allclose(g1 / scale, g0 / scale, atol=1e-5, err_msg=str(path))
+  seen.clear()  # a key mask (the sampler's left pads) or a KV cache keeps the boolean mask
+  jax.jit(lambda p: M.token_logprobs(p, cfg, tokens, mask, key_mask_BxT=jnp.ones((B, T), bool)))(stacked)
+  assert set(seen) == {(False, False)}
+
+
+def test_per_sequence_norms_with_token_tiles_equal_vocabulary_chunks():
+  """model.lm_head="token_tiles" (7-token tiles, the last padded) under both VCPO paths: the book-keeping
+  norms and weighted gradient, and the bounded path's norms, equal those with vocabulary chunks."""
+  from vcpo_jax.learner import bounded_norms
+  _, stacked, tokens, mask, _ = _setup()
+  chunks = dataclasses.replace(SCAN, logits_chunk=16)
+  tiles = dataclasses.replace(chunks, lm_head="token_tiles", logits_token_tile=7)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def run(p, cfg):
+    grads, sq_B, _ = G.per_sequence_sq_norms_and_grad(p, cfg, tokens, mask, _coef_fn)
+    return grads, sq_B, bounded_norms.sq_norms_and_vjp(p, cfg, tokens, mask)[0]
+  (g0, sq0, b0), (g1, sq1, b1) = run(stacked, chunks), run(stacked, tiles)
+  np.testing.assert_allclose(sq1, sq0, rtol=1e-5)
+  np.testing.assert_allclose(b1, b0, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(a / scale, b / scale, atol=1e-5)
+
+
+def test_is_causal_attention_equals_einsum_with_the_causal_mask():
+  """attend(is_causal=True) on the XLA path equals the einsum reference with the causal mask (GQA); T != S is
+  refused."""
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(4), 3)
+  q = jax.random.normal(k1, (2, 6, 4, 8))
+  k, v = jax.random.normal(k2, (2, 6, 2, 8)), jax.random.normal(k3, (2, 6, 2, 8))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((6, 6), bool))[None], (2, 6, 6))
+  kw = dict(precision=jax.lax.Precision.HIGHEST, dtype=jnp.float32)
+  want, got = jax.jit(lambda q, k, v, m: (attention.attend(q, k, v, m, implementation="einsum", **kw),
+                                          attention.attend(q, k, v, m, implementation="xla", is_causal=True,
+                                                           **kw)))(q, k, v, mask)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  with pytest.raises(ValueError, match="T == S"):
+    attention.attend(q, k[:, :4], v[:, :4], mask[:, :, :4], implementation="xla", is_causal=True, **kw)
+
+
+@pytest.mark.parametrize("field,value", [("remat", "some"), ("attention", "flash"), ("scan_layers", 1),
+                                         ("causal_flag", "yes")])
 def test_invalid_scan_fields_name_the_field(field, value):
   with pytest.raises(ValueError, match=f"model.{field}"):
     dataclasses.replace(PLAIN, **{field: value})

@@ -28,9 +28,8 @@ _F32 = jnp.float32
 
 
 def _zero_taps(cfg: M.ModelConfig, taps: Taps, tokens_BxT, positions_BxT):
-  mask = M.causal_mask(positions_BxT)
   shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=taps, head=False).init(
-      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, mask))
+      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))
   zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
   return zeros(shapes["norm_taps"]), zeros(shapes["perturbations"])
 
@@ -46,8 +45,8 @@ def _head(params, cfg: M.ModelConfig):
 def _head_sq_norms(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, x_BxTxD, g_embed_BxTxD, mode: str):
   """{leaf: sq_B} of the embedding (+ tied head and cross term) and the untied head (model.lm_head's terms)."""
   w, vocab_major = _head(params, cfg)
-  lse_BxT = lm_head.logsumexp(x_BxTxD, w, cfg.precision, cfg.logits_chunk, vocab_major=vocab_major)
-  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse_BxT, vocab_major=vocab_major)
+  lse_BxT = lm_head.logsumexp(x_BxTxD, w, cfg.precision, cfg.head_chunk, vocab_major=vocab_major)
+  head = dict(precision=cfg.precision, chunk=cfg.head_chunk, lse_BxT=lse_BxT, vocab_major=vocab_major)
   head_sq_B = lm_head.head_sq_norms(x_BxTxD, w, tokens_BxT, mask_BxT, mode, **head)
   embed_sq_B = G.embedding_sq_norms(tokens_BxT, g_embed_BxTxD, cfg.vocab_size, mode)
   if not cfg.tie_word_embeddings:
@@ -67,7 +66,7 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   G._check_mode(mode)
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
-  attn_mask = M.causal_mask(positions_BxT, key_mask_BxT)
+  attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)
   taps = Taps(mode)
   taps0, perts0 = _zero_taps(cfg, taps, tokens_BxT, positions_BxT)
 
@@ -76,7 +75,7 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
         {"params": p, "norm_taps": taps_tree, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask)
     w, vocab_major = _head(p, cfg)
     logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(
-        x_BxTxD, w, tokens_BxT, mask_BxT, cfg.precision, cfg.logits_chunk, vocab_major=vocab_major)
+        x_BxTxD, w, tokens_BxT, mask_BxT, vocab_major=vocab_major, **cfg.head_logprob_args())
     return (logp_BxT, ent_BxT), x_BxTxD
 
   (logp_BxT, ent_BxT), vjp, x_BxTxD = jax.vjp(forward, params, taps0, perts0, has_aux=True)

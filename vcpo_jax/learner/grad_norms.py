@@ -120,9 +120,8 @@ def embedding_weighted_grad(tokens_BxT, g_BxTxD, c_B, vocab_size: int):
 # ---------------------------------------------------------------------------------------------------------
 
 def _zero_perturbations(cfg: model_config.ModelConfig, tokens_BxT, positions_BxT):
-  mask = M.causal_mask(positions_BxT)
   shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=True).init(
-      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, mask))["perturbations"]
+      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))["perturbations"]
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -130,7 +129,7 @@ def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positio
   """Returns (logp_BxT, ent_BxT, inputs, out_grads): flat dicts keyed by module path tuples."""
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
-  attn_mask = M.causal_mask(positions_BxT, key_mask_BxT)
+  attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)
   perts = _zero_perturbations(cfg, tokens_BxT, positions_BxT)
 
   def total_logp(perts):
@@ -138,7 +137,7 @@ def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positio
         {"params": params, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask,
         mutable=["intermediates"])
     logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(x_BxTxD, M.head_kernel(params, cfg), tokens_BxT,
-                                                           mask_BxT, cfg.precision, cfg.logits_chunk)
+                                                           mask_BxT, **cfg.head_logprob_args())
     return jnp.sum(logp_BxT), (logp_BxT, ent_BxT, state["intermediates"], x_BxTxD)
 
   out_grads, (logp_BxT, ent_BxT, inputs, x_BxTxD) = jax.grad(total_logp, has_aux=True)(perts)
@@ -147,7 +146,7 @@ def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positio
   # The LM head's per-sequence terms are computed by vcpo_jax.model.lm_head from its input and the mask; one
   # log-sum-exp pass over the vocabulary serves all of them.
   w_DxV = M.head_kernel(params, cfg)
-  lse_BxT = lm_head.logsumexp(x_BxTxD, w_DxV, cfg.precision, cfg.logits_chunk)
+  lse_BxT = lm_head.logsumexp(x_BxTxD, w_DxV, cfg.precision, cfg.head_chunk)
   inputs[HEAD] = (x_BxTxD, w_DxV, mask_BxT, lse_BxT)
   out_grads = {k[:-1] if k[-1] == "outputs" else k: v
                for k, v in traverse_util.flatten_dict(out_grads).items()}
@@ -196,7 +195,7 @@ def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: model_config.ModelC
   """Per-sequence squared norm of one parameter leaf (for a tied embedding: embedding + head + cross)."""
   module = path[:-1]
   x, w, mask, lse = inputs[HEAD]
-  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse)
+  head = dict(precision=cfg.precision, chunk=cfg.head_chunk, lse_BxT=lse)
   if path == ("embed_tokens",):
     g_emb = out_grads[("embed_outputs",)]
     sq_B = embedding_sq_norms(tokens_BxT, g_emb, cfg.vocab_size, mode)
@@ -214,7 +213,7 @@ def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: model_config.ModelC
 def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: model_config.ModelConfig):
   module = path[:-1]
   x, w, mask, lse = inputs[HEAD]
-  head = dict(precision=cfg.precision, chunk=cfg.logits_chunk, lse_BxT=lse)
+  head = dict(precision=cfg.precision, chunk=cfg.head_chunk, lse_BxT=lse)
   if path == ("embed_tokens",):
     grad = embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
     if cfg.tie_word_embeddings:

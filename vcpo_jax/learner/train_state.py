@@ -101,7 +101,8 @@ def batch_rows(mesh) -> int:
 
 def jit_step(fn: Callable, model_cfg, optimizer, mesh, rules, check: Callable, num_batch_args: int = 1,
              with_ref: bool = False):
-  """jit once; with a mesh: explicit shardings (state from logical axes, batch rows over data x fsdp)."""
+  """jit once; with a mesh: explicit shardings (state from logical axes, batch rows over data x fsdp), and
+  `call.lower(state, *batch)` lowers the same program (abstract inputs welcome) under the mesh."""
   if mesh is None:
     jitted = jax.jit(fn, donate_argnums=0)
 
@@ -122,6 +123,11 @@ def jit_step(fn: Callable, model_cfg, optimizer, mesh, rules, check: Callable, n
       raise ValueError(f"batch rows B={b} must be divisible by the mesh's data x fsdp = {n}")
     with jax.set_mesh(mesh), nn.logical_axis_rules(list(rules)):
       return jitted(state, *batch)
+
+  def lower(state, *batch):  # the same program on abstract inputs, for ahead-of-time compiles (benchmarks/aot)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(list(rules)):
+      return jitted.lower(state, *batch)
+  call.lower = lower
   return call
 
 

@@ -6,14 +6,16 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from vcpo_jax.model import attention_tpu
 from vcpo_jax.parallel import target
 
 # Shape letters: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, E head dim.
 # model.attention picks one: "auto" = cuDNN flash attention where supported (GPU, bf16/fp16, head dim a
-# multiple of 8 <= 128, even lengths), else jax.nn.dot_product_attention with implementation=None (XLA
-# chooses); "xla" = always the latter; "cudnn" = cuDNN, falling back to the einsum path where unsupported;
-# "einsum" = the explicit reference path.
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "einsum")
+# multiple of 8 <= 128, even lengths), splash attention on a TPU where supported (attention_tpu.py), else
+# jax.nn.dot_product_attention with implementation=None (XLA chooses); "xla" = always the latter; "cudnn" =
+# cuDNN, falling back to the einsum path where unsupported; "splash" = the splash kernel (in Pallas'
+# interpreter off a TPU: the CPU tests), falling back to XLA where unsupported; "einsum" = the reference path.
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "einsum")
 _warned: set = set()
 
 
@@ -52,12 +54,22 @@ def _warn_once(why: str):
     logging.warning("model.attention='cudnn' unsupported (%s): using the einsum path", why)
 
 
-def attend(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, *, implementation: str, precision, dtype):
-  """[B, T, H, E] attention output in `dtype`; mask_BxTxS True where query t may see key s."""
+def attend(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, *, implementation: str, precision, dtype,
+           is_causal: bool = False):
+  """[B, T, H, E] attention output in `dtype`; mask_BxTxS True where query t may see key s.
+
+  is_causal: the caller promises mask_BxTxS is exactly causal by index (key s <= query t, T == S, every key
+  valid), as in the learner's forward over right-padded rows; jax.nn's kernels then get is_causal=True
+  instead of the mask (cuDNN needs no [B, 1, T, S] bias, whose gradient jax <= 0.11.0 also computes)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"model.attention must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if is_causal and q_BxTxHxE.shape[1] != k_BxSxKxE.shape[1]:
+    raise ValueError(f"is_causal attention needs T == S, got {q_BxTxHxE.shape[1]} queries and "
+                     f"{k_BxSxKxE.shape[1]} keys")
   k, v = k_BxSxKxE.astype(dtype), v_BxSxKxE.astype(dtype)
   q = q_BxTxHxE.astype(dtype)
+  if attention_tpu.chosen(implementation, q, k):
+    return attention_tpu.splash_attention(q, k, v, mask_BxTxS, dtype, interpret=target.current().platform != "tpu")
   impl = None
   if implementation in ("auto", "cudnn"):
     why = cudnn_unsupported(q, k)
@@ -71,15 +83,15 @@ def attend(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS, *, implementation: str, 
   # jax's XLA path leaves float32 dots at precision=None; the context gives them the model's precision
   # (HIGHEST keeps float32 log-probs exact on GPUs, where the default is TF32).
   with jax.default_matmul_precision(_PRECISION_NAMES[precision]):
-    mask_Bx1xTxS = mask_BxTxS[:, None, :, :]
+    how = dict(is_causal=True) if is_causal else dict(mask=mask_BxTxS[:, None, :, :])
     if impl == "cudnn":
       try:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xTxS, implementation="cudnn").astype(dtype)
+        return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **how).astype(dtype)
       except (NotImplementedError, ValueError, RuntimeError) as e:  # raised while tracing: fall back
         if implementation == "cudnn":
           _warn_once(f"{type(e).__name__}: {e}")
           return einsum_attention(q, k, v, mask_BxTxS, precision, dtype)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xTxS, implementation=None).astype(dtype)
+    return jax.nn.dot_product_attention(q, k, v, implementation=None, **how).astype(dtype)
 
 
 _PRECISION_NAMES = {jax.lax.Precision.HIGHEST: "highest", jax.lax.Precision.HIGH: "high",

@@ -21,6 +21,7 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
 # "auto": the learner's steps pick the cheapest policy whose estimated memory fits (vcpo_jax.model.remat);
 # a forward alone (sampler, evaluation) keeps nothing for a backward, so there it is "none".
 REMAT_CHOICES = tuple(REMAT_POLICIES) + ("auto",)
+LM_HEADS = ("vocab_chunks", "token_tiles", "plain")  # model.lm_head (see the field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class ModelConfig:
   max_seq_len: int = 256
   param_dtype: str = "float32"
   dtype: str = "float32"
+  # The final norm and the LM head (logits, log-probs) in this dtype; "" = dtype. "float32" with bfloat16
+  # layers: bf16 compute with a float32 log-prob head (its GEMMs at matmul_precision; "highest" = true f32).
+  head_dtype: str = ""
   # Every dot in the model (learner log-probs and the sampler alike) runs at this precision.
   matmul_precision: str = "highest"
   # Layers under nn.scan: params (and the KV cache) stacked on a leading "layers" axis; compile time does not
@@ -48,9 +52,20 @@ class ModelConfig:
   # remat="auto": GB per device the learner step may use; 0 = the device's own memory limit.
   remat_budget_gb: float = 0.0
   attention: str = "auto"      # a name in attention.IMPLEMENTATIONS
-  # Vocabulary columns per LM-head chunk (vcpo_jax.model.lm_head): [tokens, vocab] float32 logits never exist at
-  # once in the learner; 0 = the plain full-logits path.
+  # Where the attention mask is exactly causal (a full forward with no key mask: the learner's right-padded
+  # rows), jax.nn's kernels get is_causal=True instead of a [B, T, S] boolean mask, which cuDNN turns into a
+  # [B, 1, T, S] bias (and, in jax <= 0.11.0, a bias gradient). Same values; False: always the boolean mask.
+  # True by default: the H100 program compiled on CPU loses the bias and its gradient (docs/gpu.md).
+  causal_flag: bool = True
+  # The LM head's log-probs (and their gradient), one of LM_HEADS: "vocab_chunks" = an online log-sum-exp
+  # over vocabulary chunks of logits_chunk columns (vcpo_jax.model.lm_head: [tokens, vocab] float32 logits
+  # never exist at once); "token_tiles" = full-vocabulary logits of logits_token_tile tokens at a time, one
+  # GEMM per tile (lm_head_tiles); "plain" = full [tokens, vocab] logits, jax's own backward (lm_head_plain).
+  # The per-sequence gradient-norm terms use vocabulary chunks, except under "plain".
+  lm_head: str = "vocab_chunks"
+  # Vocabulary columns per LM-head chunk; 0 = the plain full-logits path (as lm_head="plain").
   logits_chunk: int = 2048
+  logits_token_tile: int = 1024  # tokens per tile of lm_head="token_tiles"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -66,13 +81,22 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"model.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+    if self.head_dtype and self.head_dtype not in _DTYPES:
+      raise ValueError(f"model.head_dtype must be '' (model.dtype) or one of {sorted(_DTYPES)}, "
+                       f"got {self.head_dtype!r}")
     if self.matmul_precision not in PRECISIONS:
       raise ValueError(f"model.matmul_precision must be one of {sorted(PRECISIONS)}, "
                        f"got {self.matmul_precision!r}")
-    if not isinstance(self.scan_layers, bool):
-      raise ValueError(f"model.scan_layers must be a bool, got {self.scan_layers!r}")
+    for name in ("scan_layers", "causal_flag"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"model.{name} must be a bool, got {getattr(self, name)!r}")
     if isinstance(self.logits_chunk, bool) or not isinstance(self.logits_chunk, int) or self.logits_chunk < 0:
       raise ValueError(f"model.logits_chunk must be an int >= 0 (0: full logits), got {self.logits_chunk!r}")
+    if self.lm_head not in LM_HEADS:
+      raise ValueError(f"model.lm_head must be one of {LM_HEADS}, got {self.lm_head!r}")
+    tile = self.logits_token_tile
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
+      raise ValueError(f"model.logits_token_tile must be a positive int, got {tile!r}")
     if self.remat not in REMAT_CHOICES:
       raise ValueError(f"model.remat must be one of {sorted(REMAT_CHOICES)}, got {self.remat!r}")
     if isinstance(self.remat_budget_gb, bool) or not isinstance(self.remat_budget_gb, (int, float)) or not (
@@ -100,9 +124,24 @@ class ModelConfig:
     return _DTYPES[self.dtype]
 
   @property
+  def head_config(self) -> "ModelConfig":
+    """This config with the head's dtype as the compute dtype (the final norm and the LM head run in it)."""
+    return self if not self.head_dtype else dataclasses.replace(self, dtype=self.head_dtype, head_dtype="")
+
+  @property
   def jnp_param_dtype(self):
     return _DTYPES[self.param_dtype]
 
   @property
   def precision(self) -> jax.lax.Precision:
     return PRECISIONS[self.matmul_precision]
+
+  @property
+  def head_chunk(self) -> int:
+    """Vocabulary columns per chunk of the LM head's vocab-chunk functions (0: full logits)."""
+    return 0 if self.lm_head == "plain" else self.logits_chunk
+
+  def head_logprob_args(self) -> dict:
+    """Keyword arguments of lm_head.token_logprobs_and_entropy for this config's LM head."""
+    return dict(precision=self.precision, chunk=self.head_chunk,
+                token_tile=self.logits_token_tile if self.lm_head == "token_tiles" else 0)

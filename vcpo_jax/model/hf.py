@@ -83,11 +83,15 @@ def hf_config(cfg: config_lib.ModelConfig, *, bos_token_id=None, eos_token_id=No
       "dtype": _TORCH_DTYPE[cfg.param_dtype],
       # Ours, ignored by transformers/SGLang: the compute dtype to use when re-imported.
       "vcpo_compute_dtype": cfg.dtype,
+      "vcpo_head_dtype": cfg.head_dtype,
       "vcpo_matmul_precision": cfg.matmul_precision,
       "vcpo_scan_layers": cfg.scan_layers,
       "vcpo_remat": cfg.remat,
       "vcpo_attention": cfg.attention,
+      "vcpo_causal_flag": cfg.causal_flag,
       "vcpo_logits_chunk": cfg.logits_chunk,
+      "vcpo_lm_head": cfg.lm_head,
+      "vcpo_logits_token_tile": cfg.logits_token_tile,
   }
 
 
@@ -149,7 +153,11 @@ def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> conf
       param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype),
       matmul_precision=d.get("vcpo_matmul_precision", "highest"),
       scan_layers=bool(d.get("vcpo_scan_layers", False)), remat=d.get("vcpo_remat", "none"),
-      attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)))
+      attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)),
+      causal_flag=bool(d.get("vcpo_causal_flag", config_lib.ModelConfig.causal_flag)),
+      lm_head=d.get("vcpo_lm_head", config_lib.ModelConfig.lm_head),
+      logits_token_tile=int(d.get("vcpo_logits_token_tile", config_lib.ModelConfig.logits_token_tile)),
+      head_dtype=d.get("vcpo_head_dtype", ""))
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -165,7 +173,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "head_dim", "tie_word_embeddings")
 # Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
 _RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "remat_budget_gb",
-               "attention")
+               "attention", "causal_flag", "lm_head", "logits_chunk", "logits_token_tile", "head_dtype")
 
 
 def model_config(section) -> config_lib.ModelConfig:

@@ -106,6 +106,7 @@ class Attention(nn.Module):
   """
   cfg: ModelConfig
   capture: bool = False
+  causal: bool = False  # mask_BxTxS is exactly causal by index: attend may use is_causal instead
 
   @nn.compact
   def __call__(self, x_BxTxD, cos_BxTxE, sin_BxTxE, mask_BxTxS, kv_cache=None, cache_index=None, layer=None):
@@ -124,7 +125,7 @@ class Attention(nn.Module):
       k, v = new_cache if layer is None else (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
                                               for c in new_cache)
     out = attention_lib.attend(q, k, v, mask_BxTxS, implementation=cfg.attention, precision=cfg.precision,
-                               dtype=cfg.jnp_dtype)
+                               dtype=cfg.jnp_dtype, is_causal=self.causal and kv_cache is None)
     out_BxTxD = dense(cfg.hidden_size, ("q_heads", "embed"), False, "o_proj")(out.reshape(B, T, H * E))
     return out_BxTxD, new_cache
 

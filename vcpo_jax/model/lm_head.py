@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax.model import lm_head_plain as plain
+from vcpo_jax.model import lm_head_tiles as tiles
 
 # Shape letters: B batch, T/S length, D hidden, V vocab, C vocab chunk, N tokens (B*T). Position t's logits
 # predict token t+1: logp[:, t] is log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0, as in
@@ -141,18 +142,24 @@ def _add_chunk(dw, dw_DxC, start, c: int, vaxis: int):
 
 
 def token_logprobs_and_entropy(x_BxTxD, w_DxV, tokens_BxT, mask_BxT, precision=_HIGHEST, chunk=None, *,
-                               vocab_major: bool = False):
+                               vocab_major: bool = False, token_tile: int = 0):
   """(logp_BxT, ent_BxT), masked, float32: log p(tokens[t] | :t) and the entropy of that distribution.
 
   Differentiable wrt x and w (custom VJP: the backward recomputes chunk logits; it keeps only x, w, the
-  targets and two floats per token)."""
+  targets and two floats per token). token_tile > 0: over tiles of that many tokens with full-vocabulary
+  logits instead (lm_head_tiles; `chunk` is then unused)."""
   vaxis = _vaxis(vocab_major)
   c = vocab_chunk(chunk, w_DxV.shape[vaxis])
-  if c == 0:
+  if isinstance(token_tile, bool) or not isinstance(token_tile, (int, np.integer)) or token_tile < 0:
+    raise ValueError(f"lm_head token_tile must be an int >= 0 (0: vocabulary chunks), got token_tile={token_tile!r}")
+  if c == 0 and not token_tile:
     return plain.logprobs_and_entropy(x_BxTxD, _as_DxV(w_DxV, vaxis), tokens_BxT, mask_BxT, precision)
   b, t, d = x_BxTxD.shape
-  logp_N, ent_N = _logp_ent(x_BxTxD.reshape(b * t, d), w_DxV, plain.next_tokens(tokens_BxT).reshape(-1), c,
-                            precision, vaxis)
+  x_NxD, y_N = x_BxTxD.reshape(b * t, d), plain.next_tokens(tokens_BxT).reshape(-1)
+  if token_tile:
+    logp_N, ent_N = tiles.logp_ent(x_NxD, w_DxV, y_N, int(token_tile), precision, vocab_major)
+  else:
+    logp_N, ent_N = _logp_ent(x_NxD, w_DxV, y_N, c, precision, vaxis)
   pad, m = jnp.zeros((b, 1), _F32), mask_BxT.astype(_F32)
   shift = lambda v_N: jnp.concatenate([pad, v_N.reshape(b, t)[:, :-1]], axis=1) * m
   return shift(logp_N), shift(ent_N)

@@ -22,11 +22,12 @@ class Block(nn.Module):
   """
   cfg: ModelConfig
   capture: bool = False
+  causal: bool = False  # the mask is exactly causal: attention may take is_causal instead (model.causal_flag)
 
   @nn.compact
   def __call__(self, carry, layer, cos, sin, mask, cache_index):
     x, kv_cache = carry
-    h, kv_cache = layers.Attention(self.cfg, self.capture, name="self_attn")(
+    h, kv_cache = layers.Attention(self.cfg, self.capture, self.causal, name="self_attn")(
         layers.RMSNorm(self.cfg, self.capture, name="input_layernorm")(x), cos, sin, mask, kv_cache, cache_index,
         layer)
     x = x + h
@@ -73,7 +74,14 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
+    """mask_BxTxS None: exactly causal by index, every key valid (see `attention_mask`)."""
     cfg = self.cfg
+    causal = mask_BxTxS is None
+    if causal:
+      if cache is not None:
+        raise ValueError("Transformer: mask_BxTxS=None (causal) is for a full forward, not a KV-cache decode")
+      mask_BxTxS = causal_mask(positions_BxT)
+    causal = causal and cfg.causal_flag
     embedding = self.param("embed_tokens", nn.with_logical_partitioning(layers.init_normal(), ("vocab", "embed")),
                            (cfg.vocab_size, cfg.hidden_size), cfg.jnp_param_dtype)
     x = jnp.take(embedding, tokens_BxT, axis=0).astype(cfg.jnp_dtype)
@@ -84,16 +92,16 @@ class Transformer(nn.Module):
     stack = _layer_stack(cfg, self.capture)
     if cfg.scan_layers:
       layers_L = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-      (x, new_cache), _ = stack(cfg, self.capture, name="layers")((x, cache), layers_L, cos, sin, mask_BxTxS,
-                                                                  cache_index)
+      (x, new_cache), _ = stack(cfg, self.capture, causal, name="layers")((x, cache), layers_L, cos, sin,
+                                                                          mask_BxTxS, cache_index)
     else:
       new_cache = []
       for i in range(cfg.num_layers):
-        (x, layer_cache), _ = stack(cfg, self.capture, name=f"layers_{i}")(
+        (x, layer_cache), _ = stack(cfg, self.capture, causal, name=f"layers_{i}")(
             (x, None if cache is None else cache[i]), None, cos, sin, mask_BxTxS, cache_index)
         new_cache.append(layer_cache)
       new_cache = None if cache is None else tuple(new_cache)
-    x = layers.RMSNorm(cfg, self.capture, name="norm")(x)
+    x = layers.RMSNorm(cfg.head_config, self.capture, name="norm")(x)  # model.head_dtype from here on
     if not self.head:
       return x, new_cache
     w_DxV = embedding.T if cfg.tie_word_embeddings else HeadKernel(cfg, name="lm_head")()
@@ -108,6 +116,12 @@ def causal_mask(positions_BxT, key_mask_BxT=None):
   if key_mask_BxT is not None:
     mask_BxTxT = mask_BxTxT & key_mask_BxT[:, None, :].astype(bool)
   return mask_BxTxT
+
+
+def attention_mask(positions_BxT, key_mask_BxT=None):
+  """The Transformer's mask argument for a full forward: None (exactly causal, so attention may use a causal
+  kernel) without a key mask, as in the learner's right-padded rows; else causal_mask's boolean mask."""
+  return None if key_mask_BxT is None else causal_mask(positions_BxT, key_mask_BxT)
 
 
 def _default_positions(tokens_BxT):
@@ -128,7 +142,7 @@ def forward(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_B
   if positions_BxT is None:
     positions_BxT = _default_positions(tokens_BxT)
   logits, _ = Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT,
-                                     causal_mask(positions_BxT, key_mask_BxT))
+                                     attention_mask(positions_BxT, key_mask_BxT))
   return logits
 
 
@@ -137,7 +151,7 @@ def hidden_states(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_
   if positions_BxT is None:
     positions_BxT = _default_positions(tokens_BxT)
   x, _ = Transformer(cfg, head=False).apply({"params": params}, tokens_BxT, positions_BxT,
-                                            causal_mask(positions_BxT, key_mask_BxT))
+                                            attention_mask(positions_BxT, key_mask_BxT))
   return x
 
 
@@ -150,7 +164,7 @@ def token_logprobs_and_entropy(params, cfg: ModelConfig, tokens_BxT, mask_BxT, p
                                key_mask_BxT=None):
   x_BxTxD = hidden_states(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
   return lm_head.token_logprobs_and_entropy(x_BxTxD, head_kernel(params, cfg), tokens_BxT, mask_BxT,
-                                            cfg.precision, cfg.logits_chunk)
+                                            **cfg.head_logprob_args())
 
 
 def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
@@ -191,7 +205,7 @@ def prompt_logprobs_and_logits(params, cfg: ModelConfig, x_BxPxD, tokens_BxP, la
   (chunked LM head; position 0 gets 0) and float32 logits [B, V] at each row's position last_B."""
   w_DxV = head_kernel(params, cfg)
   logp_BxP = lm_head.token_logprobs_and_entropy(x_BxPxD, w_DxV, tokens_BxP, jnp.ones_like(tokens_BxP),
-                                                cfg.precision, cfg.logits_chunk)[0]
+                                                **cfg.head_logprob_args())[0]
   x_Bx1xD = jnp.take_along_axis(x_BxPxD, jnp.asarray(last_B, jnp.int32)[:, None, None], axis=1)
   return logp_BxP, lm_head_plain.logits(x_Bx1xD, w_DxV, cfg.precision)[:, 0]
 
