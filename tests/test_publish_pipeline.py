@@ -319,3 +319,41 @@ def test_wallclock_counts_the_learners_wait_for_a_background_publish():
   assert wallclock._phase_series(new, "publish") == {1: 0.5}
   assert wallclock._phase_series({"throughput/publish_seconds": {1: 9.0}}, "publish") == {1: 9.0}  # older runs
   assert wallclock._phase_series(new, "wait") is None
+
+
+# -- a refused publish ---------------------------------------------------------------------------------------
+def test_a_publish_refused_before_sending_leaves_the_routing_state_as_it_was(tmp_path):
+  """An export whose shapes differ from the served model is refused before any server is called: the client's
+  required_version (which keeps a restarted server out of routing until it serves that version) and routing
+  stay at the last good version, as do the publisher's latest version and directory. No server runs here:
+  a call to one would fail the publish with another error."""
+  from vcpo_jax.rollout.client import client as client_lib
+  from vcpo_jax.rollout.servers import publisher as publisher_lib
+  reference = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp_path / "start"))
+
+  def export_wide(params, out_dir):  # the reference's tensors under a config that names another MLP width
+    os.makedirs(out_dir)
+    config = json.load(open(os.path.join(reference, "config.json")))
+    json.dump({**config, "intermediate_size": 128}, open(os.path.join(out_dir, "config.json"), "w"))
+    os.link(os.path.join(reference, "model.safetensors"), os.path.join(out_dir, "model.safetensors"))
+
+  url = "http://127.0.0.1:9"  # nothing listens: the refusal must come first
+
+  async def run():
+    client = client_lib.RolloutClient([url], vocab_size=fake_sglang.TINY_MODEL["vocab_size"])
+    pub = publisher_lib.WeightPublisher(export_wide, str(tmp_path / "w"), client, reference_dir=reference)
+    pub.adopt(1, reference)
+    client.required_version = 1
+    try:
+      with pytest.raises(PublishError, match="intermediate_size=128.*has 64"):
+        await pub.publish(None, 2)
+    finally:
+      await pub.close()
+      await client.close()
+    return client, pub
+
+  client, pub = asyncio.run(run())
+  assert client.required_version == 1 and client.is_enabled(url) and not pub.out_of_sync
+  assert (pub.latest_version, pub.latest_dir) == (1, os.path.abspath(reference))
+  assert pub.stats["refused_shapes"] == 1 and pub.stats["published"] == 0
+  assert os.listdir(tmp_path / "w") == []

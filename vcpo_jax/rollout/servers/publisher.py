@@ -116,14 +116,14 @@ class WeightPublisher:
     async with self._lock:
       if self._reference is None:
         await self._adopt_served_spec()
-      if self.client is not None:
-        self.client.required_version = version
       if self.wire is not None and self.latest_dir is not None:
+        self._require(version)
         by_url = await self._publish_wire(params, version)
         results = [by_url[u] for u in self.urls]
         path = f"the wire ({protocol.version_to_wire(version)})"
       else:
-        path = await self._export(params, version)
+        path = await self._export(params, version)  # a refusal raises here, before any routing state moves
+        self._require(version)
         results = await asyncio.gather(*(self._sync(url, version, path) for url in self.urls))
       self.latest_version = version
       await asyncio.to_thread(weight_store.delete_old, self.root_dir, self.keep_last)
@@ -134,6 +134,12 @@ class WeightPublisher:
     if self._resync_task is None:
       self._resync_task = asyncio.create_task(self._resync_loop())
     return {url: ok for url, (ok, _) in zip(self.urls, results)}
+
+  def _require(self, version: int) -> None:
+    """From now on a server that comes back (restarted) is routed to only once it serves `version`: called
+    when the version is about to be sent, never for one refused before."""
+    if self.client is not None:
+      self.client.required_version = version
 
   def adopt(self, version: int, path: str) -> None:
     """The servers were started on `path` as `version` (the embedded servers): no first load is needed, so
