@@ -150,8 +150,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # dtype of the exported weights: "auto" = what the servers serve (the starting weights' config.json
       # torch_dtype: float32 for the embedded server, bfloat16 for a bf16 checkpoint), or a dtype.
       publish_dtype="auto",
-      # where versions are exported: "" = WORKDIR/weights; a RAM-backed directory (/dev/shm/<job>, one per job)
-      # skips the disk; it must be readable by the servers.
+      # where versions are exported: "" = RAM-backed (/dev/shm/vcpo-<job>, linked as WORKDIR/weights) when every
+      # server runs on this host and /dev/shm has room for keep_versions + 2 versions, else WORKDIR/weights; a
+      # path overrides (e.g. WORKDIR/weights keeps them on disk). It must be readable by the servers.
       publish_dir="",
       # How each new version reaches the servers (docs/sglang.md): "disk" (export, update_weights_from_disk) or
       # "wire" (a torch process group, bf16 buckets broadcast from the learner; needs torch). The first load,

@@ -112,6 +112,42 @@ def test_publish_root_is_made_and_checked(tmp_path):
   assert os.path.isdir(tmp_path / "shm" / "job") and os.listdir(tmp_path / "shm" / "job") == []
 
 
+def test_an_empty_publish_dir_is_ram_backed_when_the_servers_share_the_host_and_it_has_room(tmp_path, monkeypatch):
+  ram = tmp_path / "shm"
+  ram.mkdir()
+  monkeypatch.setattr(weight_store, "RAM_DIR", str(ram))
+  free = os.statvfs(ram).f_bavail * os.statvfs(ram).f_frsize
+  work = str(tmp_path / "job")
+  root = weight_store.publish_root("", work, servers_are_local=True, version_bytes=1000, keep_last=3)
+  assert os.path.dirname(root) == str(ram) and os.path.basename(root).startswith("vcpo-")
+  assert os.path.realpath(os.path.join(work, "weights")) == root  # the versions are found where they were
+  assert weight_store.publish_root("", work, servers_are_local=True, version_bytes=1000) == root  # one per job
+  assert weight_store.publish_root("", str(tmp_path / "other"), servers_are_local=True) != root
+  # no room for keep_last + 2 versions, or servers on other hosts: the workdir
+  small = str(tmp_path / "small")
+  assert weight_store.publish_root("", small, servers_are_local=True, version_bytes=free // 4,
+                                   keep_last=3) == os.path.join(small, "weights")
+  assert weight_store.publish_root("", small, servers_are_local=False) == os.path.join(small, "weights")
+  assert weight_store.publish_root(str(tmp_path / "mine"), work, servers_are_local=True) == str(tmp_path / "mine")
+  os.makedirs(tmp_path / "old" / "weights")  # a job begun on disk stays there
+  assert weight_store.publish_root("", str(tmp_path / "old"), servers_are_local=True) == str(tmp_path / "old" / "weights")
+  monkeypatch.setattr(weight_store, "RAM_DIR", str(tmp_path / "absent"))
+  assert weight_store.publish_root("", small, servers_are_local=True) == os.path.join(small, "weights")
+
+
+def test_servers_share_the_host_only_on_loopback():
+  assert weight_store.servers_local([]) and weight_store.servers_local(["http://127.0.0.1:3", "http://localhost:4"])
+  assert not weight_store.servers_local(["http://127.0.0.1:3", "http://node7:30000"])
+
+
+def test_export_bytes_is_the_files_tensor_data(tmp_path):
+  path = os.path.join(hf_export.export_hf(fake_sglang.tiny_params(1), CFG, str(tmp_path / "c"), dtype="bfloat16"),
+                      "model.safetensors")
+  with open(path, "rb") as f:
+    header = int.from_bytes(f.read(8), "little")
+  assert hf_export.export_bytes(CFG, "bfloat16") == os.path.getsize(path) - 8 - header
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("rollout.publish_dtype", "float16", "must be one of"),
     ("rollout.publish_dtype", "bf16", "must be one of"),

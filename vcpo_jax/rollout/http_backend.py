@@ -94,7 +94,6 @@ class HttpBackend(backend.RolloutBackend):
                             "sampling_seed": cfg.seed}
     self.group_size, self.batch_groups, self.max_lag = cfg.group_size, cfg.prompts_per_step, cfg.max_lag
     self.urls = [u.strip() for u in cfg.server_urls.split(",") if u.strip()]
-    self.weights_root = weight_store.publish_root(cfg.publish_dir, ctx.workdir)
     self._servers: list = []  # embedded servers this backend started (and stops)
     self._client: Optional[client_lib.RolloutClient] = None
     self._publisher: Optional[publisher_lib.WeightPublisher] = None
@@ -106,6 +105,10 @@ class HttpBackend(backend.RolloutBackend):
     # against them (embedded servers: against the directory they are started on).
     self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)
     self.export_dtype = weight_store.publish_dtype(cfg.publish_dtype, self.reference_dir, ctx.model_cfg.param_dtype)
+    # Empty publish_dir: RAM-backed when the servers share this host (WORKDIR/weights links to it).
+    self.weights_root = weight_store.publish_root(
+        cfg.publish_dir, ctx.workdir, servers_are_local=weight_store.servers_local(self.urls),
+        version_bytes=hf_export.export_bytes(ctx.model_cfg, self.export_dtype), keep_last=cfg.keep_versions)
     if cfg.publish not in ("disk", "wire"):
       raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: must be 'disk' or 'wire'")
     if cfg.publish == "wire":

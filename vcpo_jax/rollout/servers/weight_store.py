@@ -1,11 +1,14 @@
 """Versioned weight directories on disk: exports checked before they are renamed into place, stale ones removed."""
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
 import shutil
+import urllib.parse
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from vcpo_jax.model import hf
 from vcpo_jax.rollout import protocol
@@ -13,6 +16,9 @@ from vcpo_jax.rollout import protocol
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
 _VERSION_DIR = re.compile(r"v([0-9]+)")
 _TMP_MARK = ".publish-"  # in the name of an export not yet checked; servers are never sent one
+RAM_DIR = "/dev/shm"  # RAM-backed: an export there is a memory copy, with no disk write-back to wait for
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+log = logging.getLogger(__name__)
 
 
 def version_dirs(root_dir: str) -> dict[int, str]:
@@ -78,13 +84,54 @@ def publish_dtype(value: str, reference_dir: Optional[str], param_dtype: str) ->
   return "bfloat16" if served == "bfloat16" else "float32"
 
 
-def publish_root(value: str, workdir: str) -> str:
-  """The directory versions are exported under: rollout.publish_dir (e.g. a RAM-backed /dev/shm/<job>), made
-  if missing and checked writable, or WORKDIR/weights when empty."""
+def servers_local(urls: Iterable[str]) -> bool:
+  """Whether every server runs on this host (no urls: the job's embedded servers)."""
+  return {urllib.parse.urlparse(u.strip()).hostname for u in urls} <= _LOOPBACK
+
+
+def ram_root(workdir: str, version_bytes: int, keep_last: int) -> Optional[str]:
+  """RAM_DIR/vcpo-<hash of the workdir> (one per job), when RAM_DIR is a writable directory with room for
+  keep_last + 2 versions (the kept ones, the one being written, a margin); else None."""
+  ram_dir = RAM_DIR
+  if not (os.path.isdir(ram_dir) and os.access(ram_dir, os.W_OK)):
+    return None
+  stat = os.statvfs(ram_dir)
+  free = stat.f_bavail * stat.f_frsize
+  if free < (keep_last + 2) * version_bytes:
+    log.warning("%s has %.1f GB free, less than %d versions of %.2f GB: versions are exported under the "
+                "workdir", ram_dir, free / 1e9, keep_last + 2, version_bytes / 1e9)
+    return None
+  digest = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
+  return os.path.join(ram_dir, f"vcpo-{digest}")
+
+
+def _default_root(workdir: str, servers_are_local: bool, version_bytes: int, keep_last: int) -> str:
+  """WORKDIR/weights, or the RAM-backed directory with WORKDIR/weights a link to it (where the versions are
+  found as before). A real WORKDIR/weights (a job started before, or on disk) stays where it is."""
+  link = os.path.join(workdir, "weights")
+  if not servers_are_local or (os.path.isdir(link) and not os.path.islink(link)):
+    return link
+  ram = ram_root(workdir, version_bytes, keep_last)
+  if ram is None:
+    return link
+  os.makedirs(ram, exist_ok=True)
+  os.makedirs(workdir, exist_ok=True)
+  if os.path.islink(link) and os.readlink(link) != ram:
+    os.remove(link)
+  if not os.path.islink(link):
+    os.symlink(ram, link)
+  return ram
+
+
+def publish_root(value: str, workdir: str, *, servers_are_local: bool = False, version_bytes: int = 0,
+                 keep_last: int = 3) -> str:
+  """The directory versions are exported under: rollout.publish_dir when set (made if missing and checked
+  writable); when empty, a RAM-backed one (ram_root, linked as WORKDIR/weights) if the servers share this host
+  and it has room, else WORKDIR/weights."""
   if not isinstance(value, str):
-    raise ValueError(f"invalid config: rollout.publish_dir={value!r}: must be a string (\"\": under the workdir)")
+    raise ValueError(f"invalid config: rollout.publish_dir={value!r}: must be a string (\"\": chosen by the job)")
   if not value:
-    return os.path.join(workdir, "weights")
+    return _default_root(workdir, servers_are_local, version_bytes, keep_last)
   root = os.path.abspath(os.path.expanduser(value))
   try:
     os.makedirs(root, exist_ok=True)
