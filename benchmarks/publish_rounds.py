@@ -17,13 +17,11 @@ from benchmarks import sglang_server
 
 @dataclasses.dataclass(frozen=True)
 class ArmContext:
-  """What an arm's publisher is built from: one server, the job's model and tokenizer, its weights roots (the
-  job's default for servers on this host, RAM-backed where it can be, and one on the workdir's disk)."""
+  """What an arm's publisher is built from: one server, the job's model and tokenizer, its weights root."""
   model_cfg: Any
   tokenizer: Any
   url: str
   root: str
-  disk_root: str
   reference_dir: str
   keep_last: int
 
