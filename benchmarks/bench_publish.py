@@ -85,12 +85,27 @@ def wire_arm(dtype: str, backend: str = "gloo") -> Arm:
   return make
 
 
+def tensor_arm(dtype: str) -> Arm:
+  """rollout.publish=tensor: buckets of the same HF layout in shared memory, their handles posted to
+  /update_weights_from_tensor (the server on this host maps them). The server already runs v0 (adopted)."""
+  def make(ctx: ArmContext):
+    from vcpo_jax.rollout.servers import publisher as publisher_lib, tensor as tensor_lib
+    export = TimedExport(ctx.tokenizer)
+    sender = tensor_lib.TensorSender(ctx.model_cfg, dtype, timeout_s=300.0)
+    pub = publisher_lib.WeightPublisher(export, ctx.root, [ctx.url], keep_last=ctx.keep_last,
+                                        reference_dir=ctx.reference_dir, wire=sender)
+    pub.adopt(0, ctx.reference_dir)
+    return pub, dtype, export
+  return make
+
+
 # name -> (ArmContext -> (a WeightPublisher; the export dtype; its TimedExport, which a session transport
 # uses only for resyncs)). A transport adds its arm here.
 ARMS: dict[str, Arm] = {
     "disk float32": disk_arm("float32"),
     "disk bf16": disk_arm("bfloat16"),
     "wire bf16 (gloo)": wire_arm("bfloat16"),
+    "tensor bf16 (shared memory)": tensor_arm("bfloat16"),
 }
 
 
@@ -105,7 +120,8 @@ PARTS = (
     ("host_copy_s", "export part: the layout to host memory", None),
     ("write_s", "export part: model.safetensors written", None),
     ("files_s", "export part: config, tokenizer, modes, rename", None),
-    ("update_s", "SGLang update calls (/update_weights_from_disk, or the wire's /update_weights_from_distributed, one per bucket)", None),
+    ("update_s", "SGLang update calls (/update_weights_from_disk, or one per bucket: the wire's "
+                 "/update_weights_from_distributed, the tensor's /update_weights_from_tensor)", None),
 )
 GOALS_PER_GB = {("disk bf16", "publish_s"): "<= 1.2", ("disk bf16", "pause_s"): "<= 0.15"}  # the issue's (CPU)
 SPLIT = (("blocked_s", "learner blocked"), ("pause_s", "server paused"), ("publish_s", "end to end"),

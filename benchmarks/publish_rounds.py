@@ -55,7 +55,7 @@ def _timed(admin, calls: list, current: list) -> None:
   admin.call = timed_call
 
 
-UPDATE_CALLS = ("/update_weights_from_disk", "/update_weights_from_distributed")
+UPDATE_CALLS = ("/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_tensor")
 
 
 async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids: list[int], step_s: float) -> dict:
@@ -131,8 +131,8 @@ def measure(args, workdir: str, config, arms_by_name: dict, probe_text: str) -> 
   proc = sglang_server.start(v0_dir, port, log_path, python=args.sglang_python, device=args.device,
                              dtype=args.server_dtype)
   # Where the job would export for a server on this host (HttpBackend: an empty rollout.publish_dir).
-  publish_root = weight_store.publish_root(
-      args.publish_dir, workdir, servers_are_local=True, keep_last=config.rollout.keep_versions,
+  publish_root = weight_store.publish_root(  # for a job in workdir/job (workdir/weights holds the server's v0)
+      args.publish_dir, os.path.join(workdir, "job"), servers_are_local=True, keep_last=config.rollout.keep_versions,
       version_bytes=max(hf_export.export_bytes(model_cfg, d) for d in ("float32", "bfloat16")))
   arms = {}
   try:
@@ -151,7 +151,7 @@ def measure(args, workdir: str, config, arms_by_name: dict, probe_text: str) -> 
       arms[name], first = out, first + args.repeats
   finally:
     launcher.end_process_tree(proc, grace_s=10.0)
-    if os.path.commonpath([publish_root, workdir]) != workdir:  # the RAM-backed one: memory, not a record
+    if os.path.commonpath([publish_root, workdir]) != workdir and not args.publish_dir:  # RAM: not a record
       shutil.rmtree(publish_root, ignore_errors=True)
   shapes = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.PRNGKey(0)))
   count, param_bytes = sum(x.size for x in jax.tree.leaves(shapes)), hf_export.export_bytes(model_cfg, model_cfg.param_dtype)
