@@ -219,7 +219,9 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="0.5b", choices=SHAPES,
                       help="0.5b: configs/qwen2_5.py:0.5b's model; tiny: configs/tiny.py's (the test's)")
-  parser.add_argument("--repeats", type=int, default=5, help="timed publishes (versions 1..N); medians reported")
+  parser.add_argument("--repeats", type=int, default=5, help="timed publishes per arm; medians reported")
+  parser.add_argument("--warmup", type=int, default=0, help="publishes per arm before the timed ones, not "
+                      "reported (compiles; under a RAM-backed root the first keep_versions files are new)")
   parser.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default per shape: "
                       + ", ".join(f"{k}: {os.path.relpath(v, REPO_ROOT)}" for k, v in DEFAULT_OUT.items()) + ")")
   parser.add_argument("--workdir", default=None, help="exports and the server log kept here (default: a "
@@ -237,8 +239,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--note", default="", help="a line for the results (e.g. what else ran on the machine)")
   parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds for the server to start")
   args = parser.parse_args(argv)
-  if args.repeats < 1:
-    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  if args.repeats < 1 or args.warmup < 0:
+    parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats}, {args.warmup}")
   args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
   unknown = [a for a in args.arms if a not in ARMS]
   if unknown or not args.arms:

@@ -58,8 +58,10 @@ def _timed(admin, calls: list, current: list) -> None:
 UPDATE_CALLS = ("/update_weights_from_disk", "/update_weights_from_distributed", "/update_weights_from_tensor")
 
 
-async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids: list[int], step_s: float) -> dict:
-  """Publishes each version as HttpBackend does in the RL loop, a learner step (sleep) after each start."""
+async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids: list[int], step_s: float,
+                         warmup: int = 0) -> dict:
+  """Publishes each version as HttpBackend does in the RL loop, a learner step (sleep) after each start; the
+  first `warmup` are not reported (compiles, the RAM-backed root's first keep_last files)."""
   from vcpo_jax.model import hf_export
   from vcpo_jax.rollout.servers import background
   pub, dtype, export = make_arm(ctx)
@@ -92,6 +94,7 @@ async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids
     finally:
       await pending.cancel()
       await pub.close()
+    rounds = rounds[warmup:]
     for r in rounds:
       mine = [(path, s) for v, path, s in calls if v == r["version"]]
       r["admin_calls"] = [[path.lstrip("/"), round(s, 4)] for path, s in mine]
@@ -111,7 +114,7 @@ async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids
 
 
 def measure(args, workdir: str, config, arms_by_name: dict, probe_text: str) -> dict:
-  """Starts the server on an exported v0, then publishes args.repeats versions per arm of args.arms."""
+  """Starts the server on an exported v0, then publishes args.warmup + args.repeats versions per arm."""
   import jax
   from vcpo_jax.model import hf, hf_export, tokenizer as tokenizer_lib, transformer
   from vcpo_jax.rollout.servers import launcher, weight_store
@@ -143,12 +146,13 @@ def measure(args, workdir: str, config, arms_by_name: dict, probe_text: str) -> 
                        config.rollout.keep_versions)
       # Consecutive versions alternate the two inits, the arm's last one differing from what was served
       # before it: its probe shows the served weights changed.
-      order = [((served or 0) + args.repeats - j) % 2 for j in range(args.repeats)]
+      count = args.warmup + args.repeats
+      order = [((served or 0) + count - j) % 2 for j in range(count)]
       out = asyncio.run(publish_rounds(arms_by_name[name], ctx, {first + j: inits[i] for j, i in enumerate(order)},
-                                       tok.encode(probe_text), args.step_seconds))
+                                       tok.encode(probe_text), args.step_seconds, args.warmup))
       served = order[-1]
       out["published_bytes"] = hf_export.export_bytes(model_cfg, out["rounds"][0]["dtype"])
-      arms[name], first = out, first + args.repeats
+      arms[name], first = out, first + count
   finally:
     launcher.end_process_tree(proc, grace_s=10.0)
     if os.path.commonpath([publish_root, workdir]) != workdir and not args.publish_dir:  # RAM: not a record

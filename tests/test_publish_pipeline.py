@@ -393,3 +393,26 @@ def test_a_publish_refused_before_sending_leaves_the_routing_state_as_it_was(tmp
   assert (pub.latest_version, pub.latest_dir) == (1, os.path.abspath(reference))
   assert pub.stats["refused_shapes"] == 1 and pub.stats["published"] == 0
   assert os.listdir(tmp_path / "w") == []
+
+
+def test_a_ram_backed_root_recycles_the_deleted_versions_file_and_the_export_is_exact(tmp_path, monkeypatch):
+  """Under a RAM-backed root the file of the version delete_old removes is overwritten by the next export (its
+  memory stays allocated); the export holds exactly the new params, and nothing else is left behind."""
+  monkeypatch.setattr(weight_store, "RAM_DIR", str(tmp_path))
+  root = str(tmp_path / "vcpo-x")
+  os.makedirs(root)
+
+  def export(version):
+    return weight_store.export_version(fake_sglang.export_tiny, fake_sglang.tiny_version(version), root, version)
+
+  export(1), export(2)
+  weight_store.delete_old(root, 1)
+  spare = os.path.join(root, ".spare.safetensors")
+  inode = os.stat(spare).st_ino
+  path = export(3)
+  assert os.stat(os.path.join(path, "model.safetensors")).st_ino == inode and not os.path.exists(spare)
+  got, want = _read(path), _expected(fake_sglang.tiny_version(3), CFG, "float32")
+  assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+  assert sorted(os.listdir(root)) == ["v2", "v3"]
+  weight_store.delete_old(str(tmp_path / "vcpo-x"), 2)
+  assert not os.path.exists(spare)  # nothing deleted: no spare

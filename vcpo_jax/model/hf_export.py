@@ -22,6 +22,7 @@ from vcpo_jax.parallel import processes
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+REUSE_NAME = ".reuse.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +108,10 @@ def hf_tensors(layout: HfLayout, timings: Optional[dict] = None) -> dict[str, np
   return out
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str) -> None:
+def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str, reuse: Optional[str] = None) -> None:
   """One .safetensors file (8-byte header length, JSON header, raw little-endian data), sized up front and
-  written from the arrays' own buffers, one unbuffered write each: no serialized copy of the model."""
+  written from the arrays' own buffers, one unbuffered write each: no serialized copy of the model. `reuse`:
+  a file of exactly that size is renamed to `path` and overwritten in place (its memory stays allocated)."""
   header, offset = {}, 0
   for name, arr in tensors.items():
     header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(arr.shape),
@@ -118,9 +120,12 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str) -> 
   header["__metadata__"] = {"format": "pt"}
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  size = 8 + len(blob) + offset
+  if reuse is not None and os.path.isfile(reuse) and os.path.getsize(reuse) == size:
+    os.replace(reuse, path)
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
   try:
-    os.ftruncate(fd, 8 + len(blob) + offset)
+    os.ftruncate(fd, size)
     _write_all(fd, memoryview(struct.pack("<Q", len(blob)) + blob))
     for arr in tensors.values():
       _write_all(fd, memoryview(arr.reshape(-1).view(np.uint8)))
@@ -135,7 +140,8 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[dict] = None) -> str:
   """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir.
-  `timings` gets hf_tensors' parts and write_s (model.safetensors), files_s (the rest, the rename)."""
+  `timings` gets hf_tensors' parts and write_s (model.safetensors), files_s (the rest, the rename). A file
+  out_dir/REUSE_NAME (put there by the publisher: an old version's, read by no one) is overwritten in place."""
   out_dir = os.path.abspath(out_dir)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
@@ -144,7 +150,8 @@ def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[d
   try:
     tensors = hf_tensors(layout, timings)
     t0 = time.perf_counter()
-    write_safetensors(tensors, os.path.join(tmp, hf._WEIGHTS_FILE), layout.dtype)
+    write_safetensors(tensors, os.path.join(tmp, hf._WEIGHTS_FILE), layout.dtype,
+                      reuse=os.path.join(out_dir, REUSE_NAME))
     t1 = time.perf_counter()
     eos = bos = stop = None
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):

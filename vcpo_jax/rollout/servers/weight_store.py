@@ -10,12 +10,13 @@ import urllib.parse
 import uuid
 from typing import Any, Callable, Iterable, Optional
 
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_export
 from vcpo_jax.rollout import protocol
 
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
 _VERSION_DIR = re.compile(r"v([0-9]+)")
 _TMP_MARK = ".publish-"  # in the name of an export not yet checked; servers are never sent one
+_SPARE = ".spare.safetensors"  # a RAM-backed root's recycled weights file (delete_old)
 RAM_DIR = "/dev/shm"  # RAM-backed: an export there is a memory copy, with no disk write-back to wait for
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 log = logging.getLogger(__name__)
@@ -39,7 +40,11 @@ def export_version(export_fn: ExportFn, params: Any, root_dir: str, version: int
   """
   final = os.path.join(root_dir, protocol.version_to_wire(version))
   tmp = os.path.join(root_dir, f".{os.path.basename(final)}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+  spare = os.path.join(root_dir, _SPARE)
   try:
+    if os.path.isfile(spare):  # an old version's file whose memory the export overwrites (hf_export.REUSE_NAME)
+      os.makedirs(tmp)
+      os.replace(spare, os.path.join(tmp, hf_export.REUSE_NAME))
     export_fn(params, tmp)
     if not os.path.isfile(os.path.join(tmp, "config.json")):
       raise RuntimeError(f"export_fn wrote no config.json into {tmp}")
@@ -59,10 +64,22 @@ def remove_unchecked_exports(root_dir: str) -> None:
 
 
 def delete_old(root_dir: str, keep_last: int) -> None:
-  """Keeps the newest keep_last version directories."""
+  """Keeps the newest keep_last version directories. Under a RAM-backed root the newest deleted one's weights
+  file is kept as the spare the next export overwrites in place: writing into memory already allocated to a
+  file takes about a third of the time of allocating it anew (benchmarks/results-publish.md). No server is sent
+  that version again: the publisher sends only its latest directory."""
   dirs = version_dirs(root_dir)
-  for version in sorted(dirs)[:-keep_last]:
+  old = sorted(dirs)[:-keep_last]
+  if old and is_ram_backed(root_dir):
+    weights = os.path.join(dirs[old[-1]], hf.WEIGHTS_FILE)
+    if os.path.isfile(weights):
+      os.replace(weights, os.path.join(root_dir, _SPARE))
+  for version in old:
     shutil.rmtree(dirs[version], ignore_errors=True)
+
+
+def is_ram_backed(path: str) -> bool:
+  return os.path.commonpath([os.path.abspath(path), RAM_DIR]) == RAM_DIR
 
 
 # -- where and in which dtype versions are exported (rollout.publish_dir, rollout.publish_dtype) ----------
