@@ -77,6 +77,7 @@ class TensorSender:
     self.tensors = wire_pack.manifest(model_cfg, dtype)
     self.buckets = wire_pack.plan_buckets(self.tensors, int(bucket_mb * 2**20))
     self._pack_fns: dict[int, Any] = {}
+    self.members: list[str] = []
 
   def needs_setup(self, members: Sequence[str]) -> bool:
     return False  # no group: every call carries its own handles
