@@ -153,6 +153,8 @@ def measure(args, workdir: str, config, arms_by_name: dict, probe_text: str) -> 
       served = order[-1]
       out["published_bytes"] = hf_export.export_bytes(model_cfg, out["rounds"][0]["dtype"])
       arms[name], first = out, first + count
+      if os.path.commonpath([publish_root, workdir]) != workdir:  # RAM: one arm's versions at a time
+        shutil.rmtree(ctx.root, ignore_errors=True)
   finally:
     launcher.end_process_tree(proc, grace_s=10.0)
     if os.path.commonpath([publish_root, workdir]) != workdir and not args.publish_dir:  # RAM: not a record

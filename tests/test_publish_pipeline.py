@@ -416,3 +416,7 @@ def test_a_ram_backed_root_recycles_the_deleted_versions_file_and_the_export_is_
   assert sorted(os.listdir(root)) == ["v2", "v3"]
   weight_store.delete_old(str(tmp_path / "vcpo-x"), 2)
   assert not os.path.exists(spare)  # nothing deleted: no spare
+  weight_store.delete_old(root, 1)
+  assert os.path.exists(spare)
+  weight_store.remove_spare(root)  # what the publisher's close does
+  assert sorted(os.listdir(root)) == ["v3"]

@@ -200,6 +200,7 @@ class WeightPublisher:
     await self._admin.close()
     if self.session is not None:
       await self.session.close()
+    await asyncio.to_thread(weight_store.remove_spare, self.root_dir)
 
   async def check_servers(self) -> None:
     """Refuses to start against servers that serve another model than the reference (the starting weights).

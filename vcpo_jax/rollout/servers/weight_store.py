@@ -1,6 +1,7 @@
 """Versioned weight directories on disk: exports checked before they are renamed into place, stale ones removed."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -78,6 +79,12 @@ def delete_old(root_dir: str, keep_last: int) -> None:
     shutil.rmtree(dirs[version], ignore_errors=True)
 
 
+def remove_spare(root_dir: str) -> None:
+  """The recycled file is memory kept only for the next export: freed when the publisher closes."""
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(os.path.join(root_dir, _SPARE))
+
+
 def is_ram_backed(path: str) -> bool:
   return os.path.commonpath([os.path.abspath(path), RAM_DIR]) == RAM_DIR
 
@@ -107,13 +114,14 @@ def servers_local(urls: Iterable[str]) -> bool:
 
 
 def ram_root(workdir: str, version_bytes: int, keep_last: int) -> Optional[str]:
-  """RAM_DIR/vcpo-<hash of the workdir> (one per job), when RAM_DIR is a writable directory with room for
-  keep_last + 2 versions (the kept ones, the one being written, a margin); else None."""
+  """RAM_DIR/vcpo-<hash of the workdir> (one per job), when RAM_DIR is a writable directory with room, in it and
+  in available memory, for keep_last + 2 versions (the kept ones, the one being written, the recycled file);
+  else None."""
   ram_dir = RAM_DIR
   if not (os.path.isdir(ram_dir) and os.access(ram_dir, os.W_OK)):
     return None
   stat = os.statvfs(ram_dir)
-  free = stat.f_bavail * stat.f_frsize
+  free = min(stat.f_bavail * stat.f_frsize, _available_memory())  # a tmpfs may be sized past the memory
   if free < (keep_last + 2) * version_bytes:
     log.warning("%s has %.1f GB free, less than %d versions of %.2f GB: versions are exported under the "
                 "workdir", ram_dir, free / 1e9, keep_last + 2, version_bytes / 1e9)
@@ -138,6 +146,18 @@ def _default_root(workdir: str, servers_are_local: bool, version_bytes: int, kee
   if not os.path.islink(link):
     os.symlink(ram, link)
   return ram
+
+
+def _available_memory() -> int:
+  """MemAvailable of /proc/meminfo in bytes (no limit where it cannot be read)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 2**63
 
 
 def publish_root(value: str, workdir: str, *, servers_are_local: bool = False, version_bytes: int = 0,
