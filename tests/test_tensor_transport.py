@@ -73,11 +73,11 @@ def test_two_servers_serve_the_weights_sent_as_handles_and_a_killed_one_is_resyn
   class KillMidway(tensor_lib.TensorSender):
     victim = None
 
-    def _buffer(self, layout, i):
-      if self.victim is not None and i == 1:
+    async def _post(self, admin, i, body):
+      if self.victim is not None and i == 1:  # bucket 1 landed on both, the paused servers wait for bucket 2
         self.victim.kill()
         self.victim = None
-      return super()._buffer(layout, i)
+      return await super()._post(admin, i, body)
 
   async def run():
     async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:

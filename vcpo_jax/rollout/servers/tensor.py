@@ -1,12 +1,12 @@
 """The same-node transport (rollout.publish=tensor): SGLang's /update_weights_from_tensor with handles, not bytes.
 
-Per bucket (wire_pack's buckets of the export's HF tensors, in the served dtype) the learner packs the bytes
-into one buffer the servers can map: on CPU a torch tensor in shared memory (torch.multiprocessing's
+Per bucket (wire_pack's buckets of the export's HF tensors, in the served dtype) the learner packs the bytes,
+before any server pauses, into one buffer the servers can map: on CPU a torch tensor in shared memory (torch.multiprocessing's
 file_system strategy: the payload names a /dev/shm file), on GPU the packed device buffer itself, handed to
 torch through DLPack (the payload then carries a CUDA IPC handle; UNTESTED: no GPU in the test suite). The
 payload is SGLang's: `serialized_named_tensors`, one base64 ForkingPickler dump per TP rank of
 [(HF name, tensor)], each tensor a view into the bucket's buffer. (SGLang's `flattened_bucket` format needs
-its own metadata class on the sender, so the named list is sent.) The buffer lives until every server has
+its own metadata class on the sender, so the named list is sent.) The buffers live until every server has
 answered; `weight_version` and `flush_cache` ride on the last bucket only, as on the wire. torch is needed,
 and imported, only when this transport is chosen.
 """
@@ -78,15 +78,22 @@ class TensorSender:
     self.buckets = wire_pack.plan_buckets(self.tensors, int(bucket_mb * 2**20))
     self._pack_fns: dict[int, Any] = {}
     self.members: list[str] = []
+    self._buffers: list = []
+    self.last_pack_s = 0.0
 
   def needs_setup(self, members: Sequence[str]) -> bool:
     return False  # no group: every call carries its own handles
 
   async def setup(self, admin: admin_lib.AdminSession, members: Sequence[str], params: Any) -> None:
+    """Every bucket packed into its buffer before any server pauses: the pause covers only the loads."""
     self.members = list(members)
+    layout = params if isinstance(params, hf_export.HfLayout) else hf_export.hf_layout(params, self.cfg, self.dtype)
+    t0 = time.perf_counter()
+    self._buffers = [await asyncio.to_thread(self._buffer, layout, i) for i in range(len(self.buckets))]
+    self.last_pack_s = time.perf_counter() - t0
 
   async def teardown(self, admin: Optional[admin_lib.AdminSession]) -> None:
-    return None  # the buffers die with their bucket's send
+    self._buffers = []  # the shared memory is released with the last reference
 
   def _buffer(self, layout: hf_export.HfLayout, i: int):
     """Bucket i's bytes in a buffer another process can map: shared memory on the host, or (GPU) the packed
@@ -109,25 +116,27 @@ class TensorSender:
 
   async def send(self, admin: admin_lib.AdminSession, params: Any, wire_version: str, *,
                  flush_cache: bool) -> dict[str, float]:
-    """Every bucket to every member; returns timings. Raises TensorError naming the bucket and the servers."""
-    layout = params if isinstance(params, hf_export.HfLayout) else hf_export.hf_layout(params, self.cfg, self.dtype)
-    pack_s = load_s = 0.0
-    for i, bucket in enumerate(self.buckets):
+    """Every bucket's handles to every member (the buffers setup packed); returns timings. Raises TensorError
+    naming the bucket and the servers."""
+    if len(self._buffers) != len(self.buckets):
+      raise TensorError("no packed buckets (setup first)")
+    t0 = time.perf_counter()
+    for i, (bucket, buffer) in enumerate(zip(self.buckets, self._buffers)):
       last = i == len(self.buckets) - 1
-      t0 = time.perf_counter()
-      buffer = await asyncio.to_thread(self._buffer, layout, i)
       body = {"serialized_named_tensors": serialize(named_views(self.torch, buffer, bucket), self.tp_size),
               "flush_cache": flush_cache and last, "abort_all_requests": False}
       if last:
         body["weight_version"] = wire_version
-      t1 = time.perf_counter()
-      results = await asyncio.gather(*(admin.call(u, "POST", "/update_weights_from_tensor", body)
-                                       for u in self.members), return_exceptions=True)
-      del buffer  # every member answered: its handles are no longer needed
-      load_s += time.perf_counter() - t1
-      pack_s += t1 - t0
+      results = await self._post(admin, i, body)
       failed = [f"{u}: {r!r:.300}" for u, r in zip(self.members, results)
                 if isinstance(r, BaseException) or not (isinstance(r, dict) and r.get("success") is True)]
       if failed:
+        self._buffers = []
         raise TensorError(f"bucket {i + 1}/{len(self.buckets)} failed: " + "; ".join(failed))
-    return {"pack_s": pack_s, "load_s": load_s}
+    self._buffers = []  # every member answered: the handles are no longer needed
+    return {"pack_s": self.last_pack_s, "load_s": time.perf_counter() - t0}
+
+  async def _post(self, admin: admin_lib.AdminSession, i: int, body: dict) -> list:
+    """Bucket i's call to every member at once; each answer or its exception."""
+    return await asyncio.gather(*(admin.call(u, "POST", "/update_weights_from_tensor", body)
+                                  for u in self.members), return_exceptions=True)
