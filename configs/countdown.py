@@ -160,16 +160,18 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # dtype of the exported weights: "auto" = what the servers serve (the starting weights' config.json
       # torch_dtype: float32 for the embedded server, bfloat16 for a bf16 checkpoint), or a dtype.
       publish_dtype="auto",
-      # where versions are exported: "" = WORKDIR/weights; a RAM-backed directory (/dev/shm/<job>, one per job)
-      # skips the disk; it must be readable by the servers.
+      # where versions are exported: "" = RAM-backed (/dev/shm/vcpo-<job>, linked as WORKDIR/weights) when every
+      # server runs on this host and /dev/shm and free memory hold keep_versions + 2 versions, else
+      # WORKDIR/weights; a path overrides (e.g. WORKDIR/weights keeps them on disk). Servers must read it.
       publish_dir="",
-      # How each new version reaches the servers (docs/sglang.md): "disk" (export, update_weights_from_disk) or
-      # "wire" (a torch process group, bf16 buckets broadcast from the learner; needs torch). The first load,
-      # a restarted server and a failed wire update always go by disk.
+      # How each new version reaches the servers (docs/sglang.md): "disk" (export, update_weights_from_disk),
+      # "wire" (a torch process group, bf16 buckets broadcast from the learner; needs torch) or "tensor" (servers
+      # on this host: handles to shared memory, or CUDA IPC on GPUs, update_weights_from_tensor; needs torch).
+      # The first load, a restarted server and a failed wire or tensor update always go by disk.
       publish="disk",
-      wire_bucket_mb=512.0,    # bytes per broadcast bucket (SGLang's flattened_bucket)
+      wire_bucket_mb=512.0,    # bytes per bucket (a broadcast of SGLang's flattened_bucket; a tensor call)
       wire_backend="auto",     # auto: nccl on GPUs, else gloo
-      wire_timeout_s=60.0,     # deadline of the group's forming, of each bucket's broadcast and HTTP call
+      wire_timeout_s=60.0,     # deadline of the group's forming, of each bucket's broadcast or tensor call
       wire_master_address="",  # where servers reach the learner ("" = loopback for local servers, else hostname)
       # GPUs (ignored on CPU). "" = automatic: one GPU is shared by the learner and the servers; with more,
       # servers take the last GPUs and the learner the rest. Else comma-separated GPU indices, one per server.

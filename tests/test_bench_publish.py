@@ -60,7 +60,7 @@ def test_estimates_scale_with_each_arms_bytes():
 
 
 def test_arms_are_a_registry_of_publisher_factories():
-  assert list(bench_publish.ARMS) == ["disk float32", "disk bf16", "wire bf16 (gloo)"]
+  assert list(bench_publish.ARMS) == ["disk float32", "disk bf16", "wire bf16 (gloo)", "tensor bf16 (shared memory)"]
 
 
 @pytest.mark.parametrize("argv, field", [(["--repeats=0"], "--repeats"), (["--arms=wire"], "--arms"),

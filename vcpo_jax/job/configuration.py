@@ -214,7 +214,7 @@ _SCALAR_FIELDS = {
     "rollout.request_timeout": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
     "rollout.max_retries": (_int_at_least(0), "must be an int >= 0"),
     "rollout.keep_versions": (_int_at_least(1), "must be an int >= 1"),
-    "rollout.publish": (lambda v: v in ("disk", "wire"), "must be 'disk' or 'wire'"),
+    "rollout.publish": (lambda v: v in ("disk", "wire", "tensor"), "must be 'disk', 'wire' or 'tensor'"),
     "rollout.wire_bucket_mb": (_number(lambda v: v > 0), "must be a number > 0 (MiB per bucket)"),
     "rollout.wire_timeout_s": (_number(lambda v: v > 0), "must be a number > 0 (seconds)"),
     "rollout.wire_backend": (lambda v: v in wire_lib.BACKENDS, f"must be one of {wire_lib.BACKENDS}"),

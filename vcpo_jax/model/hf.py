@@ -268,6 +268,7 @@ def import_hf(model_dir: str, *, cfg: config_lib.ModelConfig | None = None, shar
 # Public names for the weight wire (rollout/servers/wire_pack.py packs the same tensors the exporter writes).
 get_path = _get
 set_path = _set
+WEIGHTS_FILE = _WEIGHTS_FILE
 
 
 def tensors_with_layer(cfg: config_lib.ModelConfig):

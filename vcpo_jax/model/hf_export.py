@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from typing import Any, Optional
 
 import jax
@@ -16,10 +17,12 @@ import numpy as np
 
 from vcpo_jax.model import config as config_lib
 from vcpo_jax.model import hf
+from vcpo_jax.model import transformer as model_lib
 from vcpo_jax.parallel import processes
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+REUSE_NAME = ".reuse.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,12 @@ def hf_layout(params: Any, cfg: config_lib.ModelConfig, dtype: Optional[str] = N
   return HfLayout(cfg, dtype, tuple(leaves), on_device=False)
 
 
+def export_bytes(cfg: config_lib.ModelConfig, dtype: str) -> int:
+  """The tensor bytes of one export in `dtype` (model.safetensors less its header)."""
+  shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+  return sum(x.size for x in jax.tree.leaves(shapes)) * np.dtype(jnp.dtype(check_dtype(dtype))).itemsize
+
+
 def _host_leaves(layout: HfLayout) -> list[np.ndarray]:
   if layout.on_device:
     return [np.asarray(x) for x in jax.device_get(list(layout.leaves))]  # one transfer for all leaves
@@ -81,9 +90,16 @@ def _host_leaves(layout: HfLayout) -> list[np.ndarray]:
   return out
 
 
-def hf_tensors(layout: HfLayout) -> dict[str, np.ndarray]:
-  """HF tensor name -> C-contiguous host array (a stacked leaf's layer i is a view of its host copy)."""
+def hf_tensors(layout: HfLayout, timings: Optional[dict] = None) -> dict[str, np.ndarray]:
+  """HF tensor name -> C-contiguous host array (a stacked leaf's layer i is a view of its host copy).
+  `timings` gets device_s (the layout's cast and transposes finishing) and host_copy_s (to host memory)."""
+  t0 = time.perf_counter()
+  if layout.on_device:
+    jax.block_until_ready(layout.leaves)
+  t1 = time.perf_counter()
   host = dict(zip(leaf_specs(layout.cfg), _host_leaves(layout)))
+  if timings is not None:
+    timings.update(device_s=t1 - t0, host_copy_s=time.perf_counter() - t1)
   out = {}
   for path, name, transpose in hf.tensor_names(layout.cfg):
     arr = host[(path, transpose)]
@@ -92,9 +108,10 @@ def hf_tensors(layout: HfLayout) -> dict[str, np.ndarray]:
   return out
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str) -> None:
-  """One .safetensors file (8-byte header length, JSON header, raw little-endian data), written from the
-  arrays' own buffers: no serialized copy of the whole model in memory."""
+def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str, reuse: Optional[str] = None) -> None:
+  """One .safetensors file (8-byte header length, JSON header, raw little-endian data), sized up front and
+  written from the arrays' own buffers, one unbuffered write each: no serialized copy of the model. `reuse`:
+  a file of exactly that size is renamed to `path` and overwritten in place (its memory stays allocated)."""
   header, offset = {}, 0
   for name, arr in tensors.items():
     header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(arr.shape),
@@ -103,20 +120,39 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str) -> 
   header["__metadata__"] = {"format": "pt"}
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)) + blob)
+  size = 8 + len(blob) + offset
+  if reuse is not None and os.path.isfile(reuse) and os.path.getsize(reuse) == size:
+    os.replace(reuse, path)
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+  try:
+    os.ftruncate(fd, size)
+    _write_all(fd, memoryview(struct.pack("<Q", len(blob)) + blob))
     for arr in tensors.values():
-      f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+      _write_all(fd, memoryview(arr.reshape(-1).view(np.uint8)))
+  finally:
+    os.close(fd)
 
 
-def write_hf(layout: HfLayout, out_dir: str, tokenizer=None) -> str:
-  """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir."""
+def _write_all(fd: int, data: memoryview) -> None:
+  while len(data):  # a write may take fewer bytes than given (Linux: at most ~2 GiB per call)
+    data = data[os.write(fd, data):]
+
+
+def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[dict] = None) -> str:
+  """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir.
+  `timings` gets hf_tensors' parts and write_s (model.safetensors), files_s (the rest, the rename). A file
+  out_dir/REUSE_NAME (put there by the publisher: an old version's, read by no one) is overwritten in place."""
   out_dir = os.path.abspath(out_dir)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+  timings = {} if timings is None else timings
   try:
-    write_safetensors(hf_tensors(layout), os.path.join(tmp, hf._WEIGHTS_FILE), layout.dtype)
+    tensors = hf_tensors(layout, timings)
+    t0 = time.perf_counter()
+    write_safetensors(tensors, os.path.join(tmp, hf._WEIGHTS_FILE), layout.dtype,
+                      reuse=os.path.join(out_dir, REUSE_NAME))
+    t1 = time.perf_counter()
     eos = bos = stop = None
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
       eos, bos = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "bos_id", None)
@@ -134,6 +170,7 @@ def write_hf(layout: HfLayout, out_dir: str, tokenizer=None) -> str:
       os.chmod(os.path.join(tmp, name), 0o644)
     os.chmod(tmp, 0o755)
     hf.replace_directory(tmp, out_dir)
+    timings.update(write_s=t1 - t0, files_s=time.perf_counter() - t1)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

@@ -16,7 +16,7 @@ from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend, dynamic_sampling, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
 from vcpo_jax.rollout.servers import background, launcher, publisher as publisher_lib, weight_store
-from vcpo_jax.rollout.servers import wire as wire_lib, wire_group
+from vcpo_jax.rollout.servers import tensor as tensor_lib, wire as wire_lib, wire_group
 
 
 def flat_metrics(stats: dict, prefix: str = "rollout/") -> dict[str, float]:
@@ -62,8 +62,9 @@ class HttpBackendConfig:
   server_devices: str = backend.config_field("rollout", "")
   learner_memory_fraction: float = backend.config_field("rollout", 0.0)
   server_memory_fraction: float = backend.config_field("rollout", 0.0)
-  # How versions after the first reach the servers: "disk" (export + update_weights_from_disk) or "wire"
-  # (a torch group, buckets broadcast from the learner; rollout/servers/wire.py).
+  # How versions after the first reach the servers: "disk" (export + update_weights_from_disk), "wire"
+  # (a torch group, buckets broadcast from the learner; rollout/servers/wire.py) or "tensor" (same host:
+  # handles to shared memory / CUDA IPC, update_weights_from_tensor; rollout/servers/tensor.py).
   publish: str = backend.config_field("rollout", "disk")
   wire_bucket_mb: float = backend.config_field("rollout", 512.0)
   wire_backend: str = backend.config_field("rollout", "auto")
@@ -95,7 +96,6 @@ class HttpBackend(backend.RolloutBackend):
                             "sampling_seed": cfg.seed}
     self.group_size, self.batch_groups, self.max_lag = cfg.group_size, cfg.prompts_per_step, cfg.max_lag
     self.urls = [u.strip() for u in cfg.server_urls.split(",") if u.strip()]
-    self.weights_root = weight_store.publish_root(cfg.publish_dir, ctx.workdir)
     self._servers: list = []  # embedded servers this backend started (and stops)
     self._client: Optional[client_lib.RolloutClient] = None
     self._publisher: Optional[publisher_lib.WeightPublisher] = None
@@ -107,13 +107,20 @@ class HttpBackend(backend.RolloutBackend):
     # against them (embedded servers: against the directory they are started on).
     self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)
     self.export_dtype = weight_store.publish_dtype(cfg.publish_dtype, self.reference_dir, ctx.model_cfg.param_dtype)
-    if cfg.publish not in ("disk", "wire"):
-      raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: must be 'disk' or 'wire'")
-    if cfg.publish == "wire":
+    # Empty publish_dir: RAM-backed when the servers share this host (WORKDIR/weights links to it).
+    self.weights_root = weight_store.publish_root(
+        cfg.publish_dir, ctx.workdir, servers_are_local=weight_store.servers_local(self.urls),
+        version_bytes=hf_export.export_bytes(ctx.model_cfg, self.export_dtype), keep_last=cfg.keep_versions)
+    if cfg.publish not in ("disk", "wire", "tensor"):
+      raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: must be 'disk', 'wire' or 'tensor'")
+    if cfg.publish == "tensor" and not weight_store.servers_local(self.urls):
+      raise ValueError(f"invalid config: rollout.publish='tensor': the servers must run on this host (handles "
+                       f"to shared memory), got rollout.server_urls={cfg.server_urls!r}")
+    if cfg.publish != "disk":
       try:
-        wire_group.require_torch()
+        (wire_group if cfg.publish == "wire" else tensor_lib).require_torch()
       except ImportError as e:
-        raise ValueError(f"invalid config: rollout.publish='wire': {e}") from e
+        raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: {e}") from e
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
@@ -179,10 +186,14 @@ class HttpBackend(backend.RolloutBackend):
       self._sched.load_state_dict(self._restored)
     self._sched.set_served_version(version)
 
-  def _wire_sender(self, urls: list[str]) -> Optional[wire_lib.WireSender]:
+  def _wire_sender(self, urls: list[str]):
+    """The session transport for versions after the first (None: by disk)."""
+    dtype = self.export_dtype  # the disk export's: a resync from disk serves the same bytes
+    if self.cfg.publish == "tensor":
+      return tensor_lib.TensorSender(self.ctx.model_cfg, dtype, bucket_mb=self.cfg.wire_bucket_mb,
+                                     timeout_s=self.cfg.wire_timeout_s)
     if self.cfg.publish != "wire":
       return None
-    dtype = self.export_dtype  # the disk export's: a resync from disk serves the same bytes
     address = self.cfg.wire_master_address or wire_lib.master_address(urls)
     return wire_lib.WireSender(self.ctx.model_cfg, dtype, bucket_mb=self.cfg.wire_bucket_mb,
                                backend=self.cfg.wire_backend, timeout_s=self.cfg.wire_timeout_s,

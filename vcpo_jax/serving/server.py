@@ -39,7 +39,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.model import sampling
 from vcpo_jax.rollout import protocol
 from vcpo_jax.serving import requests as server_protocol
-from vcpo_jax.serving import weight_wire
+from vcpo_jax.serving import weight_tensor, weight_wire
 from vcpo_jax.serving.engine import Row
 from vcpo_jax.serving.rows import (ServerState, exit_with_parent, load_state, make_rows, parse_args,
                                           row_response)
@@ -256,6 +256,7 @@ def build_app(state: ServerState) -> web.Application:
   app.router.add_route("GET", "/flush_cache", handle_flush_cache)
   app.router.add_route("POST", "/flush_cache", handle_flush_cache)
   weight_wire.add_routes(app)
+  weight_tensor.add_routes(app)
 
   async def on_startup(app):
     app["state"].engine.start()

@@ -58,3 +58,17 @@ def spec_mismatch(new: dict, served: dict, other: str = "the served model has") 
     if tuple(shape) != tuple(served["tensors"][name]):
       return f"tensor {name} has shape {list(shape)}, {other} {list(served['tensors'][name])}"
   return None
+
+
+def manifest_mismatch(tensors, reference: dict) -> Optional[str]:
+  """The first difference between what a transport would send (items with .name and .shape, e.g.
+  wire_pack.WireTensor) and the served checkpoint's tensors, or None."""
+  served = reference["tensors"]
+  names = {t.name for t in tensors}
+  missing, extra = sorted(set(served) - names), sorted(names - set(served))
+  if missing or extra:
+    return f"tensors missing {missing[:3]} / unexpected {extra[:3]} compared with the served checkpoint"
+  for t in tensors:
+    if tuple(t.shape) != tuple(served[t.name]):
+      return f"tensor {t.name} has shape {list(t.shape)}, the served checkpoint has {list(served[t.name])}"
+  return None

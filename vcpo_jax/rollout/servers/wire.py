@@ -21,14 +21,14 @@ import numpy as np
 from vcpo_jax.model import config as config_lib
 from vcpo_jax.model import hf_export
 from vcpo_jax.rollout.servers import admin as admin_lib
-from vcpo_jax.rollout.servers import wire_group, wire_pack
+from vcpo_jax.rollout.servers import session, wire_group, wire_pack
 
 GROUP_NAME = "vcpo_weights"
 BACKENDS = ("auto", "gloo", "nccl")
 log = logging.getLogger(__name__)
 
 
-class WireError(RuntimeError):
+class WireError(session.TransportError):
   """A group could not be formed or a bucket did not reach every server within its deadline."""
 
 
@@ -49,21 +49,10 @@ def master_address(urls: Sequence[str]) -> str:
   return socket.getfqdn()
 
 
-def manifest_mismatch(tensors: Sequence[wire_pack.WireTensor], reference: dict) -> Optional[str]:
-  """The first difference between what would be sent and the served checkpoint's tensors, or None."""
-  served = reference["tensors"]
-  names = {t.name for t in tensors}
-  missing, extra = sorted(set(served) - names), sorted(names - set(served))
-  if missing or extra:
-    return f"tensors missing {missing[:3]} / unexpected {extra[:3]} compared with the served checkpoint"
-  for t in tensors:
-    if tuple(t.shape) != tuple(served[t.name]):
-      return f"tensor {t.name} has shape {list(t.shape)}, the served checkpoint has {list(served[t.name])}"
-  return None
-
-
 class WireSender:
-  """Rank 0 of the weight group; packs each bucket on the learner's devices and broadcasts it."""
+  """Rank 0 of the weight group; packs each bucket on the learner's devices and broadcasts it (a
+  session.Transport)."""
+  name = "wire"
 
   def __init__(self, model_cfg: config_lib.ModelConfig, dtype: str, *, bucket_mb: float = 512.0,
                backend: str = "auto", timeout_s: float = 60.0, master_address: str = "127.0.0.1"):
@@ -105,6 +94,14 @@ class WireSender:
         wire_group.destroy(results[0])
       raise WireError("the weight group did not form: " + "; ".join(errors))
     self._pg, self.members = results[0], urls
+
+  def needs_setup(self, members: Sequence[str]) -> bool:
+    return self._pg is None or self.members != list(members)
+
+  async def setup(self, admin: admin_lib.AdminSession, members: Sequence[str], params: Any) -> None:
+    """The group of exactly `members`, and the first bucket packed (before any server pauses)."""
+    await self.ensure_group(admin, members)
+    await self.prefetch(params)
 
   async def teardown(self, admin: Optional[admin_lib.AdminSession]) -> None:
     """Destroys our side, then asks the members to drop theirs (best effort: a dead one cannot answer)."""
