@@ -19,6 +19,7 @@ from vcpo_jax.learner import step as Lr
 from vcpo_jax.learner import train_state
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import sharding
+from vcpo_jax.parallel import target
 
 
 @pytest.mark.slow
@@ -89,6 +90,22 @@ def test_auto_chooses_by_memory_and_logs_why(caplog):
     LC.LearnerConfig(grad_path="book_keeping", kl_beta=0.1)
   with pytest.raises(ValueError, match="grad_memory_budget_gb"):
     LC.LearnerConfig(grad_memory_budget_gb=-1.0)
+
+
+def test_auto_budget_is_capped_by_the_target_device_memory():
+  """The 7B shape at its own rows on a 16-chip TPU v5e slice (one 640-token row per chip): ~4.7 GB of a/g fit the
+  configured 16 GB but not a quarter of a 16 GiB chip, so the step takes the bounded path there; an 80 GB GPU
+  keeps the configured budget."""
+  lc = LC.LearnerConfig()
+  q7 = M.ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                     num_kv_heads=4, head_dim=128, max_seq_len=640, dtype="bfloat16")
+  assert GP.choose(lc, q7, rows=16, seq_len=640, row_shards=16)[0] == "book_keeping"  # this CPU: no memory limit
+  with target.compiling_for(target.Target("tpu", "TPU v5 lite", 16 * 2**30)):
+    path, why = GP.choose(lc, q7, rows=16, seq_len=640, row_shards=16)
+    assert path == "bounded" and "> 4.29 GB (0.25 of TPU v5 lite's memory 17.2 GB)" in why, why
+  with target.compiling_for(target.Target("gpu", "NVIDIA H100 80GB HBM3", 80 * 10**9)):
+    assert GP.budget_gb(lc) == (16.0, "algo.grad_memory_budget_gb=16.0")
+    assert GP.choose(lc, q7, rows=16, seq_len=640, row_shards=16)[0] == "book_keeping"
 
 
 def test_bookkeeping_estimate_counts_what_capture_keeps():
