@@ -39,9 +39,19 @@ def _jsonl(path):
 
 
 @pytest.mark.integration
-def test_async_run_with_embedded_server(tmp_path):
-  result = train.train_and_evaluate(tiny_config(), str(tmp_path))
-  assert result["steps"] == 3
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_async_run_with_embedded_server_on_rollout_server_cpus(tmp_path):
+  """The async job with one embedded server, confined by rollout.server_cpus (its own log line says where it
+  runs; the learner's CPUs stay as they were): metrics, evaluations, checkpoints, kept weight versions, and a
+  rerun in the same workdir resumes at the end and does nothing more."""
+  import glob
+  cpu = max(os.sched_getaffinity(0))
+  mine = os.sched_getaffinity(0)
+  config = lambda: tiny_config(**{"rollout.server_cpus": str(cpu)})  # noqa: E731
+  result = train.train_and_evaluate(config(), str(tmp_path))
+  assert result["steps"] == 3 and os.sched_getaffinity(0) == mine
+  [log] = glob.glob(str(tmp_path / "logs" / "server-*.log"))
+  assert f"CPUs [{cpu}]" in open(log).read()
   assert 0.0 <= result["final"]["eval/greedy_accuracy"] <= 1.0
   scalars = _jsonl(tmp_path / "metrics.jsonl")
   assert [s["step"] for s in scalars] == [1, 2, 3]
@@ -58,7 +68,7 @@ def test_async_run_with_embedded_server(tmp_path):
   # Weight directories beyond keep_versions were deleted.
   assert len([d for d in os.listdir(tmp_path / "weights") if d.startswith("v")]) <= 3
   # Rerunning with the same workdir resumes at the end and does nothing more.
-  again = train.train_and_evaluate(tiny_config(), str(tmp_path))
+  again = train.train_and_evaluate(config(), str(tmp_path))
   assert again["steps"] == 3 and len(_jsonl(tmp_path / "metrics.jsonl")) == 3
 
 
@@ -188,21 +198,6 @@ def test_async_run_against_server_urls(tmp_path):
       assert json.load(r)["weight_version"] == "v2"
   finally:
     server.stop()
-
-
-@pytest.mark.integration
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
-def test_embedded_server_runs_on_rollout_server_cpus(tmp_path):
-  """rollout.server_cpus confines the job's embedded server (its own log line says where it runs) and leaves
-  the learner's CPUs as they were."""
-  import glob
-  cpu = max(os.sched_getaffinity(0))
-  mine = os.sched_getaffinity(0)
-  result = train.train_and_evaluate(tiny_config(**{"rl.steps": 1, "rollout.server_cpus": str(cpu)}),
-                                    str(tmp_path / "w"))
-  assert result["steps"] == 1 and os.sched_getaffinity(0) == mine
-  [log] = glob.glob(str(tmp_path / "w" / "logs" / "server-*.log"))
-  assert f"CPUs [{cpu}]" in open(log).read()
 
 
 class FixedBackend(backend.RolloutBackend):
