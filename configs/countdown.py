@@ -160,9 +160,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       # dtype of the exported weights: "auto" = what the servers serve (the starting weights' config.json
       # torch_dtype: float32 for the embedded server, bfloat16 for a bf16 checkpoint), or a dtype.
       publish_dtype="auto",
-      # where versions are exported: "" = RAM-backed (/dev/shm/vcpo-<job>, linked as WORKDIR/weights) when every
-      # server runs on this host and /dev/shm and free memory hold keep_versions + 2 versions, else
-      # WORKDIR/weights; a path overrides (e.g. WORKDIR/weights keeps them on disk). Servers must read it.
+      # where versions are exported: "" = RAM-backed (/dev/shm/vcpo-<job>, linked as WORKDIR/weights) when the
+      # job starts its servers (no server_urls) and /dev/shm and free memory hold keep_versions + 2 versions,
+      # else WORKDIR/weights; a path overrides (e.g. WORKDIR/weights keeps them on disk). Servers must read it.
       publish_dir="",
       # How each new version reaches the servers (docs/sglang.md): "disk" (export, update_weights_from_disk),
       # "wire" (a torch process group, bf16 buckets broadcast from the learner; needs torch) or "tensor" (servers

@@ -81,7 +81,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-  """The host's speed at the suite's start and end: a suite timing is read against it (README, Quick start)."""
+  """The host's speed at the suite's start and end: a suite timing is read against it (README's "Quick start")."""
   if _is_controller(config) and hasattr(config, "_calibration_start"):
     from calibration import ITERATIONS, loop_seconds  # noqa: PLC0415
     terminalreporter.write_line(f"calibration: {config._calibration_start:.2f} s at the start, {loop_seconds():.2f} s "

@@ -138,9 +138,12 @@ def test_invalid_config_fails_before_anything_starts(tmp_path):
 
 
 def _server_pids(workdir):
-  out = subprocess.run(["pgrep", "-f", f"vcpo_jax.serving.server --model-path {workdir}"], capture_output=True,
-                       text=True).stdout
-  return [int(p) for p in out.split()]
+  """The job's embedded servers: started on its weights root (WORKDIR/weights, or the RAM-backed directory it
+  links to)."""
+  roots = {str(workdir), os.path.realpath(os.path.join(workdir, "weights"))}
+  out = "".join(subprocess.run(["pgrep", "-f", f"vcpo_jax.serving.server --model-path {root}"], capture_output=True,
+                               text=True).stdout for root in roots)
+  return sorted({int(p) for p in out.split()})
 
 
 @pytest.mark.integration

@@ -107,9 +107,11 @@ class HttpBackend(backend.RolloutBackend):
     # against them (embedded servers: against the directory they are started on).
     self.reference_dir = starting_weights_dir(ctx.workdir, cfg.hf_path)
     self.export_dtype = weight_store.publish_dtype(cfg.publish_dtype, self.reference_dir, ctx.model_cfg.param_dtype)
-    # Empty publish_dir: RAM-backed when the servers share this host (WORKDIR/weights links to it).
+    # Empty publish_dir: RAM-backed when the job starts its servers (WORKDIR/weights links to it). Not for
+    # rollout.server_urls, even on loopback: those servers were launched by someone else, and an embedded one
+    # among them reads only below the weights root it was given.
     self.weights_root = weight_store.publish_root(
-        cfg.publish_dir, ctx.workdir, servers_are_local=weight_store.servers_local(self.urls),
+        cfg.publish_dir, ctx.workdir, servers_are_local=not self.urls,
         version_bytes=hf_export.export_bytes(ctx.model_cfg, self.export_dtype), keep_last=cfg.keep_versions)
     if cfg.publish not in ("disk", "wire", "tensor"):
       raise ValueError(f"invalid config: rollout.publish={cfg.publish!r}: must be 'disk', 'wire' or 'tensor'")
