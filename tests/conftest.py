@@ -80,6 +80,23 @@ def pytest_sessionstart(session):
     session.config._calibration_start = loop_seconds()
 
 
+def pytest_sessionfinish(session, exitstatus):
+  """The jobs' RAM-backed weight versions (rollout.publish_dir "": /dev/shm/vcpo-<hash>, linked as
+  WORKDIR/weights) outlive their workdirs: freed here for every workdir under this run's temporary directories."""
+  if not _is_controller(session.config):
+    return
+  try:
+    base = session.config._tmp_path_factory.getbasetemp()
+  except (AttributeError, ValueError):
+    return
+  for root, dirs, _ in os.walk(base):
+    for name in dirs:
+      path = os.path.join(root, name)
+      target = os.path.realpath(path)
+      if name == "weights" and os.path.islink(path) and target.startswith("/dev/shm/vcpo-"):
+        shutil.rmtree(target, ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
   """The host's speed at the suite's start and end: a suite timing is read against it (README's "Quick start")."""
   if _is_controller(config) and hasattr(config, "_calibration_start"):
