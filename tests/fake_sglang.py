@@ -136,6 +136,13 @@ def embedded_cluster(base: str, n: int = 2):
       s.stop()
 
 
+async def served_samples(client, groups: int):
+  """`groups` seeded groups of 2 ten-token samples through the rollout client (what the servers serve now)."""
+  params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
+  out = await asyncio.gather(*(client.generate([5, 6, 7 + i], params, n=2) for i in range(groups)))
+  return [s for g in out for s in g]
+
+
 def assert_served_by(samples, version: int) -> None:
   """Every token of every sample tagged `version`, its log-prob the learner's recompute under that version."""
   import numpy as np

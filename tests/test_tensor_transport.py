@@ -56,12 +56,6 @@ def cluster(tmp_path):
     yield c
 
 
-async def _served(client, n):
-  params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
-  groups = await asyncio.gather(*(client.generate([5, 6, 7 + i], params, n=2) for i in range(2 * n)))
-  return [s for g in groups for s in g]
-
-
 @pytest.mark.integration
 def test_two_servers_serve_the_weights_sent_as_handles_and_a_killed_one_is_resynced_from_disk(cluster):
   """Versions 2 and 3 go as handles (float32: the servers run exactly the learner's weights); in version 4 one
@@ -89,16 +83,16 @@ def test_two_servers_serve_the_weights_sent_as_handles_and_a_killed_one_is_resyn
         for version in (2, 3):
           assert await pub.publish(fake_sglang.tiny_version(version), version) == {u: True for u in urls}
         assert pub.stats["tensor_versions"] == 2 and os.listdir(cluster["root"]) == []  # no file written
-        sent = await _served(client, 2)
+        sent = await fake_sglang.served_samples(client, 4)
         sender.victim = servers[1].proc
         assert await pub.publish(fake_sglang.tiny_version(4), 4) == {urls[0]: True, urls[1]: False}
         assert pub.stats["tensor_failures"] == 1 and pub.stats["disk_resync_exports"] == 1
         assert not client.is_enabled(urls[1]) and urls[1] in pub.out_of_sync
-        survivor = await _served(client, 1)
+        survivor = await fake_sglang.served_samples(client, 2)
         servers[1].start()
         servers[1].wait_healthy(180)
         await waits.async_wait_until(lambda: urls[1] not in pub.out_of_sync, 120, "the restarted server resynced")
-        late = await _served(client, 2)
+        late = await fake_sglang.served_samples(client, 4)
       finally:
         await pub.close()
       return sent, survivor, late

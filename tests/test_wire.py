@@ -20,12 +20,6 @@ def cluster(tmp_path):
     yield c
 
 
-async def _served_logprobs(client, url_count):
-  params = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
-  groups = await asyncio.gather(*(client.generate([5, 6, 7 + i], params, n=2) for i in range(2 * url_count)))
-  return [s for g in groups for s in g]
-
-
 def _sender(bucket_mb=0.01, cls=wire_lib.WireSender):
   return cls(CFG, "float32", bucket_mb=bucket_mb, backend="gloo", timeout_s=20.0)
 
@@ -47,7 +41,7 @@ def test_two_servers_in_one_group_serve_the_wire_published_weights(cluster):
           assert [info["weight_version"] for _, info in infos] == [f"v{version}"] * 2
         assert sorted(os.listdir(cluster["root"])) == ["v1"]  # no file for a wire version
         assert pub.stats["wire_versions"] == 2 and pub.stats["wire_groups"] == 1 and len(sender.buckets) > 2
-        samples = await _served_logprobs(client, len(urls))
+        samples = await fake_sglang.served_samples(client, 2 * len(urls))
       finally:
         await pub.close()
       return samples
@@ -114,7 +108,7 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
         assert urls[1] in pub.out_of_sync and not client.is_enabled(urls[1])
         # the survivor was half-updated by the wire, then resynced from the v3 export
         assert sorted(os.listdir(cluster["root"])) == ["v1", "v3"]
-        samples = await _served_logprobs(client, 1)
+        samples = await fake_sglang.served_samples(client, 2)
         assert {s.server_url for s in samples} == {urls[0]}
         # the killed server comes back on its port: resynced from disk, then routed to again
         servers[1].start()
@@ -122,7 +116,7 @@ def test_a_server_killed_mid_broadcast_is_failed_in_time_and_the_rest_resynced_f
         await waits.async_wait_until(lambda: urls[1] not in pub.out_of_sync, 120, "the restarted server resynced")
         assert await pub.publish(fake_sglang.tiny_version(4), 4) == {u: True for u in urls}
         assert pub.stats["wire_groups"] == 2 and pub.stats["wire_versions"] == 2
-        late = await _served_logprobs(client, 2)
+        late = await fake_sglang.served_samples(client, 4)
       finally:
         await pub.close()
       return took, samples, late
