@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 from conftest import skip_if_not_enough_devices
 
-from vcpo_jax.model import attention
 from vcpo_jax.model import attention_tpu
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M

@@ -2,7 +2,6 @@
 servers (served weights, a server killed mid-send); the payload's round trip and its restricted unpickling."""
 import asyncio
 import base64
-import io
 import os
 import pickle
 
@@ -14,7 +13,7 @@ from tests import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf_export
 from vcpo_jax.rollout.client import client as client_lib
-from vcpo_jax.rollout.servers import admin, publisher as publisher_lib, tensor as tensor_lib, wire_pack
+from vcpo_jax.rollout.servers import admin, publisher as publisher_lib, tensor as tensor_lib
 from vcpo_jax.serving import weight_tensor
 
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
