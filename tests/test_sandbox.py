@@ -93,7 +93,10 @@ def test_sleeping_code_hits_the_wall_limit():
 
 
 def test_memory_bomb():
-  result = run_python("blocks = []\nwhile True:\n  blocks.append(bytearray(16 << 20))", FAST)
+  # bytearray zero-fills every page it gets: on a loaded 2-core host the page faults alone can pass FAST's one
+  # CPU-second, so this test gives the bomb CPU room enough that only the address-space limit can stop it.
+  limits = SandboxLimits(wall_seconds=30.0, cpu_seconds=10, processes=8, uid_base=UID_BASE, uid_count=1)
+  result = run_python("blocks = []\nwhile True:\n  blocks.append(bytearray(16 << 20))", limits)
   assert result.kind == "memory"
   assert "MemoryError" in result.stderr
 
