@@ -41,12 +41,14 @@ def add_common(parser: argparse.ArgumentParser, default_steps: str):
   parser.add_argument("--top", type=int, default=10, help="how many of the largest arrays to list")
 
 
-def cases(args, config: str, rows: int | None, seq_len: int | None) -> list[compile_step.Case]:
-  """One case per (variant, step); labels name the variant where variants were given, the step where several."""
+def cases(args, config: str, rows: int | None, seq_len: int | None, settings=()) -> list[compile_step.Case]:
+  """One case per (variant, step); labels name the variant where variants were given, the step where several.
+  `settings`: (field, value) pairs applied before --set and the variant's own."""
   variants = args.variant or [("baseline", ())]
   out = []
   for name, overrides in variants:
     for step in args.steps:
       label = "/".join(p for p, many in ((name, bool(args.variant)), (step, len(args.steps) > 1)) if many)
-      out.append(compile_step.Case(config, step, rows, seq_len, tuple(args.set) + overrides, label or step))
+      out.append(compile_step.Case(config, step, rows, seq_len, tuple(settings) + tuple(args.set) + overrides,
+                                       label or step))
   return out
