@@ -183,3 +183,31 @@ def test_sampler_dots_run_at_the_model_precision():
   text = str(jax.make_jaxpr(lambda p: decode_kernels.prefill(p, jnp.asarray(tokens), jnp.asarray(positions),
                                                           jnp.asarray(seeds), st, cfg=cfg, num_new=4))(params))
   assert text.count("dot_general") > 4 and set(re.findall(r"precision=\(?Precision\.(\w+)", text)) == {"HIGH"}
+
+
+def test_a_rows_draw_does_not_depend_on_the_passes_its_batch_needs():
+  """draw() skips the [B, V] passes no row of a batch asks for (suppression, filters, greedy, sampling): a row's
+  token and log-prob are the same in a batch that needs only its own passes as in one that needs them all."""
+  from vcpo_jax.model import sampling_fields
+  V, K = 64, 4
+  plain = sampling.RowSpec(prompt=(1,), temperature=0.8, seed=5)
+  greedy = sampling.RowSpec(prompt=(1,), temperature=0.0, seed=6)
+  # a row that turns on every optional pass: suppressed stop ids, top-k, top-p and min-p
+  every = sampling.RowSpec(prompt=(1,), temperature=1.2, top_k=20, top_p=0.9, min_p=0.01, min_new_tokens=5,
+                           stop_token_ids=(3, 7), seed=7)
+  logits_row = jax.random.normal(jax.random.PRNGKey(11), (V,)) * 3.0
+  draw = jax.jit(decode_kernels.draw)
+
+  def run(rows, count):
+    arrays, seeds = sampling_fields.row_arrays(rows, len(rows), K, V)
+    arrays = jax.tree.map(jnp.asarray, arrays)._replace(key_data_Bx2=decode_kernels.row_keys(jnp.asarray(seeds)))
+    n = len(rows)
+    out = draw(jnp.broadcast_to(logits_row, (n, V)), arrays, jnp.full((n,), count, jnp.int32), jnp.ones((n,), bool))
+    return [np.asarray(x) for x in out]
+
+  for count in range(6):  # several draws of each row's stream
+    alone = [run([row], count) for row in (plain, greedy)]
+    together = run([plain, greedy, every], count)
+    for i, (tok, logp, stop) in enumerate(alone):
+      assert (tok[0], logp[0], stop[0]) == (together[0][i], together[1][i], together[2][i])
+    assert together[0][2] not in (3, 7)  # the suppressed row never draws a stop id before min_new_tokens

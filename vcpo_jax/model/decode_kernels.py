@@ -46,17 +46,41 @@ def top_k_top_p(scaled_BxV, top_k_B, top_p_B):
 
 
 def sample_tokens(logits_BxV, temperature_B, top_p_B, top_k_B, min_p_B, keys_B):
-  """Draws one token per row from the temperature/top-k/top-p/min-p filtered distribution."""
-  V = logits_BxV.shape[-1]
+  """Draws one token per row from the temperature/top-k/top-p/min-p filtered distribution.
+
+  Each [B, V] pass a batch does not need is skipped at run time (lax.cond on what its rows ask for): a batch
+  of plain temperature draws (RL rollouts) makes one pass for the Gumbel-max draw; an all-greedy batch (eval)
+  makes one argmax. The tokens are those of the full path: the skipped passes change nothing for such rows.
+  """
   greedy_B = temperature_B <= GREEDY_TEMPERATURE
+  return jax.lax.cond(jnp.all(greedy_B), lambda *a: jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
+                      _sampled_tokens, logits_BxV, greedy_B, temperature_B, top_p_B, top_k_B, min_p_B, keys_B)
+
+
+def _sampled_tokens(logits_BxV, greedy_B, temperature_B, top_p_B, top_k_B, min_p_B, keys_B):
+  V = logits_BxV.shape[-1]
   scaled_BxV = logits_BxV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
   needs_sort = jnp.any((top_k_B < V) | (top_p_B < 1.0))
   scaled_BxV = jax.lax.cond(needs_sort, top_k_top_p, lambda s, k, p: s, scaled_BxV, top_k_B, top_p_B)
+  scaled_BxV = jax.lax.cond(jnp.any(min_p_B > 0), _min_p, lambda s, m: s, scaled_BxV, min_p_B)
+  sampled_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BxV).astype(jnp.int32)
+  return jax.lax.cond(jnp.any(greedy_B),
+                      lambda: jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), sampled_B),
+                      lambda: sampled_B)
+
+
+def _min_p(scaled_BxV, min_p_B):
   # min_p keeps tokens with p >= min_p * p_max, i.e. scaled logit >= max + log(min_p); log(0) = -inf.
   max_B = jnp.max(scaled_BxV, axis=-1)
-  scaled_BxV = jnp.where(scaled_BxV >= (max_B + jnp.log(min_p_B))[:, None], scaled_BxV, -jnp.inf)
-  sampled_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BxV)
-  return jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
+  return jnp.where(scaled_BxV >= (max_B + jnp.log(min_p_B))[:, None], scaled_BxV, -jnp.inf)
+
+
+def _suppress_stops(logits_BxV, stop_ids_BxK, suppress_B):
+  """-inf on each suppressed row's stop ids (min_new_tokens not reached yet)."""
+  B, V = logits_BxV.shape
+  rows_BxK = jnp.broadcast_to(jnp.arange(B)[:, None], stop_ids_BxK.shape)
+  is_stop_BxV = jnp.zeros((B, V), bool).at[rows_BxK, stop_ids_BxK].set(True, mode="drop")
+  return jnp.where(suppress_B[:, None] & is_stop_BxV, -jnp.inf, logits_BxV)
 
 
 def draw(logits_BxV, rows: sampling_fields.RowArrays, count_B, active_B):
@@ -65,14 +89,12 @@ def draw(logits_BxV, rows: sampling_fields.RowArrays, count_B, active_B):
   `rows` holds the per-row sampling fields. The random key is fold_in(row key, sample_offset + count): a
   row's draws depend on its own stream and count only.
   """
-  B, V = logits_BxV.shape
   logits_BxV = logits_BxV.astype(jnp.float32)
   logz_B = jax.nn.logsumexp(logits_BxV, axis=-1)
   # min_new_tokens: stop tokens cannot be drawn before it (they only change what is sampled).
-  rows_BxK = jnp.broadcast_to(jnp.arange(B)[:, None], rows.stop_ids_BxK.shape)
-  is_stop_BxV = jnp.zeros((B, V), bool).at[rows_BxK, rows.stop_ids_BxK].set(True, mode="drop")
   suppress_B = (count_B < rows.min_new_B) & ~rows.ignore_eos_B
-  sample_logits_BxV = jnp.where(suppress_B[:, None] & is_stop_BxV, -jnp.inf, logits_BxV)
+  sample_logits_BxV = jax.lax.cond(jnp.any(suppress_B), _suppress_stops, lambda x, i, s: x, logits_BxV,
+                                   rows.stop_ids_BxK, suppress_B)
   keys_B = jax.vmap(lambda kd, i: jax.random.fold_in(jax.random.wrap_key_data(kd), i))(
       rows.key_data_Bx2, rows.sample_offset_B + count_B)
   token_B = sample_tokens(sample_logits_BxV, rows.temperature_B, rows.top_p_B, rows.top_k_B, rows.min_p_B,
