@@ -191,12 +191,14 @@ class AdapterSync:
     log.error("adapter %s on %s failed: %r; out of routing until resynced", name, url, error)
 
   async def resync(self, url: str) -> bool:
-    """Unloads what `url` may hold that nothing in flight names (a load that timed out may have landed),
-    then loads the current adapter; back in routing once it confirms."""
+    """Unloads what `url` may hold that nothing in flight names (a load that timed out may have landed; a
+    server marked down and up again has lost our record of it), then loads the current adapter; back in
+    routing once it confirms."""
     if self.current is None or self._load is None:
       return False
+    recent = self.used[-2 * self.max_kept:]  # older names were unloaded while it was in sync, or never sent
     try:
-      for name in sorted(set(self.client.server_adapters(url)) | {self.current}):
+      for name in sorted(set(self.client.server_adapters(url)) | set(recent)):
         if self.client.adapter_in_flight(url, name) == 0:
           self.client.server_adapters(url).discard(name)
           try:

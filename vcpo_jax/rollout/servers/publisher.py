@@ -155,7 +155,7 @@ class WeightPublisher:
     by_url = await self.adapters.publish(adapter, version, [u for u in self.urls if u not in behind])
     for url in behind:
       ok = await self.adapters.resync(url)
-      by_url[url] = (ok, None if ok else admin.Rejected(self.out_of_sync.get(url, "resync failed")))
+      by_url[url] = (ok, None if ok else RuntimeError(self.out_of_sync.get(url, "resync failed")))
       self._count("resynced", int(ok))
     return [by_url[u] for u in self.urls]
 
