@@ -21,6 +21,8 @@ new version, /get_model_info keeps the old one); /flush_cache is a 400 unless id
   eos_token_ids, paused, num_in_flight, ...) that the client must not rely on.
 - model_path of update_weights_from_disk must lie under --weights-root (default: the parent of
   --model-path), and the new model must have the same config as the served one (SGLang checks nothing).
+- LoRA (--enable-lora, docs/embedded-server.md): a `lora_path` that is not loaded is a 400 (SGLang reloads a
+  once-loaded adapter from its path), and adapters live in a fixed stack of --max-loras-per-batch slots.
 """
 from __future__ import annotations
 
