@@ -183,3 +183,35 @@ def test_http_endpoints_speak_sglang(tmp_path, monkeypatch):
   assert state.engine.slot_calls == [(0, ["layers_0", "layers_1"]), (0, None), (0, ["layers_0", "layers_1"]),
                                      (1, ["layers_0", "layers_1"])]
   assert state.engine.row_slots == [0, 0, -1]
+
+
+def test_tree_in_the_models_stack_serves_the_merged_weights():
+  """The seam, against model/lora.py's stack (skipped until the model has adapters): the registry's tree in a
+  slot of a stack with scale 1 (alpha = rank = --max-lora-rank) gives the logits of the base with the PEFT
+  adapter merged in (float64); slot -1 gives the base's."""
+  lora_model = pytest.importorskip("vcpo_jax.model.lora")
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  from vcpo_jax.model import transformer
+  cfg = dataclasses.replace(CFG, max_seq_len=64)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  settings = adapters.Settings(max_rank=8, targets=("q_proj", "v_proj", "up_proj", "down_proj"), num_slots=3)
+  config, tensors = peft(rank=4, alpha=12.0, targets=("q_proj", "v_proj", "down_proj"))
+  tensors = {k: 0.3 * v for k, v in tensors.items()}
+  stack_cfg = model_config.LoraConfig(rank=8, alpha=8.0, target_modules=settings.targets)
+  stack = lora_model.empty_stack(cfg, stack_cfg, 3, dtype=jnp.float32)
+  stack = lora_model.put(stack, 1, jax.tree.map(jnp.asarray, adapters.to_tree(config, tensors, cfg, settings)))
+  tokens = jnp.asarray([[5, 6, 7, 8, 9]] * 2, jnp.int32)
+  out = transformer.forward(params, dataclasses.replace(cfg, lora=stack_cfg), tokens, adapter=stack,
+                            adapter_B=jnp.asarray([1, -1]))
+  merged = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+  for key in {k.rsplit(".lora_", 1)[0] for k in tensors}:
+    _, _, _, _, i, parent, m = key.split(".")
+    a, b = tensors[f"{key}.lora_A.weight"].astype(np.float64), tensors[f"{key}.lora_B.weight"].astype(np.float64)
+    merged[f"layers_{i}"][parent][m]["kernel"] += 3.0 * a.T @ b.T  # the kernel is [in, out]
+  ref = transformer.forward(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), merged), cfg, tokens[:1])
+  base = transformer.forward(params, cfg, tokens[:1])
+  np.testing.assert_allclose(out[0], ref[0], atol=1e-5)
+  np.testing.assert_array_equal(out[1], base[0])
+  assert float(jnp.abs(ref[0] - base[0]).max()) > 0.1

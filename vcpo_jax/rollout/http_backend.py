@@ -15,8 +15,7 @@ from vcpo_jax.model import hf_export
 from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend, dynamic_sampling, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
-from vcpo_jax.rollout.servers import admin as admin_lib, background, launcher, lora_launch
-from vcpo_jax.rollout.servers import publisher as publisher_lib, weight_store
+from vcpo_jax.rollout.servers import background, launcher, publisher as publisher_lib, weight_store
 from vcpo_jax.rollout.servers import tensor as tensor_lib, wire as wire_lib, wire_group
 
 
@@ -98,7 +97,6 @@ class HttpBackend(backend.RolloutBackend):
     self.group_size, self.batch_groups, self.max_lag = cfg.group_size, cfg.prompts_per_step, cfg.max_lag
     self.urls = [u.strip() for u in cfg.server_urls.split(",") if u.strip()]
     self._servers: list = []  # embedded servers this backend started (and stops)
-    self.lora: Optional[lora_launch.LoraServing] = None
     self._client: Optional[client_lib.RolloutClient] = None
     self._publisher: Optional[publisher_lib.WeightPublisher] = None
     self._sched: Optional[scheduler_lib.RolloutScheduler] = None
@@ -128,9 +126,7 @@ class HttpBackend(backend.RolloutBackend):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, ctx: backend.RolloutContext) -> "HttpBackend":
-    out = cls(ctx, backend.read_config(HttpBackendConfig, config))
-    out.lora = lora_launch.from_config(config)  # model.lora: the servers' launch flags and checks
-    return out
+    return cls(ctx, backend.read_config(HttpBackendConfig, config))
 
   def _layout(self, params: Any) -> hf_export.HfLayout:
     return hf_export.hf_layout(params, self.ctx.model_cfg, self.export_dtype)
@@ -153,8 +149,7 @@ class HttpBackend(backend.RolloutBackend):
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     # A cache named in the environment is shared (the test suite's jobs share one per run).
                     "--compilation-cache-dir",
-                    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "jax_cache"),
-                    *lora_launch.server_flags(self.lora)))
+                    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "jax_cache")))
     return [s.url for s in self._servers]
 
   async def start(self, version: int, params: Any) -> None:
@@ -170,12 +165,6 @@ class HttpBackend(backend.RolloutBackend):
       await self._client.wait_for_servers(self.cfg.min_servers or len(self.urls), self.cfg.server_wait_s,
                                           f"rollout.min_servers={self.cfg.min_servers} "
                                           f"(rollout.server_wait_s={self.cfg.server_wait_s:g})")
-    if self.urls and self.lora is not None:  # launched by someone else: with LoRA that fits, or refused
-      admin = admin_lib.AdminSession(self.cfg.request_timeout, lambda *_: None)
-      try:
-        await lora_launch.check_servers(admin, urls, self.lora)
-      finally:
-        await admin.close()
     self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
                                                     keep_last=self.cfg.keep_versions,
                                                     reference_dir=self.reference_dir, wire=self._wire_sender(urls))
