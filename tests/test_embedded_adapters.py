@@ -4,7 +4,6 @@ adapter per row) is model work of its own: here a recording subclass of the real
 calls (set_adapter_slot, a row's adapter_slot) and generates with the base weights."""
 import asyncio
 import json
-import os
 
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """LoRA at server launch (rollout/servers/lora_launch.py): SGLang's flags from the config, and one-line refusals
 of servers that cannot serve the job's adapters, before anything starts."""
 import asyncio
-import os
 import sys
 
 import ml_collections

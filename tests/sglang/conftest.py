@@ -32,7 +32,8 @@ class SGLangServer:
                    WEIGHT_VERSION=weight_version, **env)
     with open(log_path, "w") as log:
       extra = ("--", *flags) if flags else ()  # SGLang's own flags (e.g. LoRA's)
-      self.proc = subprocess.Popen([os.path.join(REPO, "third_party", "launch_sglang.sh"), model_dir, str(port), *extra],
+      self.proc = subprocess.Popen([os.path.join(REPO, "third_party", "launch_sglang.sh"), model_dir, str(port),
+                                    *extra],
                                    stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
 
   def wait_ready(self, timeout: float = 300.0) -> "SGLangServer":
