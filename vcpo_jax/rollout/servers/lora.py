@@ -86,7 +86,7 @@ class AdapterSync:
     self.max_kept, self.timeout_s, self.transport = max_kept, timeout_s, transport
     self.out_of_sync = {} if out_of_sync is None else out_of_sync
     self._count = count or (lambda key, n=1: None)
-    self.admin = admin_lib.AdminSession(timeout_s, self._count)
+    self.admin = admin_lib.AdminSession(timeout_s, lambda key, n=1: self._count(key, n))
     self.current: Optional[str] = None
     self.used: list[str] = []  # every name ever loaded, in order: none is loaded twice with new contents
     self._load: Optional[tuple[str, dict]] = None  # the current adapter's endpoint and body (resyncs)
@@ -94,6 +94,10 @@ class AdapterSync:
     if transport == "tensor":
       from vcpo_jax.rollout.servers import tensor as tensor_lib
       self._torch = tensor_lib.require_torch()
+
+  def bind(self, out_of_sync: dict, count) -> None:
+    """The publisher's out-of-sync record and counters (its stats and the client's) from now on."""
+    self.out_of_sync, self._count = out_of_sync, count
 
   # -- one version -----------------------------------------------------------------------------------
   async def publish(self, adapter: Any, version: int, urls: list[str]) -> dict[str, tuple[bool, Optional[Exception]]]:

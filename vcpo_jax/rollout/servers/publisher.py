@@ -87,7 +87,7 @@ class WeightPublisher:
       if wire is not None or self.client is None:
         raise ValueError("LoRA adapters are published by disk or tensor to a RolloutClient's servers, "
                          "not over the wire")
-      adapters.out_of_sync, adapters._count = self.out_of_sync, self._count
+      adapters.bind(self.out_of_sync, self._count)
       self.stats.update({"adapter_loads": 0, "adapter_unloads": 0, "adapter_failures": 0})
     self.session = None if wire is None else session.Session(wire, self.urls, self._count, self.client,
                                                                   self.out_of_sync)
