@@ -1,9 +1,10 @@
 """LoRA on a real SGLang 0.5.23 CPU server: the adapter publisher end to end, and the served log-probs.
 
 The server starts with the job's LoRA flags (install_sglang_cpu.sh's pin-memory patch makes that possible on
-CPU-only torch); a PEFT adapter for the tiny checkpoint is published as policy-v1 by the rollout client's
-publisher; its served log-probs differ from the base's and equal those of a second server launched on the
-merged weights (W + alpha / r * B A) within the tolerance the suite uses for disk publishes.
+CPU-only torch); a PEFT adapter for the tiny checkpoint is published as policy-v1 (disk) and again as policy-v2
+(tensors) by the rollout client's publisher; its served log-probs differ from the base's and equal those of a
+second server launched on the merged weights (W + alpha / r * B A) within the tolerance the suite uses for disk
+publishes.
 """
 import asyncio
 import json
@@ -109,12 +110,24 @@ def test_adapter_published_to_real_sglang_serves_the_merged_weights(servers):
           base = await _score(client, with_lora.url, s.prompt_ids, s.output_ids)
           gaps.append(float(np.abs(s.output_logprobs - merged).max()))
           base_gaps.append(float(np.abs(s.output_logprobs - base).max()))
+        # The same adapter again, by tensors (shared-memory handles, sha256 checked by the server), as policy-v2.
+        by_tensor = lora.AdapterSync(client, lambda v: adapter(1), str(tmp / "t"), max_kept=SERVING.max_kept,
+                                     timeout_s=120.0, transport="tensor")
+        tensor_pub = publisher_lib.WeightPublisher(lambda p, d: None, str(tmp / "t"), client, adapters=by_tensor)
+        try:
+          assert await tensor_pub.publish(2, 2) == {with_lora.url: True}
+          for s in [s for i in range(2) for s in await client.generate([9, 8, 7 + i], params, n=2)]:
+            assert list(s.token_versions) == [2] * len(s.output_ids)
+            merged = await _score(client, plain.url, s.prompt_ids, s.output_ids)
+            gaps.append(float(np.abs(s.output_logprobs - merged).max()))
+        finally:
+          await tensor_pub.close()
         refused = lora.AdapterSync(client, lambda v: adapter(v, rank=16), str(tmp / "big"), max_kept=3,
                                    timeout_s=120.0)
         big = publisher_lib.WeightPublisher(lambda p, d: None, str(tmp / "big"), client, adapters=refused)
         try:
           with pytest.raises(publisher_lib.PublishError, match="rank 16 is incompatible"):
-            await big.publish(2, 2)
+            await big.publish(3, 3)
         finally:
           await big.close()
         return gaps, base_gaps
