@@ -167,6 +167,7 @@ class FakeServer:
     self.running = asyncio.Event()
     self.running.set()
     self.generate_requests = 0
+    self.lora = None  # fake_lora.FakeLora with --enable-lora
 
   def take_mode(self) -> str:
     if self.mode_count == 0:
@@ -299,8 +300,17 @@ class FakeServer:
                                 "update_requests": self.update_requests,
                                 "last_model_path": self.last_model_path})
 
+    async def server_info(_):
+      lora = self.lora.server_info() if self.lora is not None else {"lora": {"enable_lora": None}}
+      return web.json_response({"version": "fake", **lora})
+
     app = web.Application()
-    app.add_routes([web.post("/generate", self.generate), web.get("/health", health),
+    generate = self.generate
+    if self.lora is not None:
+      app.add_routes(self.lora.routes())
+      generate = self.lora.wrap_generate(self.generate)
+    app.add_routes([web.post("/generate", generate), web.get("/health", health),
+                    web.get("/get_server_info", server_info),
                     web.post("/fake/update", self.set_update_mode),
                     web.get("/get_model_info", info), web.post("/fake/mode", self.set_mode),
                     web.get("/fake/stats", stats), web.post("/pause_generation", pause),
@@ -320,11 +330,19 @@ def main() -> None:
   parser.add_argument("--mode", default="good", choices=MODES)
   parser.add_argument("--context-length", type=int, default=4096)
   parser.add_argument("--info", type=json.loads, default={}, help="extra /get_model_info fields (JSON)")
+  parser.add_argument("--enable-lora", action="store_true")
+  parser.add_argument("--max-lora-rank", type=int, default=16)
+  parser.add_argument("--lora-target-modules", nargs="*", default=["q_proj", "k_proj", "v_proj", "o_proj"])
   args = parser.parse_args()
 
   async def make_app():
-    return FakeServer(args.vocab_size, args.token_delay, args.weight_version, args.mode,
-                      args.context_length, args.info).app()
+    server = FakeServer(args.vocab_size, args.token_delay, args.weight_version, args.mode,
+                        args.context_length, args.info)
+    if args.enable_lora:
+      sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+      import fake_lora
+      server.lora = fake_lora.FakeLora(args.max_lora_rank, args.lora_target_modules)
+    return server.app()
 
   web.run_app(make_app(), host=args.host, port=args.port, print=None)
 

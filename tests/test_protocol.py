@@ -72,7 +72,7 @@ def test_client_side_fit_matches_the_server_limits():
 @pytest.mark.parametrize("body,needle", [
     ({"input_ids": [1], "sampling_params": {"nope": 1}}, "unknown field `nope`"),
     ({"input_ids": [1], "nope": 1}, "unknown field `nope`"),
-    ({"input_ids": [1], "lora_path": "x"}, "lora_path"),
+    ({"input_ids": [1], "lora_path": 5}, "lora_path"),
     ({"input_ids": [1, 100]}, "input_ids[1]=100"),
     ({"input_ids": [[1], []]}, "input_ids[1]"),
     ({"input_ids": []}, "input_ids"),

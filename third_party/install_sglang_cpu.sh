@@ -14,7 +14,16 @@ SGLANG_VERSION=0.5.23
 STAMP="$V/.vcpo-sglang-$SGLANG_VERSION"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
+# CPU-only torch has no pinned memory, which SGLang's LoRA asks for (sglang#31894): a start-up patch makes pinning a
+# no-op in CPU-engine processes (see its docstring). Refreshed on every run, so that an existing install gets it.
+install_cpu_patches() {
+  local site
+  site="$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  cp "$HERE/sglang_cpu_patch/vcpo_sglang_cpu_pin.py" "$HERE/sglang_cpu_patch/vcpo_sglang_cpu_pin.pth" "$site/"
+}
+
 if [[ -f "$STAMP" ]]; then
+  install_cpu_patches
   echo "$V"
   exit 0
 fi
@@ -57,6 +66,7 @@ SITE="$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purel
 rm -rf "$SITE/sgl_kernel"
 cp -r "$HERE/sgl_kernel_stub/sgl_kernel" "$SITE/sgl_kernel"
 
+install_cpu_patches
 SGLANG_USE_CPU_ENGINE=1 "$V/bin/python" -c 'import sglang.launch_server' >/dev/null
 touch "$STAMP"
 echo "$V"

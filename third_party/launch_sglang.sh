@@ -55,6 +55,10 @@ if [[ "${DEVICE:-cuda}" == "cpu" ]]; then
 else
   args+=(--tp-size "${TP:-1}" --mem-fraction-static "${MEM_FRACTION:-0.85}" --dtype "${DTYPE:-auto}")
 fi
+# LoRA on the CPU engine: only the torch_native LoRA backend runs without triton (the default csgmv needs a GPU).
+if [[ "${DEVICE:-cuda}" == "cpu" && " $* " == *" --enable-lora "* && " $* " != *" --lora-backend "* ]]; then
+  args+=(--lora-backend torch_native)
+fi
 [[ "${RADIX_CACHE:-1}" == "0" ]] && args+=(--disable-radix-cache)
 [[ "${METRICS:-0}" == "1" ]] && args+=(--enable-metrics)
 

@@ -16,6 +16,7 @@ import re
 import sys
 
 from vcpo_jax.parallel import placement
+from vcpo_jax.rollout.servers import lora_launch
 
 ENGINES = ("embedded", "sglang")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "")
@@ -41,6 +42,7 @@ class Fleet:
   shared_workdir: bool = False       # the workdir is on a filesystem every host sees
   publish: str = "disk"              # the config's rollout.publish
   server_model: str = ""             # "" = WORKDIR/base, the job's warm start, waited for
+  server_flags: tuple[str, ...] = ()  # the engine's own launch flags (LoRA's: config_server_flags)
   extra: tuple[str, ...] = ()        # more vcpo_jax.main flags (--config.x=y)
   python: str = sys.executable
 
@@ -134,8 +136,9 @@ def flag_list(args: dict[str, str]) -> list[str]:
 def processes(fleet: Fleet) -> list[Process]:
   """Every process of the fleet, servers first (they wait for the learner's warm start anyway)."""
   check(fleet)
+  engine_flags = ("--", *fleet.server_flags) if fleet.server_flags else ()
   out = [Process(f"server{j}", h, (fleet.python, "-m", "experiments.launch.fleet_server",
-                                   *flag_list(server_args(fleet, j))), {})
+                                   *flag_list(server_args(fleet, j)), *engine_flags), {})
          for j, h in enumerate(fleet.server_hosts)]
   out += [Process(f"learner{i}", h, (fleet.python, "-m", "vcpo_jax.main", *flag_list(learner_args(fleet, i))),
                   learner_env(fleet))
@@ -155,14 +158,35 @@ def config_publish(config: str, extra: tuple[str, ...] | list[str]) -> str:
     key, _, value = arg.lstrip("-").partition("=")
     if key == "config.rollout.publish":
       return value
+  return load_config(config).rollout.get("publish", "disk")
+
+
+def load_config(config: str):
+  """The config file's get_config(variant), without flags."""
   path, _, variant = config.partition(":")
   if not os.path.isfile(path):
     raise LayoutError(f"--config file does not exist: {path!r}")
   spec = importlib.util.spec_from_file_location(f"fleet_config_{os.path.basename(path)[:-3]}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = module.get_config(variant) if variant else module.get_config()
-  return cfg.rollout.get("publish", "disk")
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def config_server_flags(config: str, extra: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+  """The servers' launch flags the run needs: LoRA's when model.lora.rank > 0 (the config file's, then any
+  --config.model.lora.* or --config.rl.max_lag flag)."""
+  cfg = load_config(config)
+  for arg in extra:
+    key, _, value = arg.lstrip("-").partition("=")
+    if key.startswith("config.model.lora.") or key == "config.rl.max_lag":
+      *path, leaf = key.split(".")[1:]
+      node = cfg
+      for part in path:
+        if part not in node:
+          raise LayoutError(f"--{key}: the config {config!r} has no {part!r} section")
+        node = node[part]
+      node[leaf] = int(value) if value.lstrip("-").isdigit() else value
+  return lora_launch.server_flags(lora_launch.from_config(cfg))
 
 
 def expand_hostlist(spec: str) -> list[str]:

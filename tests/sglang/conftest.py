@@ -24,13 +24,16 @@ def pytest_configure(config):
 class SGLangServer:
   """One `third_party/launch_sglang.sh` server (DEVICE=cpu, float32) on loopback, in its own process group."""
 
-  def __init__(self, model_dir: str, port: int, log_path: str, *, weight_version: str = "v0", **env):
+  def __init__(self, model_dir: str, port: int, log_path: str, *, weight_version: str = "v0",
+               flags: tuple = (), **env):
     self.url, self.port, self.log_path = f"http://127.0.0.1:{port}", port, log_path
     environ = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     environ.update(HOST="127.0.0.1", DEVICE="cpu", DTYPE="float32", PYTHON=SGLANG_PYTHON,
                    WEIGHT_VERSION=weight_version, **env)
     with open(log_path, "w") as log:
-      self.proc = subprocess.Popen([os.path.join(REPO, "third_party", "launch_sglang.sh"), model_dir, str(port)],
+      extra = ("--", *flags) if flags else ()  # SGLang's own flags (e.g. LoRA's)
+      self.proc = subprocess.Popen([os.path.join(REPO, "third_party", "launch_sglang.sh"), model_dir, str(port),
+                                    *extra],
                                    stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
 
   def wait_ready(self, timeout: float = 300.0) -> "SGLangServer":

@@ -26,6 +26,7 @@ LOGPROB_TOLERANCE = 1e-4
 # update_weights_from_disk's 400 when the weights WERE applied but the prefix cache could not be flushed.
 CACHE_NOT_FLUSHED = "cache was not flushed"
 _VERSION_RE = re.compile(r"v([0-9]+)")
+ADAPTER_PREFIX = "policy-"  # LoRA adapters load as policy-v<version>
 
 
 class RequestError(ValueError):
@@ -186,6 +187,17 @@ def version_from_wire(text: Any) -> int:
   return int(match.group(1))
 
 
+def adapter_name(version: int) -> str:
+  """A learner version's LoRA adapter name, never reused: 12 <-> "policy-v12"."""
+  return f"{ADAPTER_PREFIX}{version_to_wire(version)}"
+
+
+def adapter_version(name: Any) -> int:
+  if not isinstance(name, str) or not name.startswith(ADAPTER_PREFIX):
+    raise ValueError(f"a LoRA adapter name must look like '{ADAPTER_PREFIX}v<int>', got {name!r}")
+  return version_from_wire(name[len(ADAPTER_PREFIX):])
+
+
 def max_input_len(context_length: int) -> int:
   """The longest input (prompt, or prompt + partial output when resuming) a server accepts."""
   return context_length - INPUT_MARGIN - 1
@@ -218,9 +230,14 @@ class Segment:
   finish_type: str
 
 
-def generate_payload(input_ids: list[int], sampling_params: dict, rid: str) -> dict:
-  """The /generate body the client sends: token ids in, per-token logprobs and version spans out."""
-  return {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
+def generate_payload(input_ids: list[int], sampling_params: dict, rid: str,
+                     lora_path: Optional[str] = None) -> dict:
+  """The /generate body the client sends: token ids in, per-token logprobs and version spans out; with
+  `lora_path`, the LoRA adapter (its name) that serves the request."""
+  body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
+  if lora_path is not None:
+    body["lora_path"] = lora_path
+  return body
 
 
 def _parse_versions(meta: dict, n: int, fallback: Optional[int]) -> list[int]:

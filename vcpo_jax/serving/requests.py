@@ -11,10 +11,10 @@ from vcpo_jax.rollout.protocol import (INPUT_MARGIN, TOTAL_MARGIN, RequestError,
 # Top-level /generate keys we understand. `stream` is served as server-sent events.
 GENERATE_KEYS = (
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-    "return_text_in_logprobs", "rid", "stream",
+    "return_text_in_logprobs", "rid", "stream", "lora_path",
 )
 # Top-level SGLang keys we do not implement but accept when they ask for nothing (null/false/empty).
-INERT_KEYS = ("return_hidden_states", "lora_path", "custom_logit_processor", "image_data", "priority",
+INERT_KEYS = ("return_hidden_states", "custom_logit_processor", "image_data", "priority",
               "log_metrics", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
               "token_ids_logprob", "modalities", "session_params")
 
@@ -41,6 +41,7 @@ class GenerateRequest:
   logprob_start_len: int
   return_text_in_logprobs: bool
   stream: bool
+  lora_paths: list[Optional[str]] = dataclasses.field(default_factory=list)  # per prompt: adapter name or None
 
 
 def _as_list(value, n: int, field: str) -> list:
@@ -136,5 +137,9 @@ def parse_generate_request(body: Any, *, vocab_size: int, context_length: int,
       raise RequestError(f"logprob_start_len={start} must be smaller than the prompt length {len(p)}.")
   if flags["stream"] and (len(prompts) > 1 or params[0].n > 1):
     raise RequestError("stream is supported for one prompt with n=1 only.")
+  lora_paths = _as_list(body.get("lora_path"), len(prompts), "lora_path")
+  if not all(p is None or (isinstance(p, str) and p) for p in lora_paths):
+    raise RequestError(f"lora_path must be an adapter name or a list of them (one per prompt), "
+                       f"got {body.get('lora_path')!r}.")
   return GenerateRequest(prompts, params, rids, single, flags["return_logprob"], start,
-                         flags["return_text_in_logprobs"], flags["stream"])
+                         flags["return_text_in_logprobs"], flags["stream"], lora_paths)

@@ -16,6 +16,7 @@ from vcpo_jax.model import hf
 from vcpo_jax.model import sampling
 from vcpo_jax.model import sampling_fields
 from vcpo_jax.rollout import protocol
+from vcpo_jax.serving import adapters as adapters_lib
 from vcpo_jax.serving import requests as SP
 from vcpo_jax.serving.engine import Engine, Row
 
@@ -34,6 +35,7 @@ class ServerState:
   max_prompt_len: int | None  # an optional extra limit of ours
   rng: random.Random
   reported_version: str = ""  # /get_model_info's weight_version: advanced only by a fully successful update
+  adapters: "adapters_lib.Registry | None" = None  # with --enable-lora
 
 
 def make_rows(req: SP.GenerateRequest, st: ServerState) -> list[Row]:
@@ -142,7 +144,21 @@ def load_state(args: argparse.Namespace) -> ServerState:
                   stop_string_check=stop_string_check(tokenizer))
   weights_root = os.path.realpath(args.weights_root or os.path.dirname(model_dir))
   return ServerState(engine, tokenizer, model_dir, weights_root, cfg.vocab_size, _eos_ids(model_dir),
-                     context_length, args.max_prompt_len, random.Random(args.seed), args.weight_version)
+                     context_length, args.max_prompt_len, random.Random(args.seed), args.weight_version,
+                     adapter_registry(args, engine, cfg))
+
+
+def adapter_registry(args: argparse.Namespace, engine, cfg) -> "adapters_lib.Registry | None":
+  """With --enable-lora: the registry over the engine's adapter stack (engine.set_adapter_slot)."""
+  if not args.enable_lora:
+    return None
+  if args.max_lora_rank is None or not args.lora_target_modules:
+    raise ValueError("--enable-lora needs --max-lora-rank and --lora-target-modules (adapters arrive at run time)")
+  if not hasattr(engine, "set_adapter_slot"):
+    raise ValueError("--enable-lora: this engine cannot apply adapters (no Engine.set_adapter_slot)")
+  settings = adapters_lib.Settings(args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch,
+                                   args.lora_strict_loading)
+  return adapters_lib.Registry(settings, cfg, engine.set_adapter_slot)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,6 +193,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compilation-cache-dir", default=None,
                  help="JAX persistent compilation cache: restarted servers skip the jit compiles")
   p.add_argument("--seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
+  p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at run time (SGLang's flags)")
+  p.add_argument("--max-lora-rank", type=int, default=None)
+  p.add_argument("--lora-target-modules", nargs="*", default=None, help="q_proj ... down_proj")
+  p.add_argument("--max-loras-per-batch", type=int, default=8, help="slots of the adapter stack")
+  p.add_argument("--lora-strict-loading", action=argparse.BooleanOptionalAction, default=False,
+                 help="refuse adapters with missing or unexpected tensors")
   p.add_argument("--parent-pid", type=int, default=None,
                  help="exit when this process is gone (a trainer killed with SIGKILL leaves no orphan server)")
   return p.parse_args(argv)

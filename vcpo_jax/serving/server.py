@@ -21,6 +21,8 @@ new version, /get_model_info keeps the old one); /flush_cache is a 400 unless id
   eos_token_ids, paused, num_in_flight, ...) that the client must not rely on.
 - model_path of update_weights_from_disk must lie under --weights-root (default: the parent of
   --model-path), and the new model must have the same config as the served one (SGLang checks nothing).
+- LoRA (--enable-lora, docs/embedded-server.md): a `lora_path` that is not loaded is a 400 (SGLang reloads a
+  once-loaded adapter from its path), and adapters live in a fixed stack of --max-loras-per-batch slots.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from aiohttp import web
 from vcpo_jax.model import hf
 from vcpo_jax.model import sampling
 from vcpo_jax.rollout import protocol
+from vcpo_jax.serving import adapter_http, adapters as adapters_lib
 from vcpo_jax.serving import requests as server_protocol
 from vcpo_jax.serving import weight_tensor, weight_wire
 from vcpo_jax.serving.engine import Row
@@ -70,7 +73,30 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
   req = server_protocol.parse_generate_request(
       await _json_body(request), vocab_size=st.vocab_size, encode=encode, context_length=st.context_length,
       max_prompt_len=st.max_prompt_len)
+  names = [name for name, sp in zip(req.lora_paths or [None] * len(req.params), req.params) for _ in range(sp.n)]
   rows = make_rows(req, st)
+  if any(n is not None for n in names):
+    if st.adapters is None:
+      raise P.RequestError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+    held = []
+    try:
+      for row, name in zip(rows, names):  # each row holds its adapter to the end (an unload waits for it)
+        row.adapter_slot = st.adapters.acquire(name)
+        held.append(name)
+    except adapters_lib.AdapterError as e:
+      for name in held:
+        await st.adapters.release(name)
+      raise P.RequestError(str(e)) from None
+    try:
+      return await _generate(request, req, rows, st)
+    finally:
+      for name in held:
+        await st.adapters.release(name)
+  return await _generate(request, req, rows, st)
+
+
+async def _generate(request: web.Request, req: server_protocol.GenerateRequest, rows: list[Row],
+                    st: ServerState) -> web.StreamResponse:
   row_params = [sp for sp in req.params for _ in range(sp.n)]
   samples = [j for sp in req.params for j in range(sp.n)]
   st.engine.submit(rows)
@@ -257,6 +283,7 @@ def build_app(state: ServerState) -> web.Application:
   app.router.add_route("POST", "/flush_cache", handle_flush_cache)
   weight_wire.add_routes(app)
   weight_tensor.add_routes(app)
+  adapter_http.add_routes(app)
 
   async def on_startup(app):
     app["state"].engine.start()

@@ -183,9 +183,11 @@ class RolloutClient(ServerPool):
 
   async def _post_generate(self, server, input_ids: list[int], params: dict) -> Segment:
     rid = uuid.uuid4().hex
-    payload = protocol.generate_payload(input_ids, params, rid)
+    adapter = self.adapter  # _pick chose a server that confirmed it; the request keeps it to the end
+    payload = protocol.generate_payload(input_ids, params, rid, lora_path=adapter)
     dispatched_version = server.version
     server.outstanding += 1
+    server.in_flight[adapter] += 1
     self._counts["requests"] += 1
     try:
       timeout = aiohttp.ClientTimeout(total=self.request_timeout)
@@ -197,6 +199,7 @@ class RolloutClient(ServerPool):
       raise
     finally:
       server.outstanding -= 1
+      server.in_flight[adapter] -= 1
     if status >= 500:
       raise _ServerError(f"{server.url} answered {status}: {_error_message(text)}")
     if status >= 400:
@@ -205,9 +208,12 @@ class RolloutClient(ServerPool):
       body = json.loads(text)
     except ValueError as e:
       raise BadResponseError("json", f"{e}: {text[:200]!r}") from None
-    return protocol.parse_generate_response(body, vocab_size=self.vocab_size,
-                                            max_new_tokens=params["max_new_tokens"],
-                                            fallback_version=dispatched_version)
+    seg = protocol.parse_generate_response(body, vocab_size=self.vocab_size,
+                                           max_new_tokens=params["max_new_tokens"],
+                                           fallback_version=dispatched_version)
+    if adapter is not None:  # the server's weight_version is the base's: the adapter's name is the version
+      seg.versions = [protocol.adapter_version(adapter)] * len(seg.output_ids)
+    return seg
 
   async def _abort_quietly(self, url: str, rid: str) -> None:
     try:

@@ -26,6 +26,8 @@ class _Server:
   failures_in_a_row: int = 0
   version: Optional[int] = None  # last version the publisher installed
   reported_version: Optional[str] = None  # weight_version of the last /get_model_info
+  adapters: set = dataclasses.field(default_factory=set)  # LoRA names the server confirmed loading
+  in_flight: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # per adapter name
 
   @property
   def available(self) -> bool:
@@ -62,6 +64,7 @@ class ServerPool:
     # SGLang's web server drops idle keep-alive connections after 5 s; close ours before that.
     self._max_connections, self._keepalive = max_connections, keepalive_timeout
     self.required_version: Optional[int] = None  # set by the publisher; recovered servers must match it
+    self.adapter: Optional[str] = None  # set by the adapter publisher: every request names it (LoRA)
     self._servers = {u: _Server(u) for u in urls}
     self._counts = collections.Counter()
     self._bad = collections.Counter()
@@ -136,6 +139,19 @@ class ServerPool:
   def set_server_version(self, url: str, version: int) -> None:
     self._server(url).version = version
 
+  def server_adapters(self, url: str) -> set:
+    """The LoRA names `url` confirmed loading (the adapter publisher's record; routing reads it)."""
+    return self._server(url).adapters
+
+  def adapter_in_flight(self, url: str, name: str) -> int:
+    """Requests now on `url` that name the adapter `name`."""
+    return self._server(url).in_flight[name]
+
+  def set_adapter(self, name: Optional[str]) -> None:
+    """From now on every request names `name`, and only servers that confirmed it are routed to."""
+    self.adapter = name
+    self._notify()
+
   def _notify(self) -> None:
     if self._changed is not None:
       self._changed.set()
@@ -171,7 +187,10 @@ class ServerPool:
       ok = status == 200 and isinstance(info, dict)
       if ok:
         server.reported_version = info.get("weight_version")
-        if not server.healthy and self.required_version is not None and \
+        if not server.healthy and self.adapter is not None:
+          server.adapters.clear()  # a restarted server holds no adapter: out until re-synced
+          server.enabled = False
+        elif not server.healthy and self.required_version is not None and \
             server.reported_version != protocol.version_to_wire(self.required_version):
           server.enabled = False  # a restarted server runs its start-up weights: out until re-synced
     except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -205,7 +224,8 @@ class ServerPool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + self.server_wait_timeout
     while True:
-      candidates = [s for s in self._servers.values() if s.available]
+      candidates = [s for s in self._servers.values()
+                    if s.available and (self.adapter is None or self.adapter in s.adapters)]
       preferred = [s for s in candidates if s.url not in avoid] or candidates
       if preferred:
         server = min(preferred, key=lambda s: (s.outstanding, s.picks))

@@ -26,7 +26,7 @@ import aiohttp
 
 from vcpo_jax.rollout import protocol
 from vcpo_jax.rollout.client import client as client_lib
-from vcpo_jax.rollout.servers import admin, disk, reference as reference_lib, session, weight_store
+from vcpo_jax.rollout.servers import admin, disk, lora, reference as reference_lib, session, weight_store
 
 PAUSE_MODES = ("abort", "in_place")
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class WeightPublisher:
                client_or_urls: Union[client_lib.RolloutClient, Iterable[str]], *, keep_last: int = 3,
                timeout: float = 300.0, resync_interval: float = 5.0, pause_mode: str = "abort",
                update_attempts: int = 3, reference_dir: Optional[str] = None,
-               wire: Optional[session.Transport] = None):
+               wire: Optional[session.Transport] = None, adapters: Optional[lora.AdapterSync] = None):
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
       raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     if not timeout > 0 or not resync_interval > 0:
@@ -82,7 +82,13 @@ class WeightPublisher:
     self._lock = asyncio.Lock()
     self._admin = admin.AdminSession(timeout, self._count)
     self._resync_task: Optional[asyncio.Task] = None
-    self.wire = wire
+    self.wire, self.adapters = wire, adapters
+    if adapters is not None:
+      if wire is not None or self.client is None:
+        raise ValueError("LoRA adapters are published by disk or tensor to a RolloutClient's servers, "
+                         "not over the wire")
+      adapters.bind(self.out_of_sync, self._count)
+      self.stats.update({"adapter_loads": 0, "adapter_unloads": 0, "adapter_failures": 0})
     self.session = None if wire is None else session.Session(wire, self.urls, self._count, self.client,
                                                                   self.out_of_sync)
     if self.session is not None:
@@ -109,9 +115,12 @@ class WeightPublisher:
     if self.latest_version is not None and version < self.latest_version:
       raise ValueError(f"version must be >= the last published {self.latest_version}, got {version}")
     async with self._lock:
-      if self.reference.spec is None:
+      if self.reference.spec is None and self.adapters is None:
         await self.reference.adopt_served(self._admin, self.urls)
-      if self.session is not None and self.latest_dir is not None:
+      if self.adapters is not None:  # the base stays as served: only the adapter moves
+        results = await self._publish_adapter(params, version)
+        path = f"adapter {protocol.adapter_name(version)}"
+      elif self.session is not None and self.latest_dir is not None:
         self._require(version)
         behind = self._needs_sync()
         by_url = await self.session.publish(params, version, [u for u in self.urls if u not in behind],
@@ -130,7 +139,8 @@ class WeightPublisher:
         self._require(version)
         results = await asyncio.gather(*(self._sync(url, version, path) for url in self.urls))
       self.latest_version = version
-      await asyncio.to_thread(weight_store.delete_old, self.root_dir, self.keep_last)
+      if self.adapters is None:
+        await asyncio.to_thread(weight_store.delete_old, self.root_dir, self.keep_last)
     self._count("published")
     if not any(ok for ok, _ in results) and all(isinstance(err, admin.Rejected) for _, err in results):
       raise PublishError(f"every server rejected {path}: " + "; ".join(
@@ -138,6 +148,16 @@ class WeightPublisher:
     if self._resync_task is None:
       self._resync_task = asyncio.create_task(self._resync_loop())
     return {url: ok for url, (ok, _) in zip(self.urls, results)}
+
+  async def _publish_adapter(self, adapter: Any, version: int) -> list[tuple[bool, Optional[Exception]]]:
+    """The adapter of `version` to the in-sync servers; the others resynced to it."""
+    behind = self._needs_sync()
+    by_url = await self.adapters.publish(adapter, version, [u for u in self.urls if u not in behind])
+    for url in behind:
+      ok = await self.adapters.resync(url)
+      by_url[url] = (ok, None if ok else RuntimeError(self.out_of_sync.get(url, "resync failed")))
+      self._count("resynced", int(ok))
+    return [by_url[u] for u in self.urls]
 
   def _require(self, version: int) -> None:
     """From now on a server that comes back (restarted) is routed to only once it serves `version`: called
@@ -178,6 +198,10 @@ class WeightPublisher:
     transport, only once a disk export of the latest version exists (else the next publish exports one)."""
     async with self._lock:
       urls = self._needs_sync()
+      if self.adapters is not None:
+        back = [u for u in urls if await self.adapters.resync(u)]
+        self._count("resynced", len(back))
+        return back
       if self.latest_dir is None or not urls or self.latest_dir_version != self.latest_version:
         return []
       problem = await asyncio.to_thread(self.reference.dir_problem, self.latest_dir)
@@ -198,6 +222,8 @@ class WeightPublisher:
       await asyncio.gather(self._resync_task, return_exceptions=True)
       self._resync_task = None
     await self._admin.close()
+    if self.adapters is not None:
+      await self.adapters.close()
     if self.session is not None:
       await self.session.close()
     await asyncio.to_thread(weight_store.remove_spare, self.root_dir)

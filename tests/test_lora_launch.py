@@ -1,0 +1,97 @@
+"""LoRA at server launch (rollout/servers/lora_launch.py): SGLang's flags from the config, and one-line refusals
+of servers that cannot serve the job's adapters, before anything starts."""
+import asyncio
+import sys
+
+import ml_collections
+import pytest
+
+from experiments.launch import fleet
+from tests import fake_sglang, test_lora_publish as publish_test
+from vcpo_jax.rollout.client import client as client_lib
+from vcpo_jax.rollout.servers import admin, launcher, lora_launch, publisher as publisher_lib
+
+CONFIG = """
+import ml_collections
+def get_config():
+  return ml_collections.ConfigDict({"model": {"lora": {"rank": 0, "alpha": 16.0,
+                                              "target_modules": "q_proj,k_proj,v_proj,o_proj"}},
+                                    "rl": {"max_lag": 1}, "rollout": {"publish": "disk"}})
+"""
+
+
+def config(rank=8, targets=("q_proj", "v_proj"), max_lag=2):
+  return ml_collections.ConfigDict({"model": {"lora": {"rank": rank, "target_modules": list(targets)}},
+                                    "rl": {"max_lag": max_lag}})
+
+
+def test_flags_follow_the_config_and_count_the_base_slot():
+  lora = lora_launch.from_config(config())
+  assert lora_launch.server_flags(lora) == (
+      "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj",
+      "--lora-strict-loading", "--max-loras-per-batch", "5")  # k + 2 adapters + the base slot
+  assert lora.max_kept == 4
+  assert lora_launch.from_config(config(rank=0)) is None
+  assert lora_launch.from_config(ml_collections.ConfigDict({"model": {}})) is None  # no model.lora at all
+  assert lora_launch.from_config(config(targets=())).target_modules == lora_launch.ALL_TARGETS
+  with pytest.raises(lora_launch.LoraLaunchError, match=r"model.lora.rank=-1"):
+    lora_launch.from_config(config(rank=-1))
+  with pytest.raises(lora_launch.LoraLaunchError, match=r"model.lora.target_modules=\('q_proj', 'qkv'\)"):
+    lora_launch.from_config(config(targets=("q_proj", "qkv")))
+
+
+def test_fleet_servers_get_the_flags_of_the_config_and_its_overrides(tmp_path):
+  path = tmp_path / "lora_cfg.py"
+  path.write_text(CONFIG)
+  assert fleet.config_server_flags(str(path), []) == ()
+  flags = fleet.config_server_flags(str(path), ["--config.model.lora.rank=16", "--config.rl.max_lag=3"])
+  assert flags == ("--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "k_proj",
+                   "v_proj", "o_proj", "--lora-strict-loading", "--max-loras-per-batch", "6")
+  f = fleet.Fleet(config=str(path), workdir=str(tmp_path), learner_hosts=("localhost",),
+                  server_hosts=("127.0.0.1",), server_ports=(1234,), coordinator_port=1, server_flags=flags)
+  server = fleet.processes(f)[0]
+  assert server.argv[-len(flags) - 1:] == ("--", *flags)  # fleet_server passes what follows -- to the engine
+  with pytest.raises(fleet.LayoutError, match="has no 'lora' section"):
+    fleet.config_server_flags("configs/tiny.py", ["--config.model.lora.rank=16"])
+
+
+@pytest.mark.integration
+def test_servers_without_fitting_lora_are_refused_in_one_line(tmp_path):
+  plain_port = launcher.free_port()
+  plain = f"http://127.0.0.1:{plain_port}"
+  plain_proc = fake_sglang.launch_server([sys.executable, fake_sglang.__file__, "--port", str(plain_port)], plain)
+  lora_url, lora_proc = publish_test.start(str(tmp_path))  # max rank 8, targets q_proj v_proj
+
+  async def check(urls, cfg):
+    session = admin.AdminSession(5.0, lambda *_: None)
+    try:
+      await lora_launch.check_servers(session, urls, lora_launch.from_config(cfg))
+    finally:
+      await session.close()
+
+  try:
+    asyncio.run(check([lora_url], config()))  # fits
+    with pytest.raises(lora_launch.LoraLaunchError) as e:
+      asyncio.run(check([lora_url, plain], config()))
+    assert str(e.value).count("\n") == 0 and f"{plain} was launched without LoRA" in str(e.value)
+    assert lora_url not in str(e.value)
+    with pytest.raises(lora_launch.LoraLaunchError, match="max_lora_rank=8 < model.lora.rank=16"):
+      asyncio.run(check([lora_url], config(rank=16)))
+    with pytest.raises(lora_launch.LoraLaunchError, match=r"without \['k_proj'\]"):
+      asyncio.run(check([lora_url], config(targets=("q_proj", "k_proj"))))
+
+    async def refused():  # an adapter the server refuses (rank 16 > its 8): the publish says why, in one line
+      async with client_lib.RolloutClient([lora_url], vocab_size=publish_test.VOCAB) as client:
+        sync = publish_test.lora.AdapterSync(client, lambda v: publish_test.peft(v, rank=16), str(tmp_path / "r"),
+                                             max_kept=3, timeout_s=5.0)
+        pub = publisher_lib.WeightPublisher(lambda p, d: None, str(tmp_path / "r"), client, adapters=sync)
+        try:
+          await pub.publish(1, 1)
+        finally:
+          await pub.close()
+    with pytest.raises(publisher_lib.PublishError, match="every server rejected adapter policy-v1.*rank 16 is "
+                                                         "incompatible"):
+      asyncio.run(refused())
+  finally:
+    fake_sglang.stop_server(plain_proc)
+    fake_sglang.stop_server(lora_proc)
