@@ -61,7 +61,7 @@ def _build(model_cfg: ModelConfig, lora_cfg: LoraConfig, leaf_fn):
 
 def init_adapter(rng, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None, *, boxed: bool = False):
   """A fresh adapter: A uniform in +-1/sqrt(I) (PEFT's kaiming-uniform, a = sqrt(5)), B zeros, so the model
-  with it equals the base. boxed=True wraps leaves in nn.Partitioned (logical axes, for sharded creation)."""
+  with it equals the base. boxed=True wraps leaves in nn.LogicallyPartitioned (for sharded creation)."""
   lora_cfg = model_cfg.lora if lora_cfg is None else lora_cfg
   dtype = model_cfg.jnp_param_dtype
   counter = iter(range(1 << 30))
@@ -73,7 +73,7 @@ def init_adapter(rng, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None
       bound = 1.0 / math.sqrt(shape[-2])
       value = jax.random.uniform(jax.random.fold_in(rng, next(counter)), shape, jnp.float32, -bound,
                                  bound).astype(dtype)
-    return nn.Partitioned(value, names=axes) if boxed else value
+    return nn.LogicallyPartitioned(value, names=axes) if boxed else value
   return _build(model_cfg, lora_cfg, leaf)
 
 
