@@ -16,7 +16,7 @@ from vcpo_jax.model.config import LINEAR_MODULES, LoraConfig, ModelConfig
 # A stack of N adapters (serving: each row of a batch picks one by `adapter_B`) has the same tree with a slot
 # axis N in front of each layer's [I, R] / [R, O] (after L under scan). Slot index -1 is the base (no adapter);
 # an all-zero slot is the base too (empty_stack's slots are).
-__all__ = ["LoraConfig", "LINEAR_MODULES", "scale", "init_adapter", "empty_stack", "put", "merge",
+__all__ = ["LoraConfig", "LINEAR_MODULES", "scale", "init_adapter", "empty_stack", "put", "fit", "merge",
            "logical_axes", "count"]
 
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -111,6 +111,26 @@ def put(stack, i: int, adapter):
       raise ValueError(f"lora.put: slot {i} outside the stack's {n} slots")
     return s.at[..., i, :, :].set(a.astype(s.dtype))
   return jax.tree.map(one, stack, adapter)
+
+
+def fit(adapter, model_cfg: ModelConfig, from_cfg: LoraConfig, to_cfg: LoraConfig | None = None):
+  """`adapter` (made under from_cfg) in to_cfg's shape, computing the same function: rank padded with zeros,
+  B rescaled by from_cfg.scale / to_cfg.scale, to_cfg's targets that from_cfg lacks all-zero. For putting
+  adapters of other ranks or alphas into one stack (which applies one scale)."""
+  to_cfg = model_cfg.lora if to_cfg is None else to_cfg
+  if from_cfg.rank > to_cfg.rank or not set(from_cfg.target_modules) <= set(to_cfg.target_modules):
+    raise ValueError(f"lora.fit: an adapter of rank {from_cfg.rank} on {list(from_cfg.target_modules)} does "
+                     f"not fit rank {to_cfg.rank} on {list(to_cfg.target_modules)}")
+  ratio, pad = from_cfg.scale / to_cfg.scale, to_cfg.rank - from_cfg.rank
+
+  def leaf(key, name, kind, shape, axes):
+    if name not in from_cfg.target_modules:
+      return jnp.zeros(shape, model_cfg.jnp_param_dtype)
+    x = adapter[key][_PARENT[name]][name][kind]
+    if kind == "lora_A":
+      return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return jnp.pad((x.astype(jnp.float32) * ratio).astype(x.dtype), [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)])
+  return _build(model_cfg, to_cfg, leaf)
 
 
 def merge(params, adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None):
