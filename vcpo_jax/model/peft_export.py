@@ -147,8 +147,9 @@ def read_adapter(adapter_dir: str, model_cfg: ModelConfig):
       want[tensor_name(i, module, "lora_B")] = (fan_out, cfg.rank)
   extra, missing = sorted(set(tensors) - set(want)), sorted(set(want) - set(tensors))
   if extra or missing:
-    raise ValueError(f"{adapter_dir}: tensors do not fit this model (missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-                     f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''})")
+    more = lambda names: "..." if len(names) > 3 else ""  # noqa: E731
+    raise ValueError(f"{adapter_dir}: tensors do not fit this model (missing {missing[:3]}{more(missing)}, "
+                     f"unexpected {extra[:3]}{more(extra)})")
   for name, shape in want.items():
     if tuple(tensors[name].shape) != shape:
       raise ValueError(f"{adapter_dir}: {name} has shape {list(tensors[name].shape)}, this model needs "
