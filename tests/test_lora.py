@@ -147,3 +147,12 @@ def test_bfloat16_compute_accumulates_in_float32():
   y32 = M.forward(params, dataclasses.replace(cfg, dtype="float32"), tokens, adapter=ad)
   assert y16.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(y16), np.asarray(y32), atol=0.1)
+
+
+def test_an_adapter_of_another_rank_than_the_config_is_refused():
+  cfg = _cfg(rank=4)
+  params = M.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  for other in (_cfg(rank=2), _cfg(rank=0)):
+    with pytest.raises(ValueError, match=f"with model.lora.rank={other.lora.rank}"):
+      M.forward(params, other, tokens, adapter=lora.init_adapter(jax.random.PRNGKey(1), cfg))

@@ -2,6 +2,7 @@
 optimizer update, the SFT step and the jit wrapper both steps share."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -53,7 +54,12 @@ def policy_params(state: TrainState, model_cfg: model_config.ModelConfig):
   for what publishes or evaluates full weights), else the params themselves."""
   if state.base is None:
     return state.params
-  return jax.jit(lambda b, a: lora.merge(b, a, model_cfg))(state.base, state.params)
+  return _merge_fn(model_cfg)(state.base, state.params)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fn(model_cfg: model_config.ModelConfig):
+  return jax.jit(lambda base, adapter: lora.merge(base, adapter, model_cfg))
 
 
 def state_shardings(model_cfg: model_config.ModelConfig, optimizer, mesh, rules=sharding.DEFAULT_RULES, with_ref=False):

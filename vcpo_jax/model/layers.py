@@ -72,6 +72,9 @@ class Dense(nn.Module):
     (-1: none)."""
     dtype, precision = self.cfg.jnp_dtype, self.cfg.precision
     a, b = (self.get_variable("lora", k).astype(dtype) for k in ("lora_A", "lora_B"))
+    if a.shape[-1] != self.cfg.lora.rank:  # the scale alpha / rank is the config's: a mismatch would be silent
+      raise ValueError(f"{self.name}: an adapter of rank {a.shape[-1]} with model.lora.rank="
+                       f"{self.cfg.lora.rank} (lora.fit puts adapters of other ranks into this shape)")
     dot = dict(preferred_element_type=jnp.float32, precision=precision)
     if adapter_B is None:
       if taps:
