@@ -156,3 +156,18 @@ def test_an_adapter_of_another_rank_than_the_config_is_refused():
   for other in (_cfg(rank=2), _cfg(rank=0)):
     with pytest.raises(ValueError, match=f"with model.lora.rank={other.lora.rank}"):
       M.forward(params, other, tokens, adapter=lora.init_adapter(jax.random.PRNGKey(1), cfg))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("target_modules", ("q_proj", "proj_q"), "model.lora.target_modules: the model has no linear layer 'proj_q'"),
+    ("rank", -4, "model.lora.rank must be an int >= 0"),
+    ("rank_typo", 4, r"unknown model.lora key\(s\) \['rank_typo'\]"),
+])
+def test_the_job_refuses_a_bad_lora_section_before_starting(field, value, message):
+  from configs import tiny
+  from vcpo_jax.job import configuration
+  c = tiny.get_config()
+  c.model.lora[field] = value
+  with pytest.raises(ValueError, match=message) as e:
+    configuration.validate_config(c)
+  assert "\n" not in str(e.value)

@@ -222,3 +222,18 @@ def test_the_tiny_job_trains_lora_against_an_embedded_server_and_resumes(tmp_pat
     assert s["update_applied"] == 1.0 and np.isfinite(s["loss"]) and s["seq_grad_norm/max"] > 0
   again = train.train_and_evaluate(config(), str(tmp_path))
   assert again["steps"] == 3 and len(open(tmp_path / "metrics.jsonl").readlines()) == 3
+
+
+@pytest.mark.parametrize("targets", [C.LINEAR_MODULES, ("v_proj", "gate_proj")])
+def test_bookkeeping_estimate_counts_the_adapters_activations(targets):
+  from vcpo_jax.learner import grad_path as GP
+  cfg = _cfg(scan=True, targets=targets)
+  b, t = 2, 6
+  params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0)))
+  adapter = jax.eval_shape(lambda: lora.init_adapter(jax.random.PRNGKey(0), cfg))
+  tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  _, _, inputs, out_grads = jax.eval_shape(lambda p, a, x: G.capture(p, cfg, x, jnp.ones((b, t)), adapter=a),
+                                           params, adapter, tok)
+  kept = [v for tree in (inputs, out_grads) for k, v in tree.items() if k not in (G.HEAD, ("embed_outputs",))]
+  assert sum(int(np.prod(v.shape)) for v in kept) == GP.stored_elements_per_token(cfg) * b * t
+  assert GP.stored_elements_per_token(cfg) > GP.stored_elements_per_token(dataclasses.replace(cfg, lora=C.LoraConfig()))
