@@ -207,7 +207,7 @@ def test_the_tiny_job_trains_lora_against_an_embedded_server_and_resumes(tmp_pat
   LoRA state from the last checkpoint and does nothing more."""
   import json
   from configs import tiny
-  from vcpo_jax.job import train
+  from vcpo_jax.job import configuration, train
 
   def config():
     c = tiny.get_config()
@@ -220,6 +220,16 @@ def test_the_tiny_job_trains_lora_against_an_embedded_server_and_resumes(tmp_pat
   assert [s["step"] for s in scalars] == [1, 2, 3]
   for s in scalars:
     assert s["update_applied"] == 1.0 and np.isfinite(s["loss"]) and s["seq_grad_norm/max"] > 0
+  # The final adapter, as a PEFT directory next to the base it applies to.
+  from vcpo_jax.model import peft_export
+  model_cfg = configuration.validate_config(config())
+  adapter, lora_cfg = peft_export.read_adapter(str(tmp_path / "adapter"), model_cfg)
+  assert lora_cfg == model_cfg.lora
+  restored = checkpointing.Checkpointer(str(tmp_path / "checkpoints"))
+  _, state, _ = restored.restore(checkpointing.abstract_like(
+      train_state.create_train_state(model_cfg, configuration.build_optimizer(config()), jax.random.PRNGKey(0))))
+  restored.close()
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), adapter, state.params)
   again = train.train_and_evaluate(config(), str(tmp_path))
   assert again["steps"] == 3 and len(open(tmp_path / "metrics.jsonl").readlines()) == 3
 

@@ -22,7 +22,7 @@ from vcpo_jax.job.warm_start import evaluate_as_job, starting_point, warm_start
 from vcpo_jax.learner import step as learner
 from vcpo_jax.learner import train_state
 from vcpo_jax.learner.batch import RLBatch
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, peft_export
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
 from vcpo_jax.rollout import backend as backend_lib, dynamic_sampling, group_metrics
@@ -175,6 +175,15 @@ class RLRun:
     self._reward_counts = now
     return out
 
+  def write_adapter(self, base_dir: str):
+    """With model.lora: the trained adapter as a PEFT directory, workdir/adapter (every process joins the
+    gather; the leader writes)."""
+    adapter = processes.host_tree(self.state.params, f"adapter/{self.step}", self.timeout_s)
+    if self.leader:
+      out = peft_export.write_adapter(adapter, self.model_cfg, None, os.path.join(self.workdir, "adapter"),
+                                      dtype="float32", base_model=os.path.abspath(base_dir))
+      logging.info("adapter at step %d written to %s (PEFT LoRA)", self.step, out)
+
   def close(self):
     self.progress.close()
     self.writer.close()
@@ -270,6 +279,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info, rewarder)
     try:
       run_rl_loop(run)
+      if model_cfg.lora.rank:
+        run.write_adapter(base_dir)
     finally:
       run.close()
     final = run.last_eval
