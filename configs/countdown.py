@@ -35,6 +35,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
       scan_layers=False,
       remat="none",
       attention="einsum",
+      # Low-rank adapters (docs/lora.md): only the adapter trains, the base stays frozen and is the KL reference.
+      lora=ml_collections.ConfigDict(dict(
+          rank=0,              # 0 = off (full fine-tuning); > 0: adapters of this rank
+          alpha=32.0,          # scaling alpha / rank on (x A) B, exactly (no rsLoRA)
+          # Hugging Face names of the decoder's linear layers that get an adapter (default: all seven).
+          target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+      )),
   ))
   # Device mesh (data x fsdp x tensor); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))

@@ -71,7 +71,7 @@ def _restore(workdir: str, run: Run, step: int) -> tuple[Any, dict]:
     _, state, host = ckpt.restore(checkpointing.abstract_like(state), step=step)
   finally:
     ckpt.close()
-  return state.params, host
+  return train_state.policy_params(state, run.model_cfg), host
 
 
 def _lag_config(config: ml_collections.ConfigDict, lag: str) -> emulator.EmulatedBackendConfig:

@@ -22,7 +22,7 @@ from vcpo_jax.job.warm_start import evaluate_as_job, starting_point, warm_start
 from vcpo_jax.learner import step as learner
 from vcpo_jax.learner import train_state
 from vcpo_jax.learner.batch import RLBatch
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, peft_export
 from vcpo_jax.parallel import processes
 from vcpo_jax.parallel import sharding
 from vcpo_jax.rollout import backend as backend_lib, dynamic_sampling, group_metrics
@@ -67,10 +67,11 @@ class RLRun:
     state = train_state.create_train_state(model_cfg, self.optimizer, jax.random.PRNGKey(config.seed),
                                        mesh=self.mesh)
     # Each parameter is read from disk straight into its sharding (no whole-model host copy).
-    base_params, _ = hf.import_hf(base_dir, cfg=model_cfg, shardings=jax.tree.map(lambda x: x.sharding,
-                                                                                 state.params))
-    self.state = train_state.with_params(state, base_params)
-    if config.algo.kl_beta > 0:  # the frozen warm-start policy is the KL reference (checkpointed with the state)
+    base_params, _ = hf.import_hf(base_dir, cfg=model_cfg, shardings=jax.tree.map(
+        lambda x: x.sharding, train_state.base_params(state)))
+    self.state = train_state.with_params(state, base_params)  # with model.lora: the frozen base
+    # The frozen warm-start policy is the KL reference (checkpointed with the state; with LoRA the base itself).
+    if config.algo.kl_beta > 0:
       self.state = train_state.with_reference(self.state)
     self.prompts = data.make_prompt_iterator(task, seed=config.seed, tokenizer=tok, shard_index=0,
                                              shard_count=1) if self.leader else None
@@ -112,14 +113,17 @@ class RLRun:
   def rollout_params(self):
     """What start/publish get: host copies for in-process backends (the emulator keeps k + 1 of them), the
     sharded params for server backends (their export gathers one tensor at a time). Several processes: the
-    sharded params always (multihost.LeaderBackend makes the host copies, gathering with the followers)."""
+    sharded params always (multihost.LeaderBackend makes the host copies, gathering with the followers).
+    With model.lora: full weights with the adapter merged in (publishing adapters alone: docs/lora.md)."""
+    params = train_state.policy_params(self.state, self.model_cfg)
     if _host_params(self.config) and not processes.multi_process():
-      return jax.device_get(self.state.params)
-    return self.state.params
+      return jax.device_get(params)
+    return params
 
   def host_params(self, name: str):
     """The params on the leader's host (None on the other processes, which join the gathers)."""
-    return processes.host_tree(self.state.params, f"{name}/{self.step}", self.timeout_s)
+    return processes.host_tree(train_state.policy_params(self.state, self.model_cfg), f"{name}/{self.step}",
+                               self.timeout_s)
 
   def learn(self, batch: RLBatch) -> dict:
     """One learner step (blocking; the loop runs it in a worker thread while rollouts go on)."""
@@ -170,6 +174,15 @@ class RLRun:
     out = {k: v - self._reward_counts.get(k, 0.0) for k, v in now.items()}
     self._reward_counts = now
     return out
+
+  def write_adapter(self, base_dir: str):
+    """With model.lora: the trained adapter as a PEFT directory, workdir/adapter (every process joins the
+    gather; the leader writes)."""
+    adapter = processes.host_tree(self.state.params, f"adapter/{self.step}", self.timeout_s)
+    if self.leader:
+      out = peft_export.write_adapter(adapter, self.model_cfg, None, os.path.join(self.workdir, "adapter"),
+                                      dtype="float32", base_model=os.path.abspath(base_dir))
+      logging.info("adapter at step %d written to %s (PEFT LoRA)", self.step, out)
 
   def close(self):
     self.progress.close()
@@ -266,6 +279,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     run = RLRun(config, workdir, model_cfg, tok, task, base_dir, eval_examples, base_info, rewarder)
     try:
       run_rl_loop(run)
+      if model_cfg.lora.rank:
+        run.write_adapter(base_dir)
     finally:
       run.close()
     final = run.last_eval

@@ -1,6 +1,7 @@
 """The SFT warm start the RL phase starts from (cached in workdir/base with the settings that made it)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from vcpo_jax.job.configuration import build_optimizer, build_task, validate_con
 from vcpo_jax.job.evaluation import evaluate
 from vcpo_jax.job.warm_start_cache import changed_evaluation, check_cached_weights, warm_start_settings
 from vcpo_jax.learner import train_state
+from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import tokenizer as tokenizer_lib
 
@@ -41,6 +43,8 @@ def warm_start(config, workdir: str, model_cfg, tok, task, eval_examples, reward
   if os.path.exists(info_path):
     return base_dir, _cached(config, base_dir, model_cfg, tok, task, eval_examples, rewarder)
   optimizer = build_optimizer(config, sft=True)
+  # The warm start makes the base: full fine-tuning with or without model.lora (which applies to RL only).
+  model_cfg = dataclasses.replace(model_cfg, lora=model_config.LoraConfig())
   state = train_state.create_train_state(model_cfg, optimizer, jax.random.PRNGKey(config.seed))
   if config.model.get("hf_path", ""):  # start from the checkpoint, each parameter read into its sharding
     state = train_state.with_params(state, hf.import_hf(config.model.hf_path, cfg=model_cfg, shardings=jax.tree.map(

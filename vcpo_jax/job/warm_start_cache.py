@@ -21,7 +21,10 @@ def warm_start_settings(config: Any) -> dict:
   read.update({f"optim.{k}": c["optim"][k] for k in SFT_OPTIM_FIELDS})
   task = {k: v for k, v in c["task"].items() if k != "options"}
   task["options"] = {task["name"]: (c["task"].get("options") or {}).get(task["name"]) or {}}
-  for section, values in (("model", c["model"]), ("sft", c["sft"]), ("task", task)):
+  # model.lora is left out: the warm start is full fine-tuning either way (LoRA applies to RL), so LoRA and
+  # full fine-tuning runs share one warm start.
+  model = {k: v for k, v in c["model"].items() if k != "lora"}
+  for section, values in (("model", model), ("sft", c["sft"]), ("task", task)):
     read.update(_flatten(values, section))
   return json.loads(json.dumps(read))  # tuples -> lists, as they read back from the file
 

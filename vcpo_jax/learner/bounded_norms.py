@@ -27,9 +27,14 @@ from vcpo_jax.model import transformer as M
 _F32 = jnp.float32
 
 
-def _zero_taps(cfg: M.ModelConfig, taps: Taps, tokens_BxT, positions_BxT):
-  shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=taps, head=False).init(
-      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))
+def _zero_taps(cfg: M.ModelConfig, taps: Taps, tokens_BxT, positions_BxT, params=None, adapter=None):
+  if adapter is None:
+    shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=taps, head=False).init(
+        jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))
+  else:  # the adapters' taps exist only where the "lora" collection is given
+    shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=taps, head=False).apply(
+        M.variables(params, adapter), tokens_BxT, positions_BxT, None,
+        mutable=["norm_taps", "perturbations"])[1])
   zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
   return zeros(shapes["norm_taps"]), zeros(shapes["perturbations"])
 
@@ -56,8 +61,10 @@ def _head_sq_norms(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, x_BxTxD, g_
 
 
 def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None,
-                     *, mode: str = "auto"):
-  """(sq_norms_B, aux, grad_of): ||grad_theta sum_t m_t log pi(y_t)||^2 per sequence, over all parameters.
+                     *, mode: str = "auto", adapter=None):
+  """(sq_norms_B, aux, grad_of): ||grad_theta sum_t m_t log pi(y_t)||^2 per sequence, over all parameters;
+  with an adapter (model.lora) theta is the adapter alone: only its ops take taps and grad_of gives its
+  gradient (params frozen: no embedding or LM-head terms).
 
   aux: logp_BxT, ent_BxT (masked, as model.token_logprobs_and_entropy) and leaf_sq_norms {"a/b/kernel": sq_B}
   (sums to sq_norms_B). grad_of(dlogp_BxT) -> the parameter gradient of sum(dlogp_BxT * logp_BxT) (param
@@ -67,18 +74,21 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
   attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)
-  taps = Taps(mode)
-  taps0, perts0 = _zero_taps(cfg, taps, tokens_BxT, positions_BxT)
+  taps = Taps(mode, adapter_only=adapter is not None)
+  taps0, perts0 = _zero_taps(cfg, taps, tokens_BxT, positions_BxT, params, adapter)
+  trainable = params if adapter is None else adapter
 
-  def forward(p, taps_tree, perts):
+  def forward(t, taps_tree, perts):
+    p, ad = (t, None) if adapter is None else (params, t)
     x_BxTxD, _ = M.Transformer(cfg, capture=taps, head=False).apply(
-        {"params": p, "norm_taps": taps_tree, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask)
+        {**M.variables(p, ad), "norm_taps": taps_tree, "perturbations": perts}, tokens_BxT, positions_BxT,
+        attn_mask)
     w, vocab_major = _head(p, cfg)
     logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(
         x_BxTxD, w, tokens_BxT, mask_BxT, vocab_major=vocab_major, **cfg.head_logprob_args())
     return (logp_BxT, ent_BxT), x_BxTxD
 
-  (logp_BxT, ent_BxT), vjp, x_BxTxD = jax.vjp(forward, params, taps0, perts0, has_aux=True)
+  (logp_BxT, ent_BxT), vjp, x_BxTxD = jax.vjp(forward, trainable, taps0, perts0, has_aux=True)
   # logp is already masked, so a unit cotangent is the gradient of sum_t m_t log pi for every row at once.
   _, tap_sq, d_perts = vjp((jnp.ones_like(logp_BxT), jnp.zeros_like(ent_BxT)))
   x_BxTxD = jax.lax.stop_gradient(x_BxTxD)
@@ -86,8 +96,9 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   for path, sq in traverse_util.flatten_dict(tap_sq).items():
     # Under scan a tap is [L, B] (one row per layer): that leaf's norm sums its layers' contributions.
     leaf_sq["/".join(path)] = jnp.maximum(jnp.sum(sq, axis=0) if sq.ndim == 2 else sq, 0.0).astype(_F32)
-  leaf_sq.update(_head_sq_norms(params, cfg, tokens_BxT, mask_BxT, x_BxTxD, d_perts["embed_outputs"], mode))
-  missing = {"/".join(p) for p in traverse_util.flatten_dict(params)} - set(leaf_sq)
+  if adapter is None:
+    leaf_sq.update(_head_sq_norms(params, cfg, tokens_BxT, mask_BxT, x_BxTxD, d_perts["embed_outputs"], mode))
+  missing = {"/".join(p) for p in traverse_util.flatten_dict(trainable)} - set(leaf_sq)
   if missing:  # a parameter without a tap would silently drop out of every norm
     raise ValueError(f"bounded_norms: no per-sequence norm for parameter(s) {sorted(missing)}")
   sq_B = sum(leaf_sq.values())
@@ -103,25 +114,26 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
     # Inside a branch they exist only while it runs. The predicate is exact, not a guard: an all-zero
     # cotangent has an all-zero gradient, so that branch returns zeros without a backward.
     nonzero = jnp.any(dlogp_BxT != 0)
-    zeros = lambda _: jax.tree.map(jnp.zeros_like, params)
+    zeros = lambda _: jax.tree.map(jnp.zeros_like, trainable)
     return jax.lax.cond(nonzero, backward, zeros, dlogp_BxT)
 
   return sq_B, {"logp_BxT": logp_BxT, "ent_BxT": ent_BxT, "leaf_sq_norms": leaf_sq}, grad_of
 
 
 def per_sequence_sq_norms(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
-                          key_mask_BxT=None, *, mode: str = "auto"):
+                          key_mask_BxT=None, *, mode: str = "auto", adapter=None):
   """Same contract as grad_norms.per_sequence_sq_norms, in bounded memory."""
-  sq_B, aux, _ = sq_norms_and_vjp(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT, mode=mode)
+  sq_B, aux, _ = sq_norms_and_vjp(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT, mode=mode,
+                                  adapter=adapter)
   return sq_B, aux
 
 
 def per_sequence_sq_norms_and_grad(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, coef_fn: G.CoefFn,
-                                   positions_BxT=None, key_mask_BxT=None, *, mode: str = "auto"):
+                                   positions_BxT=None, key_mask_BxT=None, *, mode: str = "auto", adapter=None):
   """Same contract as grad_norms.per_sequence_sq_norms_and_grad: norms, then the ordinary backward of
   sum_i c_i sum_t m_t log pi(y_t) through the same forward."""
   sq_B, aux, grad_of = sq_norms_and_vjp(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT,
-                                        mode=mode)
+                                        mode=mode, adapter=adapter)
   c_B, extra = coef_fn(sq_B, aux["logp_BxT"], aux["ent_BxT"])
   c_B = jax.lax.stop_gradient(c_B).astype(_F32)
   grads = grad_of(jnp.broadcast_to(c_B[:, None], aux["logp_BxT"].shape))

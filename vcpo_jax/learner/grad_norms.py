@@ -119,22 +119,29 @@ def embedding_weighted_grad(tokens_BxT, g_BxTxD, c_B, vocab_size: int):
 # Capture: one forward (sowing inputs) and one backward with unit per-sequence cotangents.
 # ---------------------------------------------------------------------------------------------------------
 
-def _zero_perturbations(cfg: model_config.ModelConfig, tokens_BxT, positions_BxT):
-  shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=True).init(
-      jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))["perturbations"]
+def _zero_perturbations(cfg: model_config.ModelConfig, tokens_BxT, positions_BxT, params=None, adapter=None):
+  if adapter is None:
+    shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=True).init(
+        jax.random.PRNGKey(0), tokens_BxT, positions_BxT, None))["perturbations"]
+  else:  # the adapters' own perturbations exist only where the "lora" collection is given
+    shapes = jax.eval_shape(lambda: M.Transformer(cfg, capture=True).apply(
+        M.variables(params, adapter), tokens_BxT, positions_BxT, None,
+        mutable=["perturbations", "intermediates"])[1]["perturbations"])
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
-  """Returns (logp_BxT, ent_BxT, inputs, out_grads): flat dicts keyed by module path tuples."""
+def capture(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None,
+            adapter=None):
+  """Returns (logp_BxT, ent_BxT, inputs, out_grads): flat dicts keyed by module path tuples. With an adapter
+  also its inner activations: module + ("lora_B_inputs",) and module + ("lora_A_outputs",)."""
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
   attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)
-  perts = _zero_perturbations(cfg, tokens_BxT, positions_BxT)
+  perts = _zero_perturbations(cfg, tokens_BxT, positions_BxT, params, adapter)
 
   def total_logp(perts):
     (x_BxTxD, _), state = M.Transformer(cfg, capture=True, head=False).apply(
-        {"params": params, "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask,
+        {**M.variables(params, adapter), "perturbations": perts}, tokens_BxT, positions_BxT, attn_mask,
         mutable=["intermediates"])
     logp_BxT, ent_BxT = lm_head.token_logprobs_and_entropy(x_BxTxD, M.head_kernel(params, cfg), tokens_BxT,
                                                            mask_BxT, **cfg.head_logprob_args())
@@ -169,9 +176,21 @@ def _per_layer(path, cfg: model_config.ModelConfig, rule, a, g):
   return rule(a, g)
 
 
+def _operands(path, inputs, out_grads):
+  """(a, g) of a layer parameter: its op's input and output-gradient. An adapter's A maps the layer's input
+  to its rank-R activation (perturbed as lora_A_outputs); B maps that activation, scaled (sown as
+  lora_B_inputs), to the layer's output."""
+  module, leaf = path[:-1], path[-1]
+  if leaf == "lora_A":
+    return inputs.get(module), out_grads.get(module + ("lora_A_outputs",))
+  if leaf == "lora_B":
+    return inputs.get(module + ("lora_B_inputs",)), out_grads.get(module)
+  return inputs.get(module), out_grads.get(module)
+
+
 def _layer_sq_rule(path, mode: str):
   leaf = path[-1]
-  if leaf == "kernel":
+  if leaf in ("kernel", "lora_A", "lora_B"):
     return lambda a, g: dense_sq_norms(a, g, mode)
   if leaf == "bias":
     return lambda a, g: bias_sq_norms(g)
@@ -182,7 +201,7 @@ def _layer_sq_rule(path, mode: str):
 
 def _layer_grad_rule(path, c_B):
   leaf = path[-1]
-  if leaf == "kernel":
+  if leaf in ("kernel", "lora_A", "lora_B"):
     return lambda a, g: dense_weighted_grad(a, g, c_B)
   if leaf == "bias":
     return lambda a, g: bias_weighted_grad(g, c_B)
@@ -206,7 +225,7 @@ def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: model_config.ModelC
     return sq_B
   if path == ("lm_head", "kernel"):
     return lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, **head)
-  sq = _per_layer(path, cfg, _layer_sq_rule(path, mode), inputs.get(module), out_grads.get(module))
+  sq = _per_layer(path, cfg, _layer_sq_rule(path, mode), *_operands(path, inputs, out_grads))
   return jnp.sum(sq, axis=0) if _stacked(path, cfg) else sq  # under scan [L, B]: summed over the layers
 
 
@@ -221,7 +240,7 @@ def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: model_con
     return grad
   if path == ("lm_head", "kernel"):
     return lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, **head)
-  return _per_layer(path, cfg, _layer_grad_rule(path, c_B), inputs.get(module), out_grads.get(module))
+  return _per_layer(path, cfg, _layer_grad_rule(path, c_B), *_operands(path, inputs, out_grads))
 
 
 def _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode):
@@ -231,33 +250,37 @@ def _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode):
 
 
 def per_sequence_sq_norms(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
-                          key_mask_BxT=None, *, mode: str = "auto"):
-  """(sq_norms_B, aux): ||grad_theta sum_t m_t log pi(y_t)||^2 over all parameters, per sequence.
+                          key_mask_BxT=None, *, mode: str = "auto", adapter=None):
+  """(sq_norms_B, aux): ||grad_theta sum_t m_t log pi(y_t)||^2 over all parameters, per sequence; with an
+  adapter (model.lora) theta is the adapter alone (params frozen).
 
   aux: logp_BxT, ent_BxT (both masked) and leaf_sq_norms {"a/b/kernel": sq_B} (sums to sq_norms_B).
   """
   _check_mode(mode)
   logp_BxT, ent_BxT, inputs, out_grads = capture(params, cfg, tokens_BxT, mask_BxT, positions_BxT,
-                                                 key_mask_BxT)
-  sq_B, leaf_sq = _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode)
+                                                 key_mask_BxT, adapter)
+  trainable = params if adapter is None else adapter
+  sq_B, leaf_sq = _norms_from_capture(trainable, cfg, tokens_BxT, inputs, out_grads, mode)
   return sq_B, {"logp_BxT": logp_BxT, "ent_BxT": ent_BxT, "leaf_sq_norms": leaf_sq}
 
 
 def per_sequence_sq_norms_and_grad(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, coef_fn: CoefFn,
-                                   positions_BxT=None, key_mask_BxT=None, *, mode: str = "auto"):
+                                   positions_BxT=None, key_mask_BxT=None, *, mode: str = "auto", adapter=None):
   """Book-keeping: norms and sum_i c_i s_i from the SAME captured inputs/output-grads (no 2nd backward).
 
   coef_fn(sq_norms_B, logp_BxT, ent_BxT) -> (c_B, extra) runs in between (IS weights, ESS, baseline live
   there); c_B is treated as a constant (stop-gradient). Returns (grads, sq_norms_B, aux) with grads shaped
-  like params (param dtype) and aux = {logp_BxT, ent_BxT, leaf_sq_norms, coef_B, extra}.
+  like params (param dtype; with an adapter: like the adapter) and aux = {logp_BxT, ent_BxT, leaf_sq_norms,
+  coef_B, extra}.
   """
   _check_mode(mode)
   logp_BxT, ent_BxT, inputs, out_grads = capture(params, cfg, tokens_BxT, mask_BxT, positions_BxT,
-                                                 key_mask_BxT)
-  sq_B, leaf_sq = _norms_from_capture(params, cfg, tokens_BxT, inputs, out_grads, mode)
+                                                 key_mask_BxT, adapter)
+  trainable = params if adapter is None else adapter
+  sq_B, leaf_sq = _norms_from_capture(trainable, cfg, tokens_BxT, inputs, out_grads, mode)
   c_B, extra = coef_fn(sq_B, logp_BxT, ent_BxT)
   c_B = jax.lax.stop_gradient(c_B).astype(_F32)
-  flat = traverse_util.flatten_dict(params)
+  flat = traverse_util.flatten_dict(trainable)
   grads = {p: _leaf_weighted_grad(p, tokens_BxT, inputs, out_grads, c_B, cfg).astype(leaf.dtype)
            for p, leaf in flat.items()}
   aux = {"logp_BxT": logp_BxT, "ent_BxT": ent_BxT, "leaf_sq_norms": leaf_sq, "coef_B": c_B, "extra": extra}
@@ -265,23 +288,24 @@ def per_sequence_sq_norms_and_grad(params, cfg: model_config.ModelConfig, tokens
 
 
 def weighted_logp_grad(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT, c_B, positions_BxT=None,
-                       key_mask_BxT=None):
-  """Ordinary backward of sum_i c_i sum_t m_t log pi(y_t) (c_B constant)."""
+                       key_mask_BxT=None, adapter=None):
+  """Ordinary backward of sum_i c_i sum_t m_t log pi(y_t) (c_B constant): of params, or of the adapter."""
   c_B = jax.lax.stop_gradient(c_B).astype(_F32)
 
   def loss(p):
-    logp_BxT = M.token_logprobs(p, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT)
+    mp, ad = (p, None) if adapter is None else (params, p)
+    logp_BxT = M.token_logprobs(mp, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT, adapter=ad)
     return jnp.sum(c_B[:, None] * logp_BxT)
 
-  return jax.grad(loss)(params)
+  return jax.grad(loss)(params if adapter is None else adapter)
 
 
 def per_sequence_sq_norms_and_grad_two_pass(params, cfg: model_config.ModelConfig, tokens_BxT, mask_BxT,
                                             coef_fn: CoefFn, positions_BxT=None, key_mask_BxT=None, *,
-                                            mode: str = "auto"):
+                                            mode: str = "auto", adapter=None):
   """Same contract as per_sequence_sq_norms_and_grad, but the weighted gradient is a second full backward."""
   sq_B, aux = per_sequence_sq_norms(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT,
-                                    mode=mode)
+                                    mode=mode, adapter=adapter)
   c_B, extra = coef_fn(sq_B, aux["logp_BxT"], aux["ent_BxT"])
-  grads = weighted_logp_grad(params, cfg, tokens_BxT, mask_BxT, c_B, positions_BxT, key_mask_BxT)
+  grads = weighted_logp_grad(params, cfg, tokens_BxT, mask_BxT, c_B, positions_BxT, key_mask_BxT, adapter)
   return grads, sq_B, {**aux, "coef_B": jax.lax.stop_gradient(c_B).astype(_F32), "extra": extra}

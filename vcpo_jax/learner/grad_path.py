@@ -25,12 +25,14 @@ TARGET_SHARE = 0.25
 
 def stored_elements_per_token(model_cfg) -> int:
   """Elements of a and g book-keeping keeps per token: per layer the inputs of q, k, v, o, gate, up, down and
-  of both RMSNorms (their xhat) and the output-gradients of the same ops, + the final norm's (grad_norms.capture)."""
+  of both RMSNorms (their xhat) and the output-gradients of the same ops, + the final norm's (grad_norms.capture);
+  with model.lora also each adapter's rank-r activations."""
   d, f = model_cfg.hidden_size, model_cfg.intermediate_size
   q, kv = model_cfg.num_heads * model_cfg.head_dim, model_cfg.num_kv_heads * model_cfg.head_dim
   inputs = 3 * d + q + 2 * d + f + 2 * d
   out_grads = q + 2 * kv + d + 2 * f + d + 2 * d
-  return model_cfg.num_layers * (inputs + out_grads) + 2 * d
+  lora = 2 * len(model_cfg.lora.target_modules) * model_cfg.lora.rank  # each adapter's B input and A out-grad
+  return model_cfg.num_layers * (inputs + out_grads + lora) + 2 * d
 
 
 def bookkeeping_bytes(model_cfg, rows_per_device: int, seq_len: int) -> float:

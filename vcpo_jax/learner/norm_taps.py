@@ -83,8 +83,10 @@ _scale.defvjp(_scale_fwd, _scale_bwd)
 class Taps:
   """The model's `capture` value for the bounded norms pass (model.transformer calls these three ops).
 
-  mode: grad_norms mode of the dense rule ('auto' picks ghost or explicit per layer from its shape)."""
+  mode: grad_norms mode of the dense rule ('auto' picks ghost or explicit per layer from its shape).
+  adapter_only: only the adapters' ops (lora_A, lora_B) take taps: the frozen base's have no gradient."""
   mode: str = "auto"
+  adapter_only: bool = False
 
   def dense(self, x_BxTxI, w_IxO, tap_B, precision):
     """x @ w in float32 (preferred element type), as model.transformer.Dense computes it."""

@@ -15,7 +15,7 @@ from vcpo_jax.algo import vcpo
 from vcpo_jax.learner import bounded_norms, grad_norms, grad_path, update_diagnostics
 from vcpo_jax.learner.batch import RLBatch, check_batch
 from vcpo_jax.learner.config import LearnerConfig, check_chunks, chunk_order
-from vcpo_jax.learner.train_state import TrainState, apply_update, batch_rows, jit_step
+from vcpo_jax.learner.train_state import TrainState, apply_update, batch_rows, jit_step, model_args
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import remat as remat_lib
 from vcpo_jax.model import transformer as M
@@ -76,10 +76,14 @@ def _with_reference_logp(batch: RLBatch, ref_params, mask_BxT, model_cfg, lc: Le
 
 
 def _loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: LearnerConfig, ref_params=None,
-                    max_len=None):
-  """(loss, grads, stats, ent_BxT, sq_norms_B or None, loss aux) along the path the config selects."""
-  batch = _with_reference_logp(batch, ref_params, mask_BxT, model_cfg, lc)
+                    max_len=None, base=None):
+  """(loss, grads, stats, ent_BxT, sq_norms_B or None, loss aux) along the path the config selects.
+
+  With LoRA `params` is the adapter and `base` the frozen model: gradients and per-sequence norms are the
+  adapter's, and the KL reference is the base with the adapter off."""
+  batch = _with_reference_logp(batch, ref_params if base is None else base, mask_BxT, model_cfg, lc)
   tokens = batch.tokens_BxT.astype(jnp.int32)
+  model_params, adapter = model_args(params, base)
   if lc.uses_bookkeeping:
     def coef_fn(sq_B, logp_BxT, ent_BxT):
       del ent_BxT
@@ -87,13 +91,13 @@ def _loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: Le
       c_B, loss, aux = _seq_coefficients(logp_BxT, batch, mask_BxT, stats["adv_B"], lc, max_len)
       return c_B, (stats, loss, aux)
     grads, sq_B, gaux = grad_norms.per_sequence_sq_norms_and_grad(
-        params, model_cfg, tokens, mask_BxT, coef_fn, mode=lc.grad_norm_mode)
+        model_params, model_cfg, tokens, mask_BxT, coef_fn, mode=lc.grad_norm_mode, adapter=adapter)
     stats, loss, aux = gaux["extra"]
     return loss, grads, stats, gaux["ent_BxT"], sq_B, aux
   if lc.needs_grad_norms and lc.grad_path == "bounded":
     # Norms layer by layer, then the registered loss's own dloss/dlogp pulled back through the same forward.
-    sq_B, naux, grad_of = bounded_norms.sq_norms_and_vjp(params, model_cfg, tokens, mask_BxT,
-                                                         mode=lc.grad_norm_mode)
+    sq_B, naux, grad_of = bounded_norms.sq_norms_and_vjp(model_params, model_cfg, tokens, mask_BxT,
+                                                         mode=lc.grad_norm_mode, adapter=adapter)
     stats = _sample_stats(naux["logp_BxT"], batch, mask_BxT, valid_B, sq_B, lc)
     (loss, aux), dlogp_BxT = jax.value_and_grad(
         lambda lp: _policy_loss(lp, batch, mask_BxT, stats["adv_B"], lc, max_len), has_aux=True)(naux["logp_BxT"])
@@ -101,10 +105,12 @@ def _loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: Le
 
   sq_B = None
   if lc.needs_grad_norms:
-    sq_B, _ = grad_norms.per_sequence_sq_norms(params, model_cfg, tokens, mask_BxT, mode=lc.grad_norm_mode)
+    sq_B, _ = grad_norms.per_sequence_sq_norms(model_params, model_cfg, tokens, mask_BxT, mode=lc.grad_norm_mode,
+                                               adapter=adapter)
 
   def loss_fn(p):
-    logp_BxT, ent_BxT = M.token_logprobs_and_entropy(p, model_cfg, tokens, mask_BxT)
+    mp, ad = model_args(p, base)
+    logp_BxT, ent_BxT = M.token_logprobs_and_entropy(mp, model_cfg, tokens, mask_BxT, adapter=ad)
     stats = _sample_stats(logp_BxT, batch, mask_BxT, valid_B, sq_B, lc)
     loss, aux = _policy_loss(logp_BxT, batch, mask_BxT, stats["adv_B"], lc, max_len)
     return loss, (stats, jax.lax.stop_gradient(ent_BxT), aux)
@@ -122,7 +128,7 @@ def _aggregation_denominator(mask_BxT, mode: str):
 
 
 def _chunked_loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg, lc: LearnerConfig,
-                            row_shards: int, ref_params=None, max_len=None):
+                            row_shards: int, ref_params=None, max_len=None, base=None):
   """Same results as _loss_and_grads on the whole batch, computed by a scan over chunks of whole groups."""
   b, micro = mask_BxT.shape[0], lc.micro_batch_size
   order = chunk_order(b, micro, row_shards)
@@ -131,7 +137,8 @@ def _chunked_loss_and_grads(params, batch: RLBatch, mask_BxT, valid_B, model_cfg
 
   def body(acc, chunk):
     cb, cm, cv = chunk
-    loss, grads, stats, ent, sq, aux = _loss_and_grads(params, cb, cm, cv, model_cfg, lc, ref_params, max_len)
+    loss, grads, stats, ent, sq, aux = _loss_and_grads(params, cb, cm, cv, model_cfg, lc, ref_params, max_len,
+                                                       base)
     scale = _aggregation_denominator(cm, lc.aggregation) / total_den  # chunk mean -> share of batch mean
     acc = jax.tree.map(lambda a, g: a + scale * g.astype(a.dtype), acc, grads)
     return acc, (loss * scale, stats, ent, sq, aux)
@@ -150,8 +157,9 @@ def _batch_loss_and_grads(state: TrainState, batch: RLBatch, mask_BxT, valid_B, 
   """_loss_and_grads over the whole batch, in micro-batch chunks when lc asks for them."""
   if lc.micro_batch_size and lc.micro_batch_size < mask_BxT.shape[0]:
     return _chunked_loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc, row_shards,
-                                   state.ref_params, max_len)
-  return _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc, state.ref_params, max_len)
+                                   state.ref_params, max_len, state.base)
+  return _loss_and_grads(state.params, batch, mask_BxT, valid_B, model_cfg, lc, state.ref_params, max_len,
+                         state.base)
 
 
 def _rl_metrics(loss, grads, stats, ent_BxT, sq_B, aux, batch, mask_BxT, valid_B, lc, lr_scale, ok, state):
@@ -238,7 +246,8 @@ def rl_step(state: TrainState, batch: RLBatch, *, model_cfg: model_config.ModelC
 def make_rl_step(model_cfg: model_config.ModelConfig, learner_cfg: LearnerConfig, optimizer, mesh=None,
                  rules=sharding.DEFAULT_RULES):
   """`step(state, batch) -> (state, metrics)`, jitted once (state donated; shardings when a mesh is given).
-  With learner_cfg.kl_beta > 0 the state must carry ref_params (train_state.with_reference)."""
+  With learner_cfg.kl_beta > 0 the state must carry ref_params (train_state.with_reference), unless model.lora
+  is on (the reference is the base with the adapter off)."""
   shards = batch_rows(mesh)
 
   def fn(state, batch):
@@ -251,4 +260,6 @@ def make_rl_step(model_cfg: model_config.ModelConfig, learner_cfg: LearnerConfig
   def check(batch):
     check_batch(batch)
     check_chunks(batch, learner_cfg.micro_batch_size, shards)
-  return jit_step(fn, model_cfg, optimizer, mesh, rules, check, with_ref=learner_cfg.kl_beta > 0)
+  # With LoRA the KL reference is the frozen base: the state carries no reference copy.
+  return jit_step(fn, model_cfg, optimizer, mesh, rules, check,
+                  with_ref=learner_cfg.kl_beta > 0 and not model_cfg.lora.rank)

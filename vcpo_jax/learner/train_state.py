@@ -2,6 +2,7 @@
 optimizer update, the SFT step and the jit wrapper both steps share."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -12,6 +13,7 @@ import optax
 
 from vcpo_jax.learner import optimizer as optimizer_lib
 from vcpo_jax.model import config as model_config
+from vcpo_jax.model import lora
 from vcpo_jax.model import remat as remat_lib
 from vcpo_jax.model import transformer as M
 from vcpo_jax.parallel import sharding
@@ -20,16 +22,44 @@ from vcpo_jax.parallel import sharding
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array              # int32, learner steps taken (skipped ones included)
-  params: Any
-  opt_state: Any
+  params: Any                  # what trains: the model's params, or with model.lora the adapter alone
+  opt_state: Any               # the optimizer's state of `params` (so of the adapter alone with LoRA)
   skipped_updates: jax.Array   # int32, steps whose loss or gradient was not finite (update not applied)
-  ref_params: Any = None       # frozen reference policy for the KL term (None without KL); checkpointed
+  ref_params: Any = None       # frozen reference policy for the KL term (None without KL or with LoRA); checkpointed
+  base: Any = None             # with model.lora: the frozen base params (also the KL reference); else None
 
 
 def _init_state(model_cfg: model_config.ModelConfig, optimizer, rng, boxed: bool, with_ref: bool = False) -> TrainState:
   params = M.init_params(model_cfg, rng, boxed=boxed)
+  base = None
+  if model_cfg.lora.rank:  # the adapter trains; the base is frozen and is the reference (no copy)
+    base, params = params, lora.init_adapter(jax.random.fold_in(rng, 1), model_cfg, boxed=boxed)
+    with_ref = False
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                    skipped_updates=jnp.zeros((), jnp.int32), ref_params=params if with_ref else None)
+                    skipped_updates=jnp.zeros((), jnp.int32), ref_params=params if with_ref else None, base=base)
+
+
+def model_args(trainable, base):
+  """(params, adapter) of the model for the trainable tree: (trainable, None), or with LoRA (base, trainable)."""
+  return (trainable, None) if base is None else (base, trainable)
+
+
+def base_params(state: TrainState):
+  """The model's own params: the frozen base with LoRA, else the trained params."""
+  return state.params if state.base is None else state.base
+
+
+def policy_params(state: TrainState, model_cfg: model_config.ModelConfig):
+  """Full weights of the current policy: with LoRA the base with the adapter merged in (a full-weight copy,
+  for what publishes or evaluates full weights), else the params themselves."""
+  if state.base is None:
+    return state.params
+  return _merge_fn(model_cfg)(state.base, state.params)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fn(model_cfg: model_config.ModelConfig):
+  return jax.jit(lambda base, adapter: lora.merge(base, adapter, model_cfg))
 
 
 def state_shardings(model_cfg: model_config.ModelConfig, optimizer, mesh, rules=sharding.DEFAULT_RULES, with_ref=False):
@@ -49,12 +79,18 @@ def create_train_state(model_cfg: model_config.ModelConfig, optimizer, rng, mesh
 
 def with_reference(state: TrainState) -> TrainState:
   """The state with ref_params = a copy of the current params (the KL reference; frozen from here on).
-  A copy, not the same buffers: the step donates the state, and donation must not alias two leaves."""
+  A copy, not the same buffers: the step donates the state, and donation must not alias two leaves.
+  With LoRA the state as it is: the reference is the frozen base with the adapter off."""
+  if state.base is not None:
+    return state
   return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
 
 
 def with_params(state: TrainState, params) -> TrainState:
-  """The state with `params` swapped in (e.g. the warm start's), the optimizer's float32 master copy too."""
+  """The state with `params` swapped in (e.g. the warm start's), the optimizer's float32 master copy too.
+  With LoRA `params` are the model's: they become the frozen base (the adapter is kept)."""
+  if state.base is not None:
+    return state.replace(base=params)
   return state.replace(params=params, opt_state=optimizer_lib.reset_master(state.opt_state, params))
 
 
@@ -84,7 +120,8 @@ def sft_step(state: TrainState, tokens_BxT, mask_BxT, *, model_cfg: model_config
                                 remat_lib.state_bytes_per_device(state))
 
   def loss_fn(p):
-    logp_BxT = M.token_logprobs(p, model_cfg, tokens_BxT.astype(jnp.int32), mask_BxT)
+    params, adapter = model_args(p, state.base)
+    logp_BxT = M.token_logprobs(params, model_cfg, tokens_BxT.astype(jnp.int32), mask_BxT, adapter=adapter)
     return -jnp.sum(logp_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
 
   loss, grads = jax.value_and_grad(loss_fn)(state.params)

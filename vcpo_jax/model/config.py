@@ -22,6 +22,53 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
 # a forward alone (sampler, evaluation) keeps nothing for a backward, so there it is "none".
 REMAT_CHOICES = tuple(REMAT_POLICIES) + ("auto",)
 LM_HEADS = ("vocab_chunks", "token_tiles", "plain")  # model.lm_head (see the field)
+# The decoder's linear layers by their Hugging Face names: what model.lora.target_modules may name.
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on the decoder's linear layers (vcpo_jax.model.lora; docs/lora.md). rank 0 = off.
+
+  A layer with an adapter computes y = x W + (alpha / rank) (x A) B: scaling exactly alpha / rank (no
+  rsLoRA), as PEFT and SGLang apply it."""
+  rank: int = 0
+  alpha: float = 32.0
+  target_modules: tuple[str, ...] = LINEAR_MODULES
+
+  def __post_init__(self):
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+      raise ValueError(f"model.lora.rank must be an int >= 0 (0: off), got {self.rank!r}")
+    if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+      raise ValueError(f"model.lora.alpha must be a number > 0, got {self.alpha!r}")
+    targets = self.target_modules
+    if isinstance(targets, str) or not isinstance(targets, (tuple, list)) or not targets:
+      raise ValueError(f"model.lora.target_modules must be a non-empty list of {list(LINEAR_MODULES)}, "
+                       f"got {targets!r}")
+    for name in targets:
+      if name not in LINEAR_MODULES:
+        raise ValueError(f"model.lora.target_modules: the model has no linear layer {name!r} "
+                         f"(its linear layers: {list(LINEAR_MODULES)})")
+    if len(set(targets)) != len(targets):
+      raise ValueError(f"model.lora.target_modules names a module twice: {list(targets)}")
+    object.__setattr__(self, "target_modules", tuple(targets))  # hashable: ModelConfig is a static jit arg
+    object.__setattr__(self, "alpha", float(self.alpha))
+
+  @property
+  def scale(self) -> float:
+    """alpha / rank: the factor on (x A) B."""
+    return self.alpha / self.rank if self.rank else 0.0
+
+  @classmethod
+  def from_dict(cls, d) -> "LoraConfig":
+    if isinstance(d, LoraConfig):
+      return d
+    d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown model.lora key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +113,13 @@ class ModelConfig:
   # Vocabulary columns per LM-head chunk; 0 = the plain full-logits path (as lm_head="plain").
   logits_chunk: int = 2048
   logits_token_tile: int = 1024  # tokens per tile of lm_head="token_tiles"
+  # Low-rank adapters (rank 0 = off): the learner trains them alone; the model applies one (or, per row, one
+  # of a stack) when the forward is given an adapter (vcpo_jax.model.lora).
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
+    if not isinstance(self.lora, LoraConfig):  # a dict or ConfigDict (from_dict, JSON round trips)
+      object.__setattr__(self, "lora", LoraConfig.from_dict(self.lora))
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim", "max_seq_len"):
       value = getattr(self, name)

@@ -173,7 +173,8 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "head_dim", "tie_word_embeddings")
 # Fields that stay ours: sequence budget, dtypes and precision are choices of the run, not of the checkpoint.
 _RUN_FIELDS = ("max_seq_len", "param_dtype", "dtype", "matmul_precision", "scan_layers", "remat", "remat_budget_gb",
-               "attention", "causal_flag", "lm_head", "logits_chunk", "logits_token_tile", "head_dtype")
+               "attention", "causal_flag", "lm_head", "logits_chunk", "logits_token_tile", "head_dtype",
+               "lora")
 
 
 def model_config(section) -> config_lib.ModelConfig:

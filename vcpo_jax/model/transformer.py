@@ -25,14 +25,14 @@ class Block(nn.Module):
   causal: bool = False  # the mask is exactly causal: attention may take is_causal instead (model.causal_flag)
 
   @nn.compact
-  def __call__(self, carry, layer, cos, sin, mask, cache_index):
+  def __call__(self, carry, layer, cos, sin, mask, cache_index, adapter_B=None):
     x, kv_cache = carry
     h, kv_cache = layers.Attention(self.cfg, self.capture, self.causal, name="self_attn")(
         layers.RMSNorm(self.cfg, self.capture, name="input_layernorm")(x), cos, sin, mask, kv_cache, cache_index,
-        layer)
+        layer, adapter_B)
     x = x + h
     x = x + layers.MLP(self.cfg, self.capture, name="mlp")(
-        layers.RMSNorm(self.cfg, self.capture, name="post_attention_layernorm")(x))
+        layers.RMSNorm(self.cfg, self.capture, name="post_attention_layernorm")(x), adapter_B)
     return (nn.with_logical_constraint(x, ("batch", "length", "act_embed")), kv_cache), None
 
 
@@ -44,10 +44,11 @@ def _layer_stack(cfg: ModelConfig, capture: bool):
     block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
   if not cfg.scan_layers:
     return block
-  # Params and the capture collections (sown inputs, perturbations) are stacked on axis 0, the layers axis.
-  return nn.scan(block, variable_axes={"params": 0, "intermediates": 0, "perturbations": 0,
+  # Params, adapters ("lora", vcpo_jax.model.lora) and the capture collections (sown inputs, perturbations)
+  # are stacked on axis 0, the layers axis.
+  return nn.scan(block, variable_axes={"params": 0, "lora": 0, "intermediates": 0, "perturbations": 0,
                                                 "norm_taps": 0},
-                 split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 4, length=cfg.num_layers,
+                 split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 5, length=cfg.num_layers,
                  metadata_params={nn.PARTITION_NAME: "layers"})
 
 
@@ -73,8 +74,10 @@ class Transformer(nn.Module):
   head: bool = True
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None):
-    """mask_BxTxS None: exactly causal by index, every key valid (see `attention_mask`)."""
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxTxS, cache=None, cache_index=None, adapter_B=None):
+    """mask_BxTxS None: exactly causal by index, every key valid (see `attention_mask`). The "lora"
+    collection, when given, holds one adapter (adapter_B None) or a stack whose slot row b uses (adapter_B
+    int32 [B], -1 = none): vcpo_jax.model.lora."""
     cfg = self.cfg
     causal = mask_BxTxS is None
     if causal:
@@ -93,12 +96,12 @@ class Transformer(nn.Module):
     if cfg.scan_layers:
       layers_L = jnp.arange(cfg.num_layers, dtype=jnp.int32)
       (x, new_cache), _ = stack(cfg, self.capture, causal, name="layers")((x, cache), layers_L, cos, sin,
-                                                                          mask_BxTxS, cache_index)
+                                                                          mask_BxTxS, cache_index, adapter_B)
     else:
       new_cache = []
       for i in range(cfg.num_layers):
         (x, layer_cache), _ = stack(cfg, self.capture, causal, name=f"layers_{i}")(
-            (x, None if cache is None else cache[i]), None, cos, sin, mask_BxTxS, cache_index)
+            (x, None if cache is None else cache[i]), None, cos, sin, mask_BxTxS, cache_index, adapter_B)
         new_cache.append(layer_cache)
       new_cache = None if cache is None else tuple(new_cache)
     x = layers.RMSNorm(cfg.head_config, self.capture, name="norm")(x)  # model.head_dtype from here on
@@ -137,21 +140,28 @@ def init_params(cfg: ModelConfig, rng, *, boxed: bool = False):
   return params if boxed else nn.unbox(params)
 
 
-def forward(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None):
-  """Full forward to float32 logits."""
+def variables(params, adapter=None) -> dict:
+  """The model's variables: params, plus the "lora" collection when an adapter (or a stack) is given."""
+  return {"params": params} if adapter is None else {"params": params, "lora": adapter}
+
+
+def forward(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None, *, adapter=None,
+            adapter_B=None):
+  """Full forward to float32 logits. adapter: None, one adapter, or a stack with adapter_B (model.lora)."""
   if positions_BxT is None:
     positions_BxT = _default_positions(tokens_BxT)
-  logits, _ = Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT,
-                                     attention_mask(positions_BxT, key_mask_BxT))
+  logits, _ = Transformer(cfg).apply(variables(params, adapter), tokens_BxT, positions_BxT,
+                                     attention_mask(positions_BxT, key_mask_BxT), adapter_B=adapter_B)
   return logits
 
 
-def hidden_states(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None):
+def hidden_states(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, key_mask_BxT=None, *, adapter=None,
+                  adapter_B=None):
   """Final normed hidden states [B, T, D] in the compute dtype (the LM head's input)."""
   if positions_BxT is None:
     positions_BxT = _default_positions(tokens_BxT)
-  x, _ = Transformer(cfg, head=False).apply({"params": params}, tokens_BxT, positions_BxT,
-                                            attention_mask(positions_BxT, key_mask_BxT))
+  x, _ = Transformer(cfg, head=False).apply(variables(params, adapter), tokens_BxT, positions_BxT,
+                                            attention_mask(positions_BxT, key_mask_BxT), adapter_B=adapter_B)
   return x
 
 
@@ -161,14 +171,17 @@ def head_kernel(params, cfg: ModelConfig):
 
 
 def token_logprobs_and_entropy(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None,
-                               key_mask_BxT=None):
-  x_BxTxD = hidden_states(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT)
+                               key_mask_BxT=None, *, adapter=None, adapter_B=None):
+  x_BxTxD = hidden_states(params, cfg, tokens_BxT, positions_BxT, key_mask_BxT, adapter=adapter,
+                          adapter_B=adapter_B)
   return lm_head.token_logprobs_and_entropy(x_BxTxD, head_kernel(params, cfg), tokens_BxT, mask_BxT,
                                             **cfg.head_logprob_args())
 
 
-def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None):
-  return token_logprobs_and_entropy(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT)[0]
+def token_logprobs(params, cfg: ModelConfig, tokens_BxT, mask_BxT, positions_BxT=None, key_mask_BxT=None, *,
+                   adapter=None, adapter_B=None):
+  return token_logprobs_and_entropy(params, cfg, tokens_BxT, mask_BxT, positions_BxT, key_mask_BxT,
+                                    adapter=adapter, adapter_B=adapter_B)[0]
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
@@ -183,11 +196,13 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int):
 
 
 def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_index, key_mask_BxS, *,
-           head: bool = True):
+           head: bool = True, adapter=None, adapter_B=None):
   """Incremental step: writes k/v of T new tokens at [cache_index, cache_index+T); returns logits and cache.
 
   cache_index is a scalar (all rows at one slot) or int32 [B] (each row at its own slot: continuous batching).
   head=False returns the final hidden states instead of logits (prefill: see prompt_logprobs_and_logits).
+  adapter: None, one adapter for every row, or a stack of adapters with adapter_B (int32 [B], -1 = none) naming
+  each row's slot (vcpo_jax.model.lora).
   """
   B, T = tokens_BxT.shape
   S = key_mask_BxS.shape[1]
@@ -195,8 +210,8 @@ def decode(params, cfg: ModelConfig, tokens_BxT, positions_BxT, cache, cache_ind
   index_B = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (B,))
   query_slot_BxT = index_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   mask_BxTxS = (slot_S[None, None, :] <= query_slot_BxT[:, :, None]) & key_mask_BxS[:, None, :].astype(bool)
-  out, new_cache = Transformer(cfg, head=head).apply({"params": params}, tokens_BxT, positions_BxT, mask_BxTxS,
-                                                     cache, cache_index)
+  out, new_cache = Transformer(cfg, head=head).apply(variables(params, adapter), tokens_BxT, positions_BxT,
+                                                     mask_BxTxS, cache, cache_index, adapter_B)
   return out, new_cache
 
 

@@ -23,6 +23,7 @@ DEFAULT_RULES: tuple[tuple[str, object], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),  # the stacked layers axis of params under scan (model.scan_layers): replicated
+    ("lora_rank", None),  # an adapter's rank axis (model.lora): small, replicated
 )
 
 
