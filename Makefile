@@ -56,9 +56,9 @@ test-sglang: $(VENV)/.dev
 
 # make bench MODEL=qwen2.5-0.5b|countdown|tiny (default auto: countdown on CPU, the 0.5B shape on a GPU)
 bench: $(VENV)/.dev
-	$(PY) -m benchmarks.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
+	$(PY) -m benchmarks.cpu.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
 
-# The GPU check (benchmarks/gpu_check.py; docs/gpu.md): `make gpu-wheels` here (needs PyPI) downloads the wheels a
+# The GPU check (benchmarks/gpu/gpu_check.py; docs/gpu.md): `make gpu-wheels` here (needs PyPI) downloads the wheels a
 # bare GPU machine lacks (GPU_MISSING, at requirements.txt's versions where it pins them; grain's own needs
 # array-record and portpicker at the versions the pins resolve to) for that machine's CPython 3.12 on x86-64;
 # `make gpu-check` there (no network) installs them into a folder of their own and runs the check with the
@@ -79,24 +79,24 @@ gpu-wheels:
 	du -ch $(GPU_WHEELS)/*.whl
 
 gpu-check:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
 
 # The check's second call: the shortened job and the unit tier on the GPU (with the first they outgrow one
 # 600 s device call).
 gpu-check-unit:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,job,unit --budget-s 410 $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) --parts env,job,unit --budget-s 410 $(GPU_CHECK_ARGS)
 
 # The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
 gpu-check-dry: $(VENV)/.dev
-	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
+	$(PY) -m benchmarks.gpu.gpu_check --dry $(GPU_CHECK_ARGS)
 
-# The check's third call: the levers' sweep of the GRPO step (benchmarks/bench_gpu_sweep.py, <= 8 min), and its
+# The check's third call: the levers' sweep of the GRPO step (benchmarks/gpu/bench_gpu_sweep.py, <= 8 min), and its
 # dry run on a CPU (tiny model, every lever; tests/test_gpu_check.py runs it).
 gpu-sweep:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,sweep --budget-s 505 $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) --parts env,sweep --budget-s 505 $(GPU_CHECK_ARGS)
 
 gpu-sweep-dry: $(VENV)/.dev
-	$(PY) -m benchmarks.gpu_check --dry --parts env,sweep $(GPU_CHECK_ARGS)
+	$(PY) -m benchmarks.gpu.gpu_check --dry --parts env,sweep $(GPU_CHECK_ARGS)
 
 # Ahead-of-time compiles on this CPU machine, no accelerator (benchmarks/aot/; docs/gpu-aot.md, docs/tpu.md): each
 # in a venv of its own with the pinned jax's GPU (CUDA 12 plugin, ~3 GB of NVIDIA wheels) or TPU (libtpu) build.
@@ -122,9 +122,9 @@ $(AOT_TPU_VENV)/.installed: requirements.txt pyproject.toml
 aot-gpu: $(AOT_GPU_VENV)/.installed
 	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.gpu $(AOT_ARGS)
 
-# The GPU sweep's levers (benchmarks/gpu_sweep_levers.py), each compiled for the H100: benchmarks/results-gpu-levers-aot.md.
+# The GPU sweep's levers (benchmarks/gpu/gpu_sweep_levers.py), each compiled for the H100: benchmarks/aot/results-gpu-levers.md.
 aot-gpu-levers: $(AOT_GPU_VENV)/.installed
-	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot_levers $(AOT_ARGS)
+	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.levers $(AOT_ARGS)
 
 aot-tpu: $(AOT_TPU_VENV)/.installed
 	JAX_PLATFORMS=cpu $(AOT_TPU_VENV)/bin/python -m benchmarks.aot.tpu $(AOT_ARGS)
