@@ -40,16 +40,35 @@ def run_figure(key: str, title: str, fn: Callable[[], list[dict]], goal: str | N
     return [failed_figure(key, title, f"{type(e).__name__}: {e}", goal=goal)]
 
 
-def _parse(description: str, argv) -> argparse.Namespace:
+def bench_parser(description: str, json_help: str = "write the figures as a JSON list to this path"):
+  """Every bench module's flags: --quick, --json, --model (a module adds its own)."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
-  parser.add_argument("--json", default=None, help="write the figures as a JSON list to this path")
+  parser.add_argument("--json", default=None, help=json_help)
   parser.add_argument("--model", default=None, choices=model_choice.MODELS,
                       help=f"default ${model_choice.MODEL_ENV} or auto")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def _parse(description, argv, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+  args = (parser or bench_parser(description)).parse_args(argv)
   if args.model:
     os.environ[model_choice.MODEL_ENV] = args.model
   return args
+
+
+def child_or_parent_main(parser: argparse.ArgumentParser, argv, child: Callable[[argparse.Namespace], Any],
+                         produce: Callable[[bool, float], list[dict]]):
+  """Entry of a GPU bench that measures in child processes of itself: `child(args)` runs the stage a child's
+  flags name and returns its result (written to --json), or None in the parent, which produces the figures
+  (each child within $BENCH_JOB_LIMIT_S) and emits them."""
+  args = _parse(parser.description, argv, parser)
+  result = child(args)
+  if result is not None:
+    with open(args.json, "w") as f:
+      json.dump(result, f, default=float)
+    return result
+  return emit_figures(produce(args.quick, float(os.environ.get("BENCH_JOB_LIMIT_S", 600))), args.json)
 
 
 def module_main(produce: Callable[[bool], list[dict]], description: str, argv=None) -> list[dict]:

@@ -11,7 +11,6 @@ rounds pair the i-th step of each.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -199,21 +198,10 @@ def produce(quick: bool, limit_s: float) -> list[dict]:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-  parser.add_argument("--json", default=None, help="write the figures (or one variant's result) here")
-  parser.add_argument("--model", default=None, choices=model_choice.MODELS)
+  parser = records.bench_parser(__doc__.splitlines()[0], "write the figures (or one variant's result) here")
   parser.add_argument("--variant", default=None, choices=VARIANTS, help="run one step variant (a child)")
-  args = parser.parse_args(argv)
-  if args.model:
-    os.environ[model_choice.MODEL_ENV] = args.model
-  if args.variant:
-    result = run_variant(args.variant, args.quick)
-    with open(args.json, "w") as f:
-      json.dump(result, f, default=float)
-    return result
-  limit_s = float(os.environ.get("BENCH_JOB_LIMIT_S", 600))
-  return records.emit_figures(produce(args.quick, limit_s), args.json)
+  return records.child_or_parent_main(
+      parser, argv, lambda a: run_variant(a.variant, a.quick) if a.variant else None, produce)
 
 
 if __name__ == "__main__":

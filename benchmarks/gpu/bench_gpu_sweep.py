@@ -15,7 +15,6 @@ Stages, each child process under its own time limit within the part's deadline (
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -209,28 +208,21 @@ def produce(quick: bool, limit_s: float) -> list[dict]:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-  parser.add_argument("--json", default=None, help="write the figures (or a child's result) here")
-  parser.add_argument("--model", default=None, choices=model_choice.MODELS)
+  from benchmarks.common import records  # noqa: PLC0415
+  parser = records.bench_parser(__doc__.splitlines()[0], "write the figures (or a child's result) here")
   parser.add_argument("--child", default=None, choices=("ceiling", "step"), help="run one stage (a child)")
   parser.add_argument("--name", default="baseline")
   parser.add_argument("--overrides", default="[]", help="JSON list of [field, value] pairs")
   parser.add_argument("--learner", default="grpo", choices=bench_gpu_step.VARIANTS)
   parser.add_argument("--profile", action="store_true", help="profile one step: its top ops")
-  args = parser.parse_args(argv)
-  if args.model:
-    os.environ[model_choice.MODEL_ENV] = args.model
-  if args.child:
-    result = (run_ceiling(args.quick) if args.child == "ceiling" else
-              run_step(args.name, [tuple(p) for p in json.loads(args.overrides)], args.learner, args.quick,
-                       args.profile))
-    with open(args.json, "w") as f:
-      json.dump(result, f, default=float)
-    return result
-  from benchmarks.common import records
-  limit_s = float(os.environ.get("BENCH_JOB_LIMIT_S", 600))
-  return records.emit_figures(produce(args.quick, limit_s), args.json)
+
+  def child(a):
+    if a.child == "ceiling":
+      return run_ceiling(a.quick)
+    return run_step(a.name, [tuple(p) for p in json.loads(a.overrides)], a.learner, a.quick,
+                    a.profile) if a.child else None
+
+  return records.child_or_parent_main(parser, argv, child, produce)
 
 
 if __name__ == "__main__":
