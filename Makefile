@@ -117,11 +117,12 @@ $(AOT_GPU_VENV)/.installed: requirements.txt requirements-gpu.txt pyproject.toml
 	$(AOT_GPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
 
-# libtpu comes with jax[tpu] at requirements.txt's jax (PyPI wheels, ~100 MB).
-$(AOT_TPU_VENV)/.installed: requirements.txt pyproject.toml
+# libtpu comes with jax[tpu] at requirements.txt's jax (PyPI wheels, ~100 MB); pytest and pytest-timeout at
+# requirements-dev.txt's pins run its compile test (test-aot).
+$(AOT_TPU_VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(AOT_TPU_VENV)/bin/python || $(PYTHON) -m venv $(AOT_TPU_VENV)
 	$(AOT_TPU_VENV)/bin/python -m pip install -q --no-compile -r requirements.txt \
-	  "jax[tpu]==$$(sed -n 's/^jax==//p' requirements.txt)"
+	  "jax[tpu]==$$(sed -n 's/^jax==//p' requirements.txt)" $$(grep -E '^pytest(-timeout)?==' requirements-dev.txt)
 	$(AOT_TPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
 

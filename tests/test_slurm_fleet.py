@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from tests import slurm_cluster
+from tests import waits
 
 pytestmark = [pytest.mark.extra, pytest.mark.slow, pytest.mark.integration,
               pytest.mark.cpu_only(reason="the nodes are shrunk to one CPU and no GPU")]
@@ -21,19 +22,9 @@ JOB_FLAGS = [f"--config.rl.steps={STEPS}", "--config.task.eval_size=2", "--confi
 
 
 def _pids_naming(*paths: str) -> list[str]:
-  """Live processes (not zombies) whose command line names one of `paths`, or any slurmstepd."""
-  found = []
-  for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-      with open(f"/proc/{pid}/stat") as f:
-        zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-      continue
-    if int(pid) != os.getpid() and not zombie and (cmd.startswith("slurmstepd") or any(p in cmd for p in paths)):
-      found.append(f"{pid}: {cmd[:200]}")
-  return found
+  """Live processes whose command line names one of `paths`, and any slurmstepd."""
+  return [f"{pid}: {cmd[:200]}" for pid, cmd in waits.live_pids(
+      lambda cmd: cmd.startswith("slurmstepd") or any(p in cmd for p in paths))]
 
 
 def _component_nodes(cluster, job_id: str) -> dict[str, str]:
