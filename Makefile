@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: train test test-extra test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs \
+.PHONY: train test test-extra test-slurm test-fast test-sglang bench install-gpu gpu-wheels gpu-check gpu-check-unit gpu-check-dry reproduce-quick clean-venv docs \
   aot-gpu aot-gpu-levers aot-tpu test-aot gpu-sweep gpu-sweep-dry
 
 # --no-compile: Python writes the bytecode of what is imported on first import; compiling every file of every
@@ -37,10 +37,16 @@ train: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
 
-# The extra tier: tests marked `extra` (the dry GPU check end to end; ~2 min), which `make test` skips and CI runs
+# The extra tier: tests marked `extra` (the dry GPU check end to end, the Slurm launch on a real Slurm; ~5 min), which `make test` skips and CI runs
 # after it (.ci/run).
 test-extra: $(VENV)/.dev
-	VCPO_TEST_EXTRA=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m extra $(PYTEST_ARGS) tests
+	VCPO_TEST_EXTRA=1 VCPO_TEST_SLURM_INSTALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m extra $(PYTEST_ARGS) tests
+
+# The Slurm launch on a real Slurm (tests/test_slurm_fleet.py, ~3 min; docs/multihost.md): a two-node cluster
+# on this machine. Needs root; installs Debian's slurm-wlm and munge first where they are missing (test-extra,
+# which runs it too, does the same); skipped with the reason where it cannot run.
+test-slurm: $(VENV)/.dev
+	VCPO_TEST_EXTRA=1 VCPO_TEST_SLURM_INSTALL=1 $(PY) -m pytest -q -rs -n 0 $(PYTEST_ARGS) tests/test_slurm_fleet.py
 
 # The unit tier: no job processes, no servers (tests marked slow or integration are left out; conftest.py
 # fails a unit test that starts a process or a server).
@@ -56,9 +62,9 @@ test-sglang: $(VENV)/.dev
 
 # make bench MODEL=qwen2.5-0.5b|countdown|tiny (default auto: countdown on CPU, the 0.5B shape on a GPU)
 bench: $(VENV)/.dev
-	$(PY) -m benchmarks.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
+	$(PY) -m benchmarks.cpu.run $(if $(MODEL),--model=$(MODEL)) $(BENCH_ARGS)
 
-# The GPU check (benchmarks/gpu_check.py; docs/gpu.md): `make gpu-wheels` here (needs PyPI) downloads the wheels a
+# The GPU check (benchmarks/gpu/gpu_check.py; docs/gpu.md): `make gpu-wheels` here (needs PyPI) downloads the wheels a
 # bare GPU machine lacks (GPU_MISSING, at requirements.txt's versions where it pins them; grain's own needs
 # array-record and portpicker at the versions the pins resolve to) for that machine's CPython 3.12 on x86-64;
 # `make gpu-check` there (no network) installs them into a folder of their own and runs the check with the
@@ -79,24 +85,24 @@ gpu-wheels:
 	du -ch $(GPU_WHEELS)/*.whl
 
 gpu-check:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) $(GPU_CHECK_ARGS)
 
 # The check's second call: the shortened job and the unit tier on the GPU (with the first they outgrow one
 # 600 s device call).
 gpu-check-unit:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,job,unit --budget-s 410 $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) --parts env,job,unit --budget-s 410 $(GPU_CHECK_ARGS)
 
 # The same code path on a CPU, small shapes (tests/test_gpu_check.py runs it).
 gpu-check-dry: $(VENV)/.dev
-	$(PY) -m benchmarks.gpu_check --dry $(GPU_CHECK_ARGS)
+	$(PY) -m benchmarks.gpu.gpu_check --dry $(GPU_CHECK_ARGS)
 
-# The check's third call: the levers' sweep of the GRPO step (benchmarks/bench_gpu_sweep.py, <= 8 min), and its
+# The check's third call: the levers' sweep of the GRPO step (benchmarks/gpu/bench_gpu_sweep.py, <= 8 min), and its
 # dry run on a CPU (tiny model, every lever; tests/test_gpu_check.py runs it).
 gpu-sweep:
-	$(GPU_PYTHON) -m benchmarks.gpu_check --wheels $(GPU_WHEELS) --parts env,sweep --budget-s 505 $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu.gpu_check --wheels $(GPU_WHEELS) --parts env,sweep --budget-s 505 $(GPU_CHECK_ARGS)
 
 gpu-sweep-dry: $(VENV)/.dev
-	$(PY) -m benchmarks.gpu_check --dry --parts env,sweep $(GPU_CHECK_ARGS)
+	$(PY) -m benchmarks.gpu.gpu_check --dry --parts env,sweep $(GPU_CHECK_ARGS)
 
 # Ahead-of-time compiles on this CPU machine, no accelerator (benchmarks/aot/; docs/gpu-aot.md, docs/tpu.md): each
 # in a venv of its own with the pinned jax's GPU (CUDA 12 plugin, ~3 GB of NVIDIA wheels) or TPU (libtpu) build.
@@ -111,20 +117,21 @@ $(AOT_GPU_VENV)/.installed: requirements.txt requirements-gpu.txt pyproject.toml
 	$(AOT_GPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
 
-# libtpu comes with jax[tpu] at requirements.txt's jax (PyPI wheels, ~100 MB).
-$(AOT_TPU_VENV)/.installed: requirements.txt pyproject.toml
+# libtpu comes with jax[tpu] at requirements.txt's jax (PyPI wheels, ~100 MB); pytest and pytest-timeout at
+# requirements-dev.txt's pins run its compile test (test-aot).
+$(AOT_TPU_VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(AOT_TPU_VENV)/bin/python || $(PYTHON) -m venv $(AOT_TPU_VENV)
 	$(AOT_TPU_VENV)/bin/python -m pip install -q --no-compile -r requirements.txt \
-	  "jax[tpu]==$$(sed -n 's/^jax==//p' requirements.txt)"
+	  "jax[tpu]==$$(sed -n 's/^jax==//p' requirements.txt)" $$(grep -E '^pytest(-timeout)?==' requirements-dev.txt)
 	$(AOT_TPU_VENV)/bin/python -m pip install -q --no-compile --no-deps -e .
 	touch $@
 
 aot-gpu: $(AOT_GPU_VENV)/.installed
 	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.gpu $(AOT_ARGS)
 
-# The GPU sweep's levers (benchmarks/gpu_sweep_levers.py), each compiled for the H100: benchmarks/results-gpu-levers-aot.md.
+# The GPU sweep's levers (benchmarks/gpu/gpu_sweep_levers.py), each compiled for the H100: benchmarks/aot/results-gpu-levers.md.
 aot-gpu-levers: $(AOT_GPU_VENV)/.installed
-	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot_levers $(AOT_ARGS)
+	JAX_PLATFORMS=cpu $(AOT_GPU_VENV)/bin/python -m benchmarks.aot.levers $(AOT_ARGS)
 
 aot-tpu: $(AOT_TPU_VENV)/.installed
 	JAX_PLATFORMS=cpu $(AOT_TPU_VENV)/bin/python -m benchmarks.aot.tpu $(AOT_ARGS)

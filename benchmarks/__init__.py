@@ -1,1 +1,1 @@
-"""Performance suite: ratios measured side by side in one run (python -m benchmarks.run)."""
+"""Performance suite: ratios measured side by side in one run (python -m benchmarks.cpu.run)."""

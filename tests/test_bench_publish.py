@@ -1,7 +1,7 @@
-"""benchmarks/bench_publish.py without a server: parameter bytes, figures and estimates from a measurement."""
+"""benchmarks/cpu/bench_publish.py without a server: parameter bytes, figures and estimates from a measurement."""
 import pytest
 
-from benchmarks import bench_publish
+from benchmarks.cpu import bench_publish
 from vcpo_jax.model import hf
 
 # The released Qwen2.5 checkpoints' parameter counts (tied embeddings at 0.5B and 1.5B).

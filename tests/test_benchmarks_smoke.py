@@ -6,14 +6,14 @@ import textwrap
 import numpy as np
 import pytest
 
-from benchmarks import environment
-from benchmarks import goals
-from benchmarks import markdown
-from benchmarks import model_choice
-from benchmarks import records
-from benchmarks import run
-from benchmarks import summary
-from benchmarks import timing
+from benchmarks.common import environment
+from benchmarks.common import goals
+from benchmarks.common import markdown
+from benchmarks.common import model_choice
+from benchmarks.common import records
+from benchmarks.cpu import run
+from benchmarks.common import summary
+from benchmarks.common import timing
 from vcpo_jax.rollout.servers import launcher
 
 
@@ -177,7 +177,7 @@ def test_main_writes_json_and_markdown_despite_a_failing_figure(fake_modules, tm
 
 
 def test_async_read_steps_ignores_torn_last_line(tmp_path):
-  from benchmarks import bench_async
+  from benchmarks.cpu import bench_async
   path = tmp_path / "metrics.jsonl"
   assert bench_async.read_steps(str(path)) == []
   path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2}\n{"step": 3, "lo')
@@ -185,7 +185,7 @@ def test_async_read_steps_ignores_torn_last_line(tmp_path):
 
 
 def test_async_rate_arithmetic():
-  from benchmarks import bench_async
+  from benchmarks.cpu import bench_async
   times = {1: 0.0, 2: 100.0, 3: 110.0, 5: 130.0}  # step 4 not seen
   assert bench_async.step_intervals(times, skip=1) == [10.0, 10.0]
   assert bench_async.steps_per_hour(times, skip=1) == pytest.approx(3600.0 * 3 / 30.0)
@@ -197,7 +197,7 @@ def test_async_rate_arithmetic():
 
 @pytest.mark.integration
 def test_async_watch_training_stamps_steps_and_stops_the_run(tmp_path):
-  from benchmarks import bench_async
+  from benchmarks.cpu import bench_async
   workdir = tmp_path / "w"
   metrics = workdir / "metrics.jsonl"
   writer = (f"import json, time\nfor s in range(1, 100):\n  time.sleep(0.3)\n"
@@ -231,14 +231,14 @@ def test_run_subprocess_timeout_ends_grandchildren_in_other_sessions(tmp_path):
 
 
 def test_decode_baseline_takes_the_faster_variant_per_round():
-  from benchmarks import bench_decode
+  from benchmarks.cpu import bench_decode
   assert bench_decode.best_of_rounds([1.0, 5.0, 2.0], [3.0, 1.0, 2.5]) == [1.0, 1.0, 2.0]
   assert bench_decode.random_prompts(3, 5, 10) == bench_decode.random_prompts(3, 5, 10)
   assert all(len(p) == 5 and all(1 <= t < 10 for t in p) for p in bench_decode.random_prompts(3, 5, 10))
 
 
 def test_async_speedup_figures_pair_steps_and_report_failed_runs():
-  from benchmarks import bench_async
+  from benchmarks.cpu import bench_async
   setup = bench_async.AsyncSetup(lags=(0, 2, 4), measured_steps=3, skip=1, budget_s=10, overrides=())
   details = {"k0": {"intervals_s": [4.0, 6.0, 5.0]}, "k2": {"intervals_s": [2.0, 3.0, 5.0, 1.0]}}
   figs = bench_async.speedup_figures(setup, {0: 720.0, 2: 1200.0}, {4: "RuntimeError: boom"}, details)
@@ -251,7 +251,7 @@ def test_async_speedup_figures_pair_steps_and_report_failed_runs():
 def test_async_steps_seen_in_one_poll_count_once():
   """Fast steps (an accelerator) can appear in the same poll: no zero-length interval ("den must be
   positive" before), the group is timed at its last step."""
-  from benchmarks import bench_async
+  from benchmarks.cpu import bench_async
   times = {1: 0.0, 2: 5.0, 3: 5.0, 4: 9.0, 5: 9.0, 6: 9.0}
   assert bench_async.step_intervals(times, skip=0) == pytest.approx([5.0 / 2, 4.0 / 3])
   assert all(i > 0 for i in bench_async.step_intervals(times, skip=1))
@@ -271,7 +271,7 @@ def test_model_option_resolves_by_backend_and_picks_the_job(monkeypatch):
   monkeypatch.setenv(model_choice.MODEL_ENV, "qwen2.5-0.5b")
   cfg = model_choice.model_config()
   assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.dtype) == (896, 24, 151936, "bfloat16")
-  from benchmarks import bench_async, bench_decode
+  from benchmarks.cpu import bench_async, bench_decode
   assert bench_async.setup_for(quick=True).config == "configs/qwen2_5.py:0.5b"
   assert bench_decode.main_job_model_config().param_dtype == "bfloat16"
   monkeypatch.setenv(model_choice.MODEL_ENV, "main")
@@ -286,12 +286,12 @@ def test_model_option_aliases_and_tiny(monkeypatch):
   assert model_choice.small_model("tiny") and model_choice.small_model("countdown") and not model_choice.small_model("qwen2.5-0.5b")
   monkeypatch.setenv(model_choice.MODEL_ENV, "tiny")
   assert model_choice.model_config().hidden_size == 32
-  from benchmarks import bench_async
+  from benchmarks.cpu import bench_async
   assert bench_async.setup_for(quick=False).config == "configs/tiny.py"
 
 
 def test_grpo_baseline_keeps_the_jobs_micro_batching():
-  from benchmarks import bench_flops
+  from benchmarks.cpu import bench_flops
   from vcpo_jax.learner import config as learner_config
   lc = learner_config.LearnerConfig(micro_batch_size=8, aggregation="token-mean")
   grpo = bench_flops.grpo_config(lc)
@@ -301,7 +301,7 @@ def test_grpo_baseline_keeps_the_jobs_micro_batching():
 
 def test_compile_variants_follow_the_knobs_present():
   import dataclasses
-  from benchmarks import bench_compile
+  from benchmarks.cpu import bench_compile
 
   @dataclasses.dataclass(frozen=True)
   class Plain:  # a model config from before the knobs
@@ -337,7 +337,7 @@ def _compile_result(total_s, temp_bytes, error=None):
 
 
 def test_compile_figures_goals_and_table():
-  from benchmarks import bench_compile
+  from benchmarks.cpu import bench_compile
   figs = {f["key"]: f for f in bench_compile.figures(_compile_result(197.0, 77e9))}
   assert figs["compile_vcpo_seconds"]["value"] == 98.5 and figs["compile_vcpo_seconds"]["goal_met"] is False
   assert figs["compile_vcpo_temp_mb_per_token"]["value"] == pytest.approx(77e9 / 8192 / 1e6)
@@ -351,7 +351,7 @@ def test_compile_figures_goals_and_table():
 
 
 def test_compile_set_parses_json_values():
-  from benchmarks import bench_compile
+  from benchmarks.cpu import bench_compile
   assert bench_compile.parse_sets(["remat=full", "scan_layers=true", "logits_chunk=0"]) == {
       "remat": "full", "scan_layers": True, "logits_chunk": 0}
   with pytest.raises(ValueError, match="--set"):
@@ -359,7 +359,7 @@ def test_compile_set_parses_json_values():
 
 
 def test_temp_fit_separates_fixed_and_per_token_parts():
-  from benchmarks import bench_compile
+  from benchmarks.cpu import bench_compile
   fixed, per_token = 6e9, 0.25e6
   f = bench_compile.temp_fit(8, 1024, fixed + per_token * 8192, 4, fixed + per_token * 4096)
   assert f["per_token_mb"] == pytest.approx(0.25) and f["fixed_gb"] == pytest.approx(6.0)
@@ -381,7 +381,7 @@ def test_compile_one_on_abstract_inputs_allocates_nothing():
   from vcpo_jax.learner import config as learner_config
   import dataclasses
   import jax
-  from benchmarks import bench_compile
+  from benchmarks.cpu import bench_compile
   from vcpo_jax.job import configuration
   cfg = dataclasses.replace(model_choice.model_config("tiny"), num_layers=1, max_seq_len=16)
   optimizer = configuration.build_optimizer(model_choice.job_config("tiny"))
@@ -404,11 +404,11 @@ def test_goals_table_says_where_each_goal_was_measured():
   assert "20.00%" in mfu[1] and "NOT met" in mfu[1] and "unverified on GPU" in mfu[2]
   assert "not measured: boom" in next(r for t, r in rows.items() if t.startswith("VCPO / GRPO"))[1]
   assert next(r for t, r in rows.items() if t.startswith("decode"))[1] == "not in this run"
-  md = markdown.render_markdown({**results, "command": ".venv/bin/python -m benchmarks.run --only compile"})
-  assert "## Goals" in md and "`.venv/bin/python -m benchmarks.run --only compile`" in md
+  md = markdown.render_markdown({**results, "command": ".venv/bin/python -m benchmarks.cpu.run --only compile"})
+  assert "## Goals" in md and "`.venv/bin/python -m benchmarks.cpu.run --only compile`" in md
 
 
 @pytest.mark.integration
 def test_run_records_the_command_and_commit():
-  assert run.command_line(["--only", "compile"]) == ".venv/bin/python -m benchmarks.run --only compile"
+  assert run.command_line(["--only", "compile"]) == ".venv/bin/python -m benchmarks.cpu.run --only compile"
   assert environment.git_commit() not in ("", None)

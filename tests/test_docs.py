@@ -148,7 +148,7 @@ def test_pointers_name_readme_sections_and_docs_that_exist():
 def test_no_issue_numbers_in_file_names_docs_headings_or_code():
   bad = [str(p.relative_to(ROOT)) for p in _tracked_files()
          if re.search(r"(?i)issue[_-]?\d+|#\d+", p.name)]
-  for page in PAGES + sorted((ROOT / "benchmarks").glob("*.md")):
+  for page in PAGES + sorted((ROOT / "benchmarks").rglob("*.md")):
     bad += [f"{page.relative_to(ROOT)}: heading {h!r}" for h in _headings(page.read_text())
             if ISSUE_NUMBER.search(h) or re.search(r"\(issue", h, flags=re.I)]
   for path in _pointer_sources():

@@ -39,19 +39,7 @@ def _read(workdir: str, name: str) -> str:
 
 def _fleet_pids(workdir: str) -> list[int]:
   """Live processes whose command line names the workdir (learners, servers), this test excluded."""
-  pids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit() and int(entry) != os.getpid():
-      try:
-        with open(f"/proc/{entry}/cmdline", "rb") as f:
-          cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        with open(f"/proc/{entry}/stat") as f:
-          zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-      except OSError:
-        continue
-      if workdir in cmd and "experiments.launch.xm_fleet" not in cmd and not zombie:
-        pids.append(int(entry))
-  return pids
+  return [pid for pid, _ in waits.live_pids(lambda cmd: workdir in cmd and "experiments.launch.xm_fleet" not in cmd)]
 
 
 def _wait_for(path: str, launcher: subprocess.Popen, workdir: str, log: str, timeout: float = 400):

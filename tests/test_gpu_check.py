@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.py): its report's readers on hand-written files, a part stopped at its
+"""The GPU check (benchmarks/gpu/gpu_check.py): its report's readers on hand-written files, a part stopped at its
 time limit, and the dry mode end to end on the CPU (every part, small shapes)."""
 import json
 import os
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from benchmarks import gpu_check
-from benchmarks import gpu_check_report as report
+from benchmarks.gpu import gpu_check
+from benchmarks.gpu import gpu_check_report as report
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,8 +60,8 @@ def test_mfu_counts_every_kernel_with_or_without_scan(scan_layers, tied):
   """The MFU's matmul parameters against the architecture's own count (stacked layer kernels included)."""
   import dataclasses
   import jax
-  from benchmarks import bench_flops
-  from benchmarks import model_choice
+  from benchmarks.cpu import bench_flops
+  from benchmarks.common import model_choice
   from vcpo_jax.model import transformer as model_lib
   cfg = dataclasses.replace(model_choice.model_config("tiny"), num_layers=3, scan_layers=scan_layers,
                             tie_word_embeddings=tied)
@@ -85,9 +85,9 @@ def test_parts_have_a_command_and_fit_the_budget():
   assert set(limits) == (set(gpu_check.DEFAULT_PARTS) | set(gpu_check.SECOND_CALL_PARTS)
                          | set(gpu_check.SWEEP_CALL_PARTS))
   sweep, extra = gpu_check.part_command("sweep", ctx)
-  assert sweep[1:3] == ["-m", "benchmarks.bench_gpu_sweep"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  assert sweep[1:3] == ["-m", "benchmarks.gpu.bench_gpu_sweep"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   wire, extra = gpu_check.part_command("wire", ctx)
-  assert wire[1:3] == ["-m", "benchmarks.bench_gpu_wire"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  assert wire[1:3] == ["-m", "benchmarks.gpu.bench_gpu_wire"] and extra == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   job, extra = gpu_check.part_command("job", ctx)
   assert "--config=configs/countdown.py" in job and "--config.rl.steps=20" in job and "--config.rl.max_lag=2" in job
   unit, extra = gpu_check.part_command("unit", ctx)
@@ -100,7 +100,7 @@ def test_parts_have_a_command_and_fit_the_budget():
 
 def test_the_steps_part_leaves_every_variant_its_minimum():
   """A steps limit under bench_gpu_step's reserves gave its first variants 10 s each (they compile for ~10 s)."""
-  from benchmarks import bench_gpu_step
+  from benchmarks.gpu import bench_gpu_step
   for part in gpu_check.PARTS:
     if part.name == "steps":
       assert gpu_check.bench_limit_s(part.limit_s) >= bench_gpu_step.min_limit_s() + bench_gpu_step.MIN_CHILD_S
@@ -114,9 +114,9 @@ def test_sweep_levers_have_reasons_and_their_gemms_are_the_model_flops():
   GEMMs are exactly the 6 N tokens of the MFU count (forward, dX, dW of every kernel)."""
   import dataclasses
   import jax
-  from benchmarks import bench_flops
-  from benchmarks import gpu_sweep_levers as levers
-  from benchmarks import model_choice
+  from benchmarks.cpu import bench_flops
+  from benchmarks.gpu import gpu_sweep_levers as levers
+  from benchmarks.common import model_choice
   from vcpo_jax.model import config as model_config
   from vcpo_jax.model import transformer as model_lib
   names = [lever.name for lever in levers.LEVERS]
@@ -133,7 +133,7 @@ def test_sweep_levers_have_reasons_and_their_gemms_are_the_model_flops():
 
 
 def test_sweep_combines_the_levers_that_helped():
-  from benchmarks import gpu_sweep_levers as levers
+  from benchmarks.gpu import gpu_sweep_levers as levers
   seconds = {"baseline": 1.0, "causal": 0.9, "tiles": 0.8, "micro16": 0.7, "micro64": 0.75, "xla_flags": 0.78,
              "unrolled": 0.85, "plain": 0.79, "f32_head": 0.5}
   best = levers.combined(seconds)
@@ -149,8 +149,8 @@ def test_sweep_combines_the_levers_that_helped():
 def test_sweep_figures_and_section_from_child_results():
   """The report's figures and markdown from hand-written child results: MFU against the peak and the ceiling at
   the lever's own micro-batch, the best lever's VCPO ratios, the top ops, failed levers as rows."""
-  from benchmarks import gpu_sweep_levers as levers
-  from benchmarks import gpu_sweep_report as report
+  from benchmarks.gpu import gpu_sweep_levers as levers
+  from benchmarks.gpu import gpu_sweep_report as report
 
   def result(seconds, tokens=4096):
     return {"seconds": seconds, "micro_tokens": tokens, "analytic_flops": 1e14, "overrides": [], "remat": "none",
@@ -210,7 +210,7 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   limits = [f"--limit={name}={seconds}" for name, seconds in
             (("env", 120), ("steps", 300), ("decode", 300), ("wire", 300), ("job", 300), ("unit", 200),
              ("sweep", 600))]
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out),
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_check", "--dry", "--out", str(out),
                          "--budget-s", "2200"] + limits, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                         timeout=2300)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -225,7 +225,7 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
               "decode_engine_vs_hf_b2", "decode_engine_vs_hf_b4", "wire_publish_gloo", "disk_publish"):
     assert key in figures and not figures[key]["error"], (key, figures.get(key))
   assert figures["peak_memory_grpo"]["details"]["xla_memory"]["peak_estimate_bytes"] > 0
-  from benchmarks import gpu_sweep_levers  # the sweep: every lever, the ceiling, profiles, VCPO at the best
+  from benchmarks.gpu import gpu_sweep_levers  # the sweep: every lever, the ceiling, profiles, VCPO at the best
   for key in ["sweep_matmul_peak", "sweep_best_mfu", "sweep_best_ceiling_fraction", "sweep_vcpo_bounded_over_grpo",
               "sweep_vcpo_book_keeping_over_grpo"] + [f"sweep_step_{lever.name}" for lever in gpu_sweep_levers.LEVERS]:
     assert key in figures and not figures[key]["error"], (key, figures.get(key))
@@ -242,7 +242,7 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
   assert headings == ["# vcpo_jax GPU check", "## Parts", "## Goals", "## Main job, shortened (warm start + RL, "
                       "async k=2, learner and one embedded server on one device)", "## Unit tier",
                       "## Sweep (levers of the GRPO step)", "## Details"]
-  assert "python3 -m benchmarks.gpu_check --dry" in md and "backend: cpu" in md
+  assert "python3 -m benchmarks.gpu.gpu_check --dry" in md and "backend: cpu" in md
   goal_rows = [line for line in md.split("## Goals")[1].split("##")[0].splitlines() if line.startswith("| ")]
   assert figures["wire_served_equal_gloo"]["value"] == 1.0  # the wire-updated server serves the learner's weights
   assert len(goal_rows) == 2 + 5 and all("unverified on GPU" in row for row in goal_rows[2:5] + goal_rows[6:])
@@ -251,5 +251,5 @@ def test_dry_mode_runs_every_part_and_writes_the_report(tmp_path):
     names = set(tar.getnames())
   assert {"unit.xml", "steps.json", "decode.json", "wire.json", "job/result.json", "job/metrics.jsonl", "env.log",
           "job.log"} <= names
-  assert not os.path.exists(os.path.join(REPO_ROOT, "benchmarks", "results-gpu.md")) or "dry" not in open(
-      os.path.join(REPO_ROOT, "benchmarks", "results-gpu.md")).read()
+  assert not os.path.exists(os.path.join(REPO_ROOT, "benchmarks", "gpu", "results-gpu.md")) or "dry" not in open(
+      os.path.join(REPO_ROOT, "benchmarks", "gpu", "results-gpu.md")).read()

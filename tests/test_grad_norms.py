@@ -1,6 +1,7 @@
 """grad_norms: per-sequence norms and the book-keeping weighted gradient vs vmap(grad) and jax.grad."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,7 +193,7 @@ def test_chunked_head_norms_and_grad_equal_the_full_logits_path(tied):
   np.testing.assert_allclose(aux1["logp_BxT"], aux0["logp_BxT"], rtol=1e-5, atol=1e-6)
   for k, v in aux0["leaf_sq_norms"].items():
     np.testing.assert_allclose(aux1["leaf_sq_norms"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
+  chex.assert_trees_all_close(g1, g0, rtol=1e-5, atol=1e-7)  # names the leaf that differs
 
 
 def test_logits_chunk_is_validated():

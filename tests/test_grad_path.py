@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import test_learner as TL
-from benchmarks import oracle
+from benchmarks.common import oracle
 from conftest import skip_if_not_enough_devices
 from vcpo_jax.learner import grad_norms as G
 from vcpo_jax.learner import grad_path as GP

@@ -156,8 +156,8 @@ def test_pipeline_model_against_the_real_http_backend(tmp_path):
   per-sample lag histogram with the pipeline model's runs end to end on real lags. How close the two are is a
   measurement, not a property of the code: it moves with the machine's load (20 samples; a fitted distance of
   0.4 was seen with the suite's other worker running, <= 0.25 alone), so it is reported by
-  `python -m benchmarks.lag_model_validation` (docs/results/lag_model.md), not asserted here."""
-  from benchmarks import lag_model_validation as v
+  `python -m benchmarks.cpu.lag_model_validation` (docs/results/lag_model.md), not asserted here."""
+  from benchmarks.cpu import lag_model_validation as v
   record, config = v.real_run(steps=5, max_lag=2, workdir=str(tmp_path))
   result = v.compare(record, config)
   assert result["samples"] == 5 * config.rl.prompts_per_step * config.rl.group_size

@@ -18,7 +18,7 @@ from vcpo_jax.learner import step as Lr
 from vcpo_jax.learner import train_state
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
-from benchmarks import oracle
+from benchmarks.common import oracle
 from vcpo_jax.learner.batch import RLBatch
 from vcpo_jax.parallel import sharding
 

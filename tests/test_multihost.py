@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,8 +215,7 @@ def test_one_killed_process_ends_the_other_and_the_resumed_pair_equals_one_proce
     assert len(keys) > 20 and set(keys) <= set(g)
     for k in keys:
       np.testing.assert_allclose(g[k], w[k], rtol=1e-4, atol=1e-5, err_msg=f"step {w['step']} {k}")
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               _final_params(workdir), _final_params(reference))
+  chex.assert_trees_all_close(_final_params(workdir), _final_params(reference), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -49,12 +49,6 @@ def test_the_server_unpickles_only_tensor_handles():
     weight_tensor._load(payload)
 
 
-@pytest.fixture()
-def cluster(tmp_path):
-  with fake_sglang.embedded_cluster(str(tmp_path)) as c:
-    yield c
-
-
 @pytest.mark.integration
 def test_two_servers_serve_the_weights_sent_as_handles_and_a_killed_one_is_resynced_from_disk(cluster):
   """Versions 2 and 3 go as handles (float32: the servers run exactly the learner's weights); in version 4 one

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from benchmarks import oracle
+from benchmarks.common import oracle
 from vcpo_jax.learner import config as learner_config
 from vcpo_jax.learner import grad_norms as G
 from vcpo_jax.learner import optimizer as O

@@ -14,10 +14,6 @@ from vcpo_jax.rollout.servers import admin, publisher as publisher_lib, wire as 
 pytestmark = pytest.mark.integration
 VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
 CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
-@pytest.fixture()
-def cluster(tmp_path):
-  with fake_sglang.embedded_cluster(str(tmp_path)) as c:
-    yield c
 
 
 def _sender(bucket_mb=0.01, cls=wire_lib.WireSender):

@@ -1,6 +1,7 @@
 """Wire buckets: the packed bytes are the exporter's tensors, byte for byte, in SGLang's flattened-bucket layout."""
 import dataclasses
 
+import chex
 import jax
 import ml_dtypes
 import numpy as np
@@ -93,7 +94,7 @@ def test_buckets_respect_their_size_and_a_large_tensor_goes_alone():
 def test_params_from_hf_tensors_inverts_the_export(tmp_path):
   params = jax.device_get(model.init_params(CFG, jax.random.PRNGKey(1)))
   back = hf.params_from_hf_tensors(_exported(params, CFG, tmp_path), CFG)
-  jax.tree.map(np.testing.assert_array_equal, back, params)
+  chex.assert_trees_all_equal(back, params)
   tensors = _exported(params, CFG, tmp_path)
   tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1]
   with pytest.raises(ValueError, match="tensor 'model.norm.weight' has shape"):
@@ -119,8 +120,8 @@ def test_the_embedded_receiver_replaces_exactly_the_received_tensors(tmp_path, s
   for name in tensors:
     np.testing.assert_array_equal(replaced[name], (half if name in half else before)[name])
   got_all, _ = weight_wire._updated_params(engine, tensors)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got_all, new)
-  assert jax.tree.structure(got_all) == jax.tree.structure(old) and all(
-      isinstance(x, jnp.ndarray) for x in jax.tree.leaves(got_all))
+  chex.assert_trees_all_equal(got_all, new)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got_all, old)  # and as device arrays in the engine's layout
+  assert all(isinstance(x, jnp.ndarray) for x in jax.tree.leaves(got_all))
   with pytest.raises(ValueError, match="tensor 'model.norm.weight' has shape"):
     weight_wire._updated_params(engine, {"model.norm.weight": np.zeros(3, np.float32)})

@@ -1,6 +1,7 @@
 """Bounded waits for tests: poll a condition until it holds or a deadline passes, then fail naming what was awaited."""
 import asyncio
 import inspect
+import os
 import subprocess
 import time
 
@@ -52,3 +53,20 @@ def wait_process(proc: subprocess.Popen, timeout_s: float, what: str) -> int:
     proc.kill()
     proc.wait(timeout=30)
     raise _timed_out(what, timeout_s) from None
+
+
+def live_pids(match) -> list[tuple[int, str]]:
+  """(pid, command line) of the live processes (not zombies, not this one) whose command line `match` accepts:
+  what a test that started processes checks is gone."""
+  found = []
+  for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+      with open(f"/proc/{entry}/stat") as f:
+        zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+      continue
+    if int(entry) != os.getpid() and not zombie and match(cmd):
+      found.append((int(entry), cmd))
+  return found

@@ -17,7 +17,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One compile: `config` is a bench model name (benchmarks/model_choice.py, e.g. "qwen2.5-0.5b": the GPU
+  """One compile: `config` is a bench model name (benchmarks/common/model_choice.py, e.g. "qwen2.5-0.5b": the GPU
   check's) or a config file with its argument ("configs/qwen2_5.py:7b"); overrides are ("model.attention",
   "xla")-style pairs (xla_* keys go to the compiler as options); rows/seq_len default to the job's batch
   (rl.prompts_per_step x rl.group_size) and model.max_seq_len."""
@@ -30,7 +30,7 @@ class Case:
 
 
 def load_config(spec: str):
-  from benchmarks import model_choice
+  from benchmarks.common import model_choice
   if spec in model_choice.MODELS:
     return model_choice.job_config(spec)
   path, _, arg = spec.partition(":")
@@ -74,7 +74,7 @@ def apply_overrides(config, overrides) -> dict:
 
 
 def learner_config(job, step: str):
-  from benchmarks import bench_gpu_step
+  from benchmarks.gpu import bench_gpu_step
   from vcpo_jax.job import configuration
   if step == "job":
     return configuration.learner_config(job)

@@ -27,7 +27,7 @@ INTRO = ("The learner step compiled ahead of time for the GPU described by bench
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="qwen2.5-0.5b",
-                      help="bench model name (benchmarks/model_choice.py) or config file[:arg]")
+                      help="bench model name (benchmarks/common/model_choice.py) or config file[:arg]")
   parser.add_argument("--rows", type=int, default=64, help="B, rows of the step's batch")
   parser.add_argument("--seq-len", type=int, default=512, help="T, tokens per row")
   parser.add_argument("--gpu", default="h100", help=f"one of {sorted(targets.GPU_SPECS)} or a target textproto")

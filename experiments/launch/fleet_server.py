@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 
-from vcpo_jax.parallel import placement
+from vcpo_jax.rollout.servers import launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,13 +64,10 @@ def server_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
-  env = dict(os.environ)
-  if "XLA_FLAGS" in env:  # a learner's fake-device flag is not the server's; the other flags are
-    env["XLA_FLAGS"] = placement.xla_flags(env["XLA_FLAGS"])
-  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # may share a GPU with a learner
-  if args.engine == "sglang":
-    env.update(HOST=args.host, WEIGHT_VERSION="v0")
-  return env
+  """The environment every server the package starts gets (launcher.server_environ: one device, no up-front
+  grab of a GPU it may share with a learner), plus real SGLang's bind address and first version."""
+  return launcher.server_environ(os.environ, {"HOST": args.host, "WEIGHT_VERSION": "v0"}
+                                 if args.engine == "sglang" else {})
 
 
 def write_info(args: argparse.Namespace) -> None:

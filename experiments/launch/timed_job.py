@@ -1,11 +1,43 @@
-"""One job of a study, launched once and resumed until it finishes, its wall minutes summed in timing.json."""
+"""A study driver's parts: its command line, its jobs (each launched once and resumed until it finishes, wall
+minutes summed in timing.json) and its page (results.json and README.md)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import subprocess
+import sys
 import time
+
+
+def driver_parser(doc: str, *, root: str, out: str) -> argparse.ArgumentParser:
+  """The flags every study driver has: where its runs go, where its page goes, and whether to only summarize."""
+  p = argparse.ArgumentParser(description=doc.splitlines()[0])
+  p.add_argument("--root", default=root, help="the study's runs")
+  p.add_argument("--out", default=out, help="the page's folder (results.json, README.md)")
+  p.add_argument("--report_only", action="store_true", help="skip running; summarize the finished runs")
+  return p
+
+
+def parse_driver(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+  """(the driver's flags, the jobs' config overrides after a lone `--`)."""
+  own, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+  return parser.parse_args(own), overrides
+
+
+def driver_command(module: str, flags: list[str], overrides: list[str]) -> str:
+  """The command that regenerates a page (written into it)."""
+  return " ".join(["python -m " + module, *flags] + (["--", *overrides] if overrides else []))
+
+
+def write_page(out: str, summary: dict, readme: str) -> None:
+  """A study's page: the summary as results.json and the text as README.md, in `out`."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  with open(os.path.join(out, "README.md"), "w") as f:
+    f.write(readme)
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

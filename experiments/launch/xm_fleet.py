@@ -21,9 +21,7 @@ import sys
 import time
 
 from experiments.launch import fleet as fleet_lib
-from experiments.launch.xm_launch import db_config  # XManager's SQLite inside the run's workdir
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.launch import xm_launch  # XManager's packaging, experiment and flags, shared with the sweeps
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -57,13 +55,11 @@ def local_fleet(config: str, workdir: str, learners: int, servers: int, extra: l
 
 
 def _jobs(xm, xm_local, exp, procs: list[fleet_lib.Process]):
-  env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
   jobs = {}
   for p in procs:
     python, *argv = p.argv
     module_args, flag_args = argv[:2], argv[2:]  # ("-m", module), then --key=value flags
-    [executable] = exp.package([xm.binary(path=python, args=module_args, executor_spec=xm_local.Local.Spec(),
-                                          env_vars=env)])
+    executable = xm_launch.package(xm, xm_local, exp, python, module_args)
     args = dict(a[2:].split("=", 1) for a in flag_args)
     jobs[p.name] = xm.Job(executable, executor=xm_local.Local(experimental_stream_output=True), args=args,
                           env_vars=p.env, name=p.name)
@@ -120,28 +116,23 @@ async def launch(procs: list[fleet_lib.Process], title: str) -> int:
   from xmanager import xm, xm_local  # noqa: PLC0415  (optional dependency)
   codes: list = []
   stopped = False
-  try:
-    async with xm_local.create_experiment(experiment_title=title) as exp:
-      work_unit = await exp.add(xm.JobGroup(**_jobs(xm, xm_local, exp, procs)))
-      # xmanager 0.8.5's local work unit keeps its jobs' handles (name, process) here; waiting on the
-      # learner's alone is how the servers (which never exit by themselves) are stopped when the run is over.
-      handles = {h.name: h for h in work_unit._local_execution_handles}  # noqa: SLF001
-      learners = [h for name, h in handles.items() if name.startswith("learner")]
-      servers = [h for name, h in handles.items() if name.startswith("server")]
-      stop = asyncio.Event()  # SIGTERM or Ctrl+C: stop the whole group, then return
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-      try:
-        await _exited(learners, stop_on_failure=True, stop=stop)
-      finally:
-        await _end(servers + learners)
-      codes = [h.process.returncode for h in learners]
-      stopped = stop.is_set()
-  except RuntimeError:
-    # On exit XManager awaits every job again and raises for one that did not return 0: the servers we
-    # stopped (and one killed mid-run) always do. The learner's codes decide.
-    if not codes:
-      raise
+  # The servers we stop (and a job killed mid-run) never return 0: once the learner's codes are in, they decide.
+  async with xm_launch.experiment(title, lambda: bool(codes)) as exp:
+    work_unit = await exp.add(xm.JobGroup(**_jobs(xm, xm_local, exp, procs)))
+    # xmanager 0.8.5's local work unit keeps its jobs' handles (name, process) here; waiting on the
+    # learner's alone is how the servers (which never exit by themselves) are stopped when the run is over.
+    handles = {h.name: h for h in work_unit._local_execution_handles}  # noqa: SLF001
+    learners = [h for name, h in handles.items() if name.startswith("learner")]
+    servers = [h for name, h in handles.items() if name.startswith("server")]
+    stop = asyncio.Event()  # SIGTERM or Ctrl+C: stop the whole group, then return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    try:
+      await _exited(learners, stop_on_failure=True, stop=stop)
+    finally:
+      await _end(servers + learners)
+    codes = [h.process.returncode for h in learners]
+    stopped = stop.is_set()
   if stopped:
     print("xm_fleet: stopped the group on a signal", flush=True)
     return 143  # as a process ended by SIGTERM
@@ -161,9 +152,7 @@ def main(argv: list[str]) -> int:
   if args.dry_run:
     print(fleet_lib.describe(procs))
     return 0
-  from absl import flags  # noqa: PLC0415
-  from xmanager import xm_flags as _  # noqa: F401, PLC0415  (defines --xm_db_yaml_config_path)
-  flags.FLAGS([sys.argv[0], f"--xm_db_yaml_config_path={db_config(args.workdir)}"])
+  xm_launch.set_flags([], args.workdir)
   title = f"vcpo fleet {os.path.basename(os.path.abspath(args.workdir))}"
   return asyncio.run(launch(procs, title))
 

@@ -12,8 +12,10 @@ Finished units are skipped and warm starts shared exactly as by experiments.laun
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable
 
 from experiments.launch import local as launch, workunit
 
@@ -27,6 +29,36 @@ def db_config(root: str) -> str:
     f.write("sql_connector: sqlite\nsql_connection_settings:\n  backend: sqlite\n"
             f"  db_name: {os.path.join(xm_dir, 'experiments.sqlite3')}\n")
   return path
+
+
+def package(xm, xm_local, experiment, python: str, module_args: list[str]):
+  """One local XManager executable: `python -m MODULE` with this checkout on PYTHONPATH (no docker, no Bazel)."""
+  env = {"PYTHONPATH": os.pathsep.join(filter(None, [launch.REPO, os.environ.get("PYTHONPATH")]))}
+  [executable] = experiment.package([xm.binary(path=python, args=list(module_args),
+                                               executor_spec=xm_local.Local.Spec(), env_vars=env)])
+  return executable
+
+
+@contextlib.asynccontextmanager
+async def experiment(title: str, decided: Callable[[], bool]):
+  """XManager's local experiment. On exit XManager awaits every job again and raises for one that did not
+  return 0 (a failed unit, a server we stopped): once `decided()` says the codes are in, that error is dropped."""
+  from xmanager import xm_local  # noqa: PLC0415  (optional dependency)
+  try:
+    async with xm_local.create_experiment(experiment_title=title) as exp:
+      yield exp
+  except RuntimeError:
+    if not decided():
+      raise
+
+
+def set_flags(xm_flags: list[str], root: str) -> None:
+  """Parses XManager's absl flags; its SQLite database goes inside `root` unless a --xm_db_yaml_config_path says."""
+  from absl import flags  # noqa: PLC0415
+  from xmanager import xm_flags as _  # noqa: F401, PLC0415  (defines the --xm_* flags)
+  if not any(a.startswith("--xm_db_yaml_config_path") for a in xm_flags):
+    xm_flags = [*xm_flags, f"--xm_db_yaml_config_path={db_config(root)}"]
+  flags.FLAGS([sys.argv[0], *xm_flags])
 
 
 def job_args(unit: workunit.WorkUnit, cpu: int | None) -> dict[str, str]:
@@ -44,12 +76,12 @@ async def _run(args, todo, donors) -> dict[str, int]:
   title = f"vcpo {os.path.basename(os.path.abspath(args.root))} {os.path.basename(args.sweep)}"
   codes: dict[str, int] = {}
 
-  async def start_in(experiment, executable, unit: workunit.WorkUnit, slot: int) -> int:
+  async def start_in(exp, executable, unit: workunit.WorkUnit, slot: int) -> int:
     cpu = launch.cpu_for_slot(slot)
     workunit.write_record(unit, "xmanager", workunit.run_command(unit, cpu=cpu))
     job = xm.Job(executable, executor=xm_local.Local(experimental_stream_output=False), args=job_args(unit, cpu),
                  name=unit.name)
-    work_unit = await experiment.add(job)
+    work_unit = await exp.add(job)
     print(f"started {unit.name} as work unit {work_unit.work_unit_id} (cpu {cpu})", flush=True)
     try:
       await work_unit.wait_until_complete()
@@ -58,18 +90,11 @@ async def _run(args, todo, donors) -> dict[str, int]:
       return 1
     return 0
 
-  try:
-    async with xm_local.create_experiment(experiment_title=title) as experiment:
-      [executable] = experiment.package([xm.binary(
-          path=sys.executable, args=["-m", "experiments.launch.run_unit"], executor_spec=xm_local.Local.Spec(),
-          env_vars={"PYTHONPATH": os.pathsep.join(filter(None, [launch.REPO, os.environ.get("PYTHONPATH")]))})])
-      print(f"XManager experiment {experiment.experiment_id}: {title}", flush=True)
-      codes.update(await launch.run_units(
-          todo, donors, lambda unit, slot: start_in(experiment, executable, unit, slot), parallel=args.parallel))
-  except RuntimeError:
-    # On exit XManager awaits every local job again and raises for a failed one, which codes already has.
-    if not any(codes.values()):
-      raise
+  async with experiment(title, lambda: any(codes.values())) as exp:  # a failed unit's code is already in codes
+    executable = package(xm, xm_local, exp, sys.executable, ["-m", "experiments.launch.run_unit"])
+    print(f"XManager experiment {exp.experiment_id}: {title}", flush=True)
+    codes.update(await launch.run_units(
+        todo, donors, lambda unit, slot: start_in(exp, executable, unit, slot), parallel=args.parallel))
   return codes
 
 
@@ -84,11 +109,7 @@ def main(argv=None) -> int:
     return 2
   if args.dry_run or not todo:
     return 0
-  from absl import flags  # noqa: PLC0415
-  from xmanager import xm_flags as _  # noqa: F401, PLC0415  (defines the --xm_* flags)
-  if not any(a.startswith("--xm_db_yaml_config_path") for a in xm_flags):
-    xm_flags.append(f"--xm_db_yaml_config_path={db_config(args.root)}")
-  flags.FLAGS([sys.argv[0], *xm_flags])
+  set_flags(xm_flags, args.root)
   launch.stop_on_signals()
   return launch.run_and_report(lambda: _run(args, todo, donors), args.root)
 

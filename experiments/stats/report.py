@@ -134,6 +134,23 @@ def _provenance(runs: list[loader.Run]) -> list[str]:
   return lines
 
 
+def write_page(md: list[str], out: str, name: str) -> str:
+  """A page's lines joined and written to OUT/NAME (every study page ends here); returns the text."""
+  text = "\n".join(md)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, name), "w") as f:
+    f.write(text)
+  return text
+
+
+def page_parser(doc: str) -> argparse.ArgumentParser:
+  """A study page's command line: --out and --no_plots; the page adds what it reads."""
+  p = argparse.ArgumentParser(description=doc.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--no_plots", action="store_true")
+  return p
+
+
 def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRACTION,
                  ess_threshold: float = analysis.ESS_DROP_THRESHOLD, plots: bool = True,
                  claims_metric: str = "endpoint", claims_lag: int | None = None) -> str:
@@ -194,10 +211,7 @@ def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRA
            "Endpoint = mean of the last 3 held-out greedy evaluations; differences seed-paired, 95% Student-t "
            "intervals, in points; collapse as defined above.", "",
            *verdicts.section(claims.finder(groups, summaries)), ""]
-  text = "\n".join(md)
-  with open(os.path.join(out, "report.md"), "w") as f:
-    f.write(text)
-  return text
+  return write_page(md, out, "report.md")
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""benchmarks/bench_publish.py at the tiny shape against a real SGLang server: its fields, and the served weights."""
+"""benchmarks/cpu/bench_publish.py at the tiny shape against a real SGLang server: its fields, and the served weights."""
 import dataclasses
 import json
 import math
@@ -23,7 +23,7 @@ def result(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("publish")
   out = str(tmp / "results-publish")
   # A float32 server: the served log-probs are then comparable with the learner's recompute of each export.
-  argv = [sys.executable, "-m", "benchmarks.bench_publish", "--shape=tiny", f"--repeats={REPEATS}",
+  argv = [sys.executable, "-m", "benchmarks.cpu.bench_publish", "--shape=tiny", f"--repeats={REPEATS}",
           f"--workdir={tmp / 'work'}", f"--out={out}", f"--sglang-python={SGLANG_PYTHON}",
           "--server-dtype=float32", "--step-seconds=1", f"--arms={','.join(ARMS)}"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -42,7 +42,7 @@ def _version_dir(work, arm, version):
 
 
 def test_figures_and_rounds(result):
-  from benchmarks import bench_publish  # noqa: PLC0415
+  from benchmarks.cpu import bench_publish  # noqa: PLC0415
   from safetensors.numpy import load_file  # noqa: PLC0415
   data, md, work = result
   figs = {f["key"]: f for f in data["figures"]}

@@ -22,7 +22,7 @@ from vcpo_jax.model import transformer as M
 #     (the registered loss's dloss/dlogp): an ordinary backward, reusing the same forward.
 # So memory is an ordinary step's plus [L, B] floats, two [B, T, D] tensors and, inside one layer's backward,
 # its ops' a and g held until their norm rules ran; on CPU with bf16 compute also the bf16 residual stack
-# during the second backward, as XLA-CPU works on an f32 copy of it (measured: benchmarks/bench_bounded.py,
+# during the second backward, as XLA-CPU works on an f32 copy of it (measured: benchmarks/cpu/bench_bounded.py,
 # results.md); compute is one forward and two backwards (the first without weight gradients: XLA drops them).
 _F32 = jnp.float32
 

@@ -2,8 +2,6 @@
 computed over vocabulary chunks so that [tokens, vocab] float32 logits never exist at once."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,17 +93,6 @@ def _stats(x_NxD, w, y_N, c: int, precision, vaxis: int):
   return zy - lse, jnp.log(s) - u / s, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _logp_ent(x_NxD, w, y_N, c: int, precision, vaxis: int):
-  logp_N, ent_N, _ = _stats(x_NxD, w, y_N, c, precision, vaxis)
-  return logp_N, ent_N
-
-
-def _logp_ent_fwd(x_NxD, w, y_N, c, precision, vaxis):
-  logp_N, ent_N, lse_N = _stats(x_NxD, w, y_N, c, precision, vaxis)
-  return (logp_N, ent_N), (x_NxD, w, y_N, lse_N, ent_N)
-
-
 def _logp_ent_bwd(c, precision, vaxis, residuals, cotangents):
   """Recomputes each chunk's logits: dz = dlogp (onehot - p) - dent p (log p + ent)."""
   x_NxD, w, y_N, lse_N, ent_N = residuals
@@ -130,7 +117,8 @@ def _logp_ent_bwd(c, precision, vaxis, residuals, cotangents):
   return dx_NxD.astype(x_NxD.dtype), dw, None
 
 
-_logp_ent.defvjp(_logp_ent_fwd, _logp_ent_bwd)
+# _logp_ent(x_NxD, w, y_N, c, precision, vaxis): (logp_N, ent_N) over vocabulary chunks of c columns.
+_logp_ent = tiles.recomputing_vjp(_stats, _logp_ent_bwd)
 
 
 def _add_chunk(dw, dw_DxC, start, c: int, vaxis: int):

@@ -50,16 +50,20 @@ def _stats(x_NxD, w, y_N, r, precision, vocab_major):
   return tuple(v.reshape(-1)[:n] for v in out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def logp_ent(x_NxD, w, y_N, r: int, precision, vocab_major: bool):
-  """(logp_N, ent_N) float32 of the targets y_N; the backward recomputes each tile's logits."""
-  logp_N, ent_N, _ = _stats(x_NxD, w, y_N, r, precision, vocab_major)
-  return logp_N, ent_N
+def recomputing_vjp(stats, bwd):
+  """(logp_N, ent_N) = f(x_NxD, w, y_N, a, b, c) (three static arguments) as a custom VJP that keeps only x, w,
+  y, lse_N and ent_N for `bwd(a, b, c, residuals, cotangents)`, which recomputes the logits: both recomputing
+  heads (these tiles, lm_head's vocabulary chunks). `stats` returns (logp_N, ent_N, lse_N)."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+  def logp_ent(x_NxD, w, y_N, a, b, c):
+    return stats(x_NxD, w, y_N, a, b, c)[:2]
 
+  def fwd(x_NxD, w, y_N, a, b, c):
+    logp_N, ent_N, lse_N = stats(x_NxD, w, y_N, a, b, c)
+    return (logp_N, ent_N), (x_NxD, w, y_N, lse_N, ent_N)
 
-def _fwd(x_NxD, w, y_N, r, precision, vocab_major):
-  logp_N, ent_N, lse_N = _stats(x_NxD, w, y_N, r, precision, vocab_major)
-  return (logp_N, ent_N), (x_NxD, w, y_N, lse_N, ent_N)
+  logp_ent.defvjp(fwd, bwd)
+  return logp_ent
 
 
 def _bwd(r, precision, vocab_major, residuals, cotangents):
@@ -89,4 +93,8 @@ def _bwd(r, precision, vocab_major, residuals, cotangents):
   return dx_MxRxD.reshape(-1, x_NxD.shape[1])[:n], dw.astype(w.dtype), None
 
 
-logp_ent.defvjp(_fwd, _bwd)
+# logp_ent(x_NxD, w, y_N, r, precision, vocab_major): (logp_N, ent_N) float32 of the targets y_N, R = r tokens
+# per tile; the backward recomputes each tile's logits.
+logp_ent = recomputing_vjp(_stats, _bwd)
+
+

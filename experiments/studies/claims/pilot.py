@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from experiments.launch import workunit
-from experiments.stats import analysis, loader
+from experiments.stats import analysis, loader, report
 
 STEADY_SHARE = 0.999  # a step is steady when this share of its samples is at lag k
 DIP = 0.2
@@ -165,10 +165,7 @@ def write(root: str, out: str, estimate_sweep: Optional[list] = None, config: st
     data.setdefault("study_estimates", []).append(est)
     with open(os.path.join(out, "pilot.json"), "w") as f:
       json.dump(data, f, indent=1)
-  text = "\n".join(md)
-  with open(os.path.join(out, "pilot.md"), "w") as f:
-    f.write(text)
-  return text
+  return report.write_page(md, out, "pilot.md")
 
 
 def main(argv=None):

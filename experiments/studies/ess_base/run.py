@@ -12,7 +12,6 @@ step statistic: median, p10 (numpy's linear interpolation), min over RL steps) a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -166,13 +165,8 @@ def verdict(summary: dict) -> str:
 
 
 def main(argv=None) -> dict:
-  argv = sys.argv[1:] if argv is None else argv
-  argv, overrides = timed_job.split_overrides(argv)
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--root", default="workdir/ess_base")
-  parser.add_argument("--out", default="docs/results/ess_base")
-  parser.add_argument("--report_only", action="store_true", help="skip running; summarize the finished runs")
-  args = parser.parse_args(argv)
+  parser = timed_job.driver_parser(__doc__, root="workdir/ess_base", out="docs/results/ess_base")
+  args, overrides = timed_job.parse_driver(parser, argv)
   if not args.report_only:
     for setting in SETTINGS:
       for dtype in DTYPES:
@@ -180,14 +174,10 @@ def main(argv=None) -> dict:
         print(f"{run_name(setting, dtype)}: {' '.join(command(setting, dtype, workdir, overrides))}", flush=True)
         run_one(args.root, setting, dtype, overrides)
   summary = summarize(args.root)
-  cmd = " ".join(["python -m experiments.studies.ess_base.run", f"--root={args.root}", f"--out={args.out}"]
-                 + (["--", *overrides] if overrides else []))
+  cmd = timed_job.driver_command("experiments.studies.ess_base.run", [f"--root={args.root}", f"--out={args.out}"],
+                                 overrides)
   summary["command"] = cmd
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(args.out, "README.md"), "w") as f:
-    f.write(readme(summary, cmd))
+  timed_job.write_page(args.out, summary, readme(summary, cmd))
   print(json.dumps({k: v["ess_ratio"] for k, v in summary["runs"].items()}, indent=1))
   return summary
 

@@ -7,7 +7,6 @@ variance.json files (experiments.studies.horizon.variance) are summarised when p
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -123,18 +122,19 @@ def convergence_table(sync_runs: list[loader.Run], planned_steps: int) -> list[s
   return lines
 
 
-def endpoint_table(groups, summaries) -> list[str]:
-  seeds = sorted({r.seed for arms in groups.values() for runs in arms.values() for r in runs})
+def endpoint_table(groups, summaries, arms=ARMS) -> list[str]:
+  """Endpoint % per seed of each (arm, k) in `arms`, the mean with its 95% interval and the collapsed count."""
+  seeds = sorted({r.seed for arm, k in arms for r in groups.get(k, {}).get(arm, [])})
   lines = ["| arm | k | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% CI | collapsed |",
            "|---|---|" + "---|" * (len(seeds) + 2)]
-  for arm, k in ARMS:
+  for arm, k in arms:
     runs = {r.seed: r for r in groups.get(k, {}).get(arm, [])}
     if not runs:
       continue
     cells, done = [], []
     for s in seeds:
       r = runs.get(s)
-      x = summaries[r.name] if r else None
+      x = summaries.get(r.name) if r else None
       if x is None:
         cells.append("")
       elif not x["done"]:
@@ -256,17 +256,12 @@ def write(root: str, out: str, plots: bool = True, planned: int = STEPS,
     md += ["Held-out greedy accuracy, every unit to its last evaluation (thin: seeds, dashed while running; "
            "thick: the mean of the finished seeds over the steps they share):", "", "![accuracy](accuracy.png)", "",
            "![curves](curves.png)", ""]
-  text = "\n".join(md)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(text)
-  return text
+  return report.write_page(md, out, "results.md")
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = report.page_parser(__doc__)
   p.add_argument("root", help="the study's unit directories (a run root or an archive)")
-  p.add_argument("--out", required=True)
-  p.add_argument("--no_plots", action="store_true")
   p.add_argument("--steps", type=int, default=STEPS, help="the planned run length (the convergence check's)")
   args = p.parse_args(argv)
   write(args.root, args.out, plots=not args.no_plots, planned=args.steps)

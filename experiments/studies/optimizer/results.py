@@ -5,7 +5,6 @@ OPOB-only arm, and the update diagnostics, by the page's pre-registered rules, f
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -62,27 +61,6 @@ def pilot_table(runs) -> list[str]:
   return lines
 
 
-def endpoint_table(groups, summaries, arms) -> list[str]:
-  seeds = sorted({r.seed for arm, k in arms for r in groups.get(k, {}).get(arm, [])})
-  lines = ["| arm | k | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± 95% CI | collapsed |",
-           "|---|---|" + "---|" * (len(seeds) + 2)]
-  for arm, k in arms:
-    runs = {r.seed: r for r in groups.get(k, {}).get(arm, [])}
-    if not runs:
-      continue
-    cells, done = [], []
-    for s in seeds:
-      r, x = runs.get(s), summaries.get(runs[s].name) if s in runs else None
-      cells.append("" if r is None else f"(step {horizon.last_step(r)})" if not x["done"]
-                   else f"{100 * x['endpoint']:.1f}")
-      if x is not None and x["done"]:
-        done.append(x)
-    lines.append(f"| {arm} | {k} | " + " | ".join(cells) + f" | "
-                 f"{analysis.format_mean_ci([x['endpoint'] for x in done])} | "
-                 f"{sum(x['collapse'] is not None for x in done)}/{len(done)} |")
-  return lines
-
-
 def _median_ratio(run, top: str, bottom: str):
   a, b = run.series.get(top, {}), run.series.get(bottom, {})
   values = [a[s] / b[s] for s in a if s in b and b[s] > 0 and math.isfinite(a[s])]
@@ -129,11 +107,11 @@ def write(units: str, horizon_units: str, out: str, plots: bool = True) -> str:
         *(f"| {v.claim} | {v.rule} | {v.numbers} | **{v.verdict}** |" for v in (sgd, c3)), "",
         "## The learning-rate pilot (SGD sync, seed 0, greedy accuracy)", "", *pilot_table(mine), "",
         f"## Tier 1: SGD + momentum, endpoint % (mean of the last 3 evaluations, {sweep.SGD_STEPS} steps)", "",
-        *endpoint_table(groups, summaries, SGD_ARMS), "",
+        *horizon.endpoint_table(groups, summaries, SGD_ARMS), "",
         verdicts.diff(find, ("sgd_vcpo", K), ("sgd_sync", 0)).text(), "",
         verdicts.diff(find, ("sgd_ess_only", K), ("sgd_sync", 0)).text(), "",
         f"## Tier 2: C3 under AdamW, endpoint % ({sweep.OPOB_ONLY_STEPS} steps; all but opob_only are the horizon "
-        "study's units)", "", *endpoint_table(groups, summaries, C3_ARMS), "",
+        "study's units)", "", *horizon.endpoint_table(groups, summaries, C3_ARMS), "",
         verdicts.diff(find, ("opob_only", K), ("seq_tis", K)).text() + " (OPOB's contribution alone)", "",
         verdicts.diff(find, ("vcpo", K), ("opob_only", K)).text() + " (the ESS step's on top of OPOB)", "",
         "## Update diagnostics", "",
@@ -153,18 +131,13 @@ def write(units: str, horizon_units: str, out: str, plots: bool = True) -> str:
       horizon.accuracy_figure(arms, os.path.join(out, "accuracy.png"))
       md += ["Held-out greedy accuracy per unit (thin: seeds, dashed while running; thick: the finished seeds' "
              "mean):", "", "![accuracy](accuracy.png)", ""]
-  text = "\n".join(md)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(text)
-  return text
+  return report.write_page(md, out, "results.md")
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = report.page_parser(__doc__)
   p.add_argument("units", help="this study's unit directories (a run root or its archive)")
   p.add_argument("--horizon", default="docs/results/horizon/units", help="the horizon study's archived units")
-  p.add_argument("--out", required=True)
-  p.add_argument("--no_plots", action="store_true")
   a = p.parse_args(argv)
   write(a.units, a.horizon, a.out, plots=not a.no_plots)
   print(f"wrote {os.path.join(a.out, 'results.md')}")

@@ -13,7 +13,6 @@ turns/episode per RL step, mean over seeds with the 95% band).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -178,16 +177,11 @@ def readme(summary: dict, cmd: str, eval_size: int, title: str = TITLE) -> str:
 
 
 def main(argv=None) -> None:
-  argv = sys.argv[1:] if argv is None else argv
-  argv, overrides = timed_job.split_overrides(argv)
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--root", default="runs/tools")
+  parser = timed_job.driver_parser(__doc__, root="runs/tools", out="docs/results/tools")
   parser.add_argument("--seeds", default="0,1,2")
-  parser.add_argument("--out", default="docs/results/tools")
-  parser.add_argument("--report_only", action="store_true", help="skip running; summarize what exists")
   parser.add_argument("--config", default=CONFIG, help="the job's config file[:arg]")
   parser.add_argument("--title", default=TITLE, help="the page's heading")
-  args = parser.parse_args(argv)
+  args, overrides = timed_job.parse_driver(parser, argv)
   seeds = [int(s) for s in args.seeds.split(",")]
   runs = {}
   for seed in seeds:
@@ -200,16 +194,12 @@ def main(argv=None) -> None:
   with open(os.path.join(args.root, f"seed{seeds[0]}", "config.json")) as f:
     eval_size = int(json.load(f)["task"]["eval_size"])
   summary["eval_size"] = eval_size
-  cmd = " ".join(["python -m experiments.studies.tools.run", f"--root={args.root}", f"--seeds={args.seeds}",
-                  f"--out={args.out}"] + ([f"--config={args.config}"] if args.config != CONFIG else [])
-                 + ([f"--title='{args.title}'"] if args.title != TITLE else [])
-                 + (["--", *overrides] if overrides else []))
+  cmd = timed_job.driver_command(
+      "experiments.studies.tools.run", [f"--root={args.root}", f"--seeds={args.seeds}", f"--out={args.out}"]
+      + ([f"--config={args.config}"] if args.config != CONFIG else [])
+      + ([f"--title='{args.title}'"] if args.title != TITLE else []), overrides)
   summary["command"] = cmd
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(args.out, "README.md"), "w") as f:
-    f.write(readme(summary, cmd, eval_size, args.title))
+  timed_job.write_page(args.out, summary, readme(summary, cmd, eval_size, args.title))
   with open(os.path.join(args.root, f"seed{seeds[0]}", "config.json")) as f:
     task_name = json.load(f)["task"].get("name", "countdown_tools")
   plots.curves_figure({"async VCPO, k = 2": list(runs.values())}, CURVES,

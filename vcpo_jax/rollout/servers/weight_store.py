@@ -67,7 +67,7 @@ def remove_unchecked_exports(root_dir: str) -> None:
 def delete_old(root_dir: str, keep_last: int) -> None:
   """Keeps the newest keep_last version directories. Under a RAM-backed root the newest deleted one's weights
   file is kept as the spare the next export overwrites in place: writing into memory already allocated to a
-  file takes about a third of the time of allocating it anew (benchmarks/results-publish.md). No server is sent
+  file takes about a third of the time of allocating it anew (benchmarks/results/results-publish.md). No server is sent
   that version again: the publisher sends only its latest directory."""
   dirs = version_dirs(root_dir)
   old = sorted(dirs)[:-keep_last]
