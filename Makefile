@@ -40,13 +40,13 @@ test: $(VENV)/.dev
 # The extra tier: tests marked `extra` (the dry GPU check end to end, the Slurm launch on a real Slurm; ~5 min), which `make test` skips and CI runs
 # after it (.ci/run).
 test-extra: $(VENV)/.dev
-	VCPO_TEST_EXTRA=1 VCPO_TEST_SLURM_INSTALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m extra $(PYTEST_ARGS) tests
+	VCPO_TEST_EXTRA=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m extra $(PYTEST_ARGS) tests
 
 # The Slurm launch on a real Slurm (tests/test_slurm_fleet.py, ~3 min; docs/multihost.md): a two-node cluster
-# on this machine. Needs root; installs Debian's slurm-wlm and munge first where they are missing (test-extra,
-# which runs it too, does the same); skipped with the reason where it cannot run.
+# on this machine. Opt-in (not in CI: it installs system packages and starts root daemons). Needs root; installs
+# Debian's slurm-wlm and munge first where they are missing; skipped with the reason where it cannot run.
 test-slurm: $(VENV)/.dev
-	VCPO_TEST_EXTRA=1 VCPO_TEST_SLURM_INSTALL=1 $(PY) -m pytest -q -rs -n 0 $(PYTEST_ARGS) tests/test_slurm_fleet.py
+	VCPO_TEST_EXTRA=1 VCPO_TEST_SLURM=1 VCPO_TEST_SLURM_INSTALL=1 $(PY) -m pytest -q -rs -n 0 $(PYTEST_ARGS) tests/test_slurm_fleet.py
 
 # The unit tier: no job processes, no servers (tests marked slow or integration are left out; conftest.py
 # fails a unit test that starts a process or a server).
