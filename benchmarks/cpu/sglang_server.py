@@ -16,13 +16,15 @@ def default_python() -> str:
   return os.environ.get("SGLANG_PYTHON") or os.path.expanduser("~/.cache/vcpo_jax/sglang-cpu/venv/bin/python")
 
 
-def start(model_dir: str, port: int, log_path: str, *, python: str, device: str, dtype: str):
+def start(model_dir: str, port: int, log_path: str, *, python: str, device: str, dtype: str, flags=()):
+  """launch_sglang.sh on model_dir; `flags`: SGLang's own launch flags (e.g. LoRA's), passed after `--`."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(HOST="127.0.0.1", DEVICE=device, DTYPE=dtype, PYTHON=python, WEIGHT_VERSION="v0")
   if device == "cpu":  # the share of host memory for weights + KV pool: the 0.5B's 2 GB need more than 0.05
     env.setdefault("MEM_FRACTION", "0.2")
   with open(log_path, "w") as log:
-    return subprocess.Popen([LAUNCH, model_dir, str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
+    extra = ["--", *flags] if flags else []
+    return subprocess.Popen([LAUNCH, model_dir, str(port), *extra], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
 
