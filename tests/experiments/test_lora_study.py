@@ -122,8 +122,8 @@ def test_page_renders_the_verdict_curves_and_pilot_from_archived_units(tmp_path)
     _unit(units, f"lora-s{s}", "lora", s, _evals(0.5 + 0.02 * s + gap), lr=2e-3, rank=16, step_s=1.5)
   for rank in sweep.PILOT_RANKS:
     _unit(units, f"pilot_lora-s0-lr0.002-rank{rank}", pilot.ARM, 0, _evals(0.5, 100), lr=2e-3, rank=rank)
-  (tmp_path / "mt.md").write_text("| root | units |\n|---|---|\n| /runs/lora | 12 |")
-  text = page.write(str(units), str(tmp_path / "out"), str(tmp_path / "mt.md"), plots=True)
+  (tmp_path / "machine_time.md").write_text("| root | units |\n|---|---|\n| /runs/lora | 12 |")
+  text = page.write(str(units), str(tmp_path / "out"), str(tmp_path / "machine_time.md"), plots=True)
   m, lo, hi = analysis.interval([100 * g for g in gaps.values()])
   assert -page.MARGIN_PTS < lo and hi < page.MARGIN_PTS
   assert "**LoRA learns like full fine-tuning**" in text
