@@ -149,3 +149,45 @@ def test_decision_rule_and_the_not_run_page(tmp_path):
   assert page.decide(d([-1.0, 0.5]), True, 0).startswith("not decided yet (2 paired seeds")
   text = page.write(str(tmp_path / "none"), str(tmp_path / "out"), plots=False)
   assert "**Status: not run.**" in text
+
+
+def _stub_python(tmp_path, launch_code: int = 0):
+  """A stand-in interpreter for run.sh: logs each module it is asked to run; the pilot's first answer asks for
+  the edge extension, the second picks."""
+  log, stub, asked = tmp_path / "calls.txt", tmp_path / "py", tmp_path / "asked"
+  stub.write_text(f"""#!/usr/bin/env bash
+echo "$2 $4" >> {log}
+if [ "$2" = experiments.studies.lora.pilot ]; then
+  if [ -e {asked} ]; then echo "lr=0.008,rank=4"; exit 0; fi
+  touch {asked}; echo "extend 0.032"; exit 3
+fi
+exit {launch_code}
+""")
+  stub.chmod(0o755)
+  return stub, log
+
+
+def _run_sh(stub, root):
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  return subprocess.run(["bash", "experiments/studies/lora/run.sh", str(root)], env={**os.environ, "PY": str(stub)},
+                        capture_output=True, text=True, timeout=60)
+
+
+def test_run_sh_extends_once_keeps_its_pick_and_stops_when_a_launch_is_stopped(tmp_path):
+  stub, log = _stub_python(tmp_path)
+  root = tmp_path / "root"
+  assert _run_sh(stub, root).returncode == 0
+  sweeps = [line.split(":", 1)[1] for line in log.read_text().splitlines() if "--sweep" in line]
+  assert sweeps == ["part=pilot,first_seed=0", "part=pilot,lrs=0.0005+0.002+0.008+0.032,first_seed=0",
+                    "part=main,lr=0.008,rank=4,first_seed=0"]
+  assert "+".join(f"{lr:g}" for lr in sweep.PILOT_LRS) == "0.0005+0.002+0.008"  # run.sh's copy of the grid
+  assert (root / "pilot_pick.txt").read_text().strip() == "lr=0.008,rank=4"
+  log.unlink()
+  assert _run_sh(stub, root).returncode == 0  # a relaunch keeps the pick: no pilot, no new pick
+  assert [line.split(":", 1)[1] for line in log.read_text().splitlines()] == ["part=main,lr=0.008,rank=4,first_seed=0"]
+  (tmp_path / "stopped").mkdir()
+  stopped, log = _stub_python(tmp_path / "stopped", launch_code=130)
+  result = _run_sh(stopped, tmp_path / "root2")
+  assert result.returncode == 130 and not (tmp_path / "root2" / "pilot_pick.txt").exists()
+  assert len(log.read_text().splitlines()) == 1  # the stopped pilot launch, then nothing
