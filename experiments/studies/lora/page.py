@@ -9,7 +9,8 @@ both arms finished (experiments/stats/verdicts.py). Precondition: full fine-tuni
 has a 95% interval above 0). "LoRA learns like full fine-tuning" when the interval lies inside +-MARGIN_PTS and
 no LoRA run collapsed; otherwise "worse" when it lies below 0, "better" when above 0, else "undecided". Fewer
 than MIN_PAIRS pairs: not decided. Wall-clock (RL seconds: the sum of the steps' `throughput/step_seconds`, so
-evaluation and start-up are left out) is reported, not judged.
+evaluation and start-up are left out) is reported, not judged; a resumed unit's first step after its resume
+carries that launch's compilation.
 """
 from __future__ import annotations
 
