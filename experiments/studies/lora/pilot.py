@@ -1,0 +1,75 @@
+"""The LoRA pilot's pre-registered pick (docs/results/lora/README.md) of a learning rate and a rank from its units.
+
+    python -m experiments.studies.lora.pilot ROOT   # prints "lr=<x>,rank=<r>" (exit 0) or "extend <x>" (exit 3)
+
+Pick: the (lr, rank) with the highest mean held-out greedy accuracy over the evaluations at PICK_STEPS, among
+pilot runs that finished, did not collapse (accuracy below half its base, experiments/stats/analysis.py) and
+skipped no update; ties go to the smaller rank, then the smaller lr. A pick at the lr grid's edge asks once for
+the grid extended one step (4x) beyond it, at every rank (EXTEND_BELOW or EXTEND_ABOVE); after that extension
+the pick stands. No run qualifying stops the study (exit 1).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+import numpy as np
+
+from experiments.stats import analysis, loader
+from experiments.studies.lora import sweep
+
+ARM = "pilot_lora"
+PICK_STEPS = (60, 80, 100)
+EXTEND_BELOW, EXTEND_ABOVE = sweep.PILOT_LRS[0] / 4, sweep.PILOT_LRS[-1] * 4   # 1.25e-4 and 3.2e-2
+
+
+def pilot_rows(runs: list[loader.Run]) -> list[dict]:
+  """One row per pilot run, by (lr, rank): its score over PICK_STEPS and whether it may be picked (and why not)."""
+  rows = []
+  for r in (r for r in runs if r.arm == ARM):
+    steps, acc = r.evals()
+    at = dict(zip(steps, acc))
+    score = float(np.mean([at[s] for s in PICK_STEPS])) if all(s in at for s in PICK_STEPS) else None
+    collapse = analysis.collapse_step(steps, acc) if len(steps) > 1 else None
+    skipped = max(r.series.get("skipped_updates", {0: 0.0}).values())
+    why = ("not finished" if r.result is None else f"collapsed at step {collapse}" if collapse is not None
+           else f"skipped {skipped:g} updates" if skipped else "no score" if score is None else "")
+    rows.append({"name": r.name, "lr": float(r.config["optim"]["learning_rate"]),
+                 "rank": int(r.config["model"]["lora"]["rank"]), "score": score, "excluded": why, "acc": at})
+  return sorted(rows, key=lambda row: (row["lr"], row["rank"]))
+
+
+def extended(rows: list[dict]) -> bool:
+  """Whether the lr grid was extended already: the pilot ran more learning rates than planned."""
+  return len({r["lr"] for r in rows}) > len(sweep.PILOT_LRS)
+
+
+def pick(rows: list[dict], extended: bool) -> tuple[str, Optional[float], Optional[int]]:
+  """('pick', lr, rank); ('extend', lr, None): run the pilot at lr too (every rank), then pick again; ('none',
+  None, None): no run qualifies. `extended`: the grid was extended once already (an edge pick then stands)."""
+  ok = [r for r in rows if not r["excluded"]]
+  if not ok:
+    return "none", None, None
+  best = max(ok, key=lambda r: (r["score"], -r["rank"], -r["lr"]))
+  lrs = sorted({r["lr"] for r in rows})
+  if not extended and len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]):
+    return "extend", EXTEND_BELOW if best["lr"] == lrs[0] else EXTEND_ABOVE, None
+  return "pick", best["lr"], best["rank"]
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("root")
+  a = p.parse_args(argv)
+  rows = pilot_rows(loader.load_runs(a.root))
+  kind, lr, rank = pick(rows, extended(rows))
+  for r in rows:
+    print(f"# {r['name']}: lr {r['lr']:g}, rank {r['rank']}, score {r['score']}, {r['excluded'] or 'eligible'}",
+          file=sys.stderr)
+  print({"pick": f"lr={lr:g},rank={rank}", "extend": f"extend {lr:g}"}.get(kind, "none"))
+  return {"pick": 0, "extend": 3}.get(kind, 1)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
