@@ -51,8 +51,12 @@ def test_fleet_servers_get_the_flags_of_the_config_and_its_overrides(tmp_path):
                   server_hosts=("127.0.0.1",), server_ports=(1234,), coordinator_port=1, server_flags=flags)
   server = fleet.processes(f)[0]
   assert server.argv[-len(flags) - 1:] == ("--", *flags)  # fleet_server passes what follows -- to the engine
+  bare = tmp_path / "bare_cfg.py"
+  bare.write_text(CONFIG.replace('"lora": {"rank": 0, "alpha": 16.0,\n', '"mlp": {"rank": 0, "alpha": 16.0,\n'))
   with pytest.raises(fleet.LayoutError, match="has no 'lora' section"):
-    fleet.config_server_flags("configs/tiny.py", ["--config.model.lora.rank=16"])
+    fleet.config_server_flags(str(bare), ["--config.model.lora.rank=16"])
+  tiny = fleet.config_server_flags("configs/tiny.py", ["--config.model.lora.rank=16"])  # the config has one
+  assert tiny[:3] == ("--enable-lora", "--max-lora-rank", "16")
 
 
 @pytest.mark.integration
