@@ -99,3 +99,47 @@ def test_servers_without_fitting_lora_are_refused_in_one_line(tmp_path):
   finally:
     fake_sglang.stop_server(plain_proc)
     fake_sglang.stop_server(lora_proc)
+
+
+@pytest.mark.integration
+def test_a_lora_job_checks_servers_given_by_url_before_its_first_publish(tmp_path):
+  """The http backend with model.lora and rollout.server_urls: a server launched without LoRA stops the start
+  in one line before any adapter is written or sent; rollout.publish=wire is refused with LoRA."""
+  import dataclasses
+  import os
+
+  import jax
+  from configs import tiny
+  from vcpo_jax.job import warm_start
+  from vcpo_jax.model import hf_export, lora as lora_model, transformer
+  from vcpo_jax.rollout import backend as backend_lib, http_backend
+  port = launcher.free_port()
+  url = f"http://127.0.0.1:{port}"
+  proc = fake_sglang.launch_server([sys.executable, fake_sglang.__file__, "--port", str(port)], url)
+  try:
+    c = tiny.get_config()
+    c.model.lora.rank = 4
+    c.rollout.server_urls = url
+    model_cfg, tok, task, _ = warm_start.starting_point(c)
+    base = dataclasses.replace(model_cfg, lora=type(model_cfg.lora)())
+    hf_export.write_hf(hf_export.hf_layout(transformer.init_params(base, jax.random.PRNGKey(0)), base),
+                       str(tmp_path / "base"), tok)
+    ctx = backend_lib.RolloutContext(model_cfg=model_cfg, tokenizer=tok, prompts=iter(()), rewarder=None,
+                                     workdir=str(tmp_path), batch_rows=8, task=task)
+    b = http_backend.HttpBackend.from_config(c, ctx)
+    adapter = lora_model.init_adapter(jax.random.PRNGKey(1), model_cfg)
+
+    async def start():
+      try:
+        await b.start(0, adapter)
+      finally:
+        await b.close()
+    with pytest.raises(lora_launch.LoraLaunchError) as e:
+      asyncio.run(start())
+    assert str(e.value).count("\n") == 0 and f"{url} was launched without LoRA" in str(e.value)
+    assert not os.path.exists(os.path.join(b.weights_root, "adapters"))  # nothing written, nothing sent
+    c.rollout.publish = "wire"
+    with pytest.raises(ValueError, match="rollout.publish='wire' with model.lora.rank=4"):
+      http_backend.HttpBackend.from_config(c, ctx)
+  finally:
+    fake_sglang.stop_server(proc)
