@@ -143,3 +143,29 @@ def test_a_lora_job_checks_servers_given_by_url_before_its_first_publish(tmp_pat
       http_backend.HttpBackend.from_config(c, ctx)
   finally:
     fake_sglang.stop_server(proc)
+
+
+@pytest.mark.parametrize("mode,adapter_alone", [("http", True), ("emulate", False)])
+def test_a_lora_job_gives_servers_the_adapter_and_the_emulator_merged_weights(mode, adapter_alone):
+  """RLRun.rollout_params with model.lora: the http backend (fact `adapters`) gets the adapter alone; the
+  emulator, which has no servers to apply one, the base with the adapter merged in."""
+  import dataclasses
+  import types
+
+  import jax
+  import numpy as np
+  from configs import tiny
+  from vcpo_jax.job import train
+  from vcpo_jax.model import config as model_config, lora as lora_model, transformer
+  c = tiny.get_config(mode if mode == "emulate" else "")
+  c.model.lora.rank = 4
+  cfg = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                 num_kv_heads=2, head_dim=8, max_seq_len=32,
+                                 lora=model_config.LoraConfig(rank=4, alpha=8.0))
+  base = transformer.init_params(dataclasses.replace(cfg, lora=model_config.LoraConfig()), jax.random.PRNGKey(0))
+  adapter = jax.tree.map(lambda x: x + 0.1, lora_model.init_adapter(jax.random.PRNGKey(1), cfg))
+  run = types.SimpleNamespace(config=c, model_cfg=cfg, state=types.SimpleNamespace(params=adapter, base=base))
+  got = train.RLRun.rollout_params(run)
+  want = adapter if adapter_alone else lora_model.merge(base, adapter, cfg)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, want)
