@@ -12,7 +12,7 @@ import jax
 import ml_collections
 
 from vcpo_jax.model import hf_export, peft_export
-from vcpo_jax.parallel import placement
+from vcpo_jax.parallel import placement, processes
 from vcpo_jax.rollout import backend, dynamic_sampling, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
 from vcpo_jax.rollout.servers import admin as admin_lib, background, launcher, publisher as publisher_lib
@@ -226,7 +226,12 @@ class HttpBackend(backend.RolloutBackend):
       finally:
         await admin.close()
       await self._publisher.check_servers()
-    await self._publisher.publish(jax.device_get(adapter), version)
+    await self._publisher.publish(self._host_adapter(adapter), version)
+
+  @staticmethod
+  def _host_adapter(adapter: Any) -> Any:
+    """A host copy of the adapter (gathered with the other processes inside multihost's leader_gathers)."""
+    return jax.tree.map(processes.to_host, adapter)
 
   def _peft(self, adapter: Any) -> tuple[dict, dict]:
     """The learner's adapter as PEFT's config and tensors (float32: exact, and small)."""
@@ -251,7 +256,7 @@ class HttpBackend(backend.RolloutBackend):
   async def publish(self, version: int, params: Any) -> None:
     await self._pending.wait()  # versions go out in order; a refused one raises here
     # Dispatched into fresh buffers (the next learner step may donate the params); an adapter is small: a host copy.
-    layout = jax.device_get(params) if self.lora is not None else self._layout(params)
+    layout = self._host_adapter(params) if self.lora is not None else self._layout(params)
     self._pending.start(functools.partial(self._publish, layout, version))
     if not self._background:
       await self._pending.wait()
