@@ -169,3 +169,22 @@ def test_a_lora_job_gives_servers_the_adapter_and_the_emulator_merged_weights(mo
   want = adapter if adapter_alone else lora_model.merge(base, adapter, cfg)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, want)
+
+
+def test_both_fleet_launches_give_their_servers_the_jobs_lora_flags():
+  """xm_fleet's local fleet and slurm_fleet's: with --config.model.lora.rank the servers get LoRA's flags after
+  `--` (fleet_server hands them to the engine); without, none."""
+  from experiments.launch import slurm_fleet, xm_fleet
+  from tests.test_fleet import SLURM_ENV
+  want = lora_launch.server_flags(lora_launch.LoraServing(8, lora_launch.ALL_TARGETS, 1))
+  for extra in ([], ["--config.model.lora.rank=8"]):
+    fleets = [xm_fleet.local_fleet("configs/tiny.py", "/w", 1, 2, list(extra), ports=[1, 2, 3]),
+              slurm_fleet.fleet_from_env({**SLURM_ENV, "CONFIG": "configs/tiny.py"}, list(extra))]
+    for f in fleets:
+      servers = [p for p in fleet.processes(f) if p.name.startswith("server")]
+      assert servers
+      for p in servers:
+        if extra:
+          assert p.argv[-len(want) - 1:] == ("--", *want)
+        else:
+          assert "--enable-lora" not in p.argv
