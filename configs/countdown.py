@@ -7,7 +7,8 @@ from vcpo_jax.job import configuration
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  """`arg` picks a variant: '' (the main job), 'sync' (k = 0), 'emulate' (in-process lag emulation)."""
+  """`arg` picks a variant: '' (the main job), 'sync' (k = 0), 'emulate' (in-process lag emulation), 'lora'
+  (the main job training rank-16 adapters on the frozen warm-start base; the servers get adapters)."""
   c = ml_collections.ConfigDict()
   c.seed = 0
 
@@ -221,6 +222,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     c.rl.max_lag = 0
   elif arg == "emulate":
     c.rl.mode = "emulate"
+  elif arg == "lora":  # docs/lora.md
+    c.model.lora.rank = 16
+    # Adapters are commonly trained at about 10x full fine-tuning's rate (an untuned starting point).
+    c.optim.learning_rate = 2e-3
   elif arg:
-    raise ValueError(f"unknown config variant {arg!r}; known: '', 'sync', 'emulate'")
+    raise ValueError(f"unknown config variant {arg!r}; known: '', 'sync', 'emulate', 'lora'")
   return c

@@ -1,7 +1,6 @@
 """The embedded server's LoRA adapters at the protocol level (serving/adapters.py, adapter_http.py): SGLang's
-endpoints, shapes and refusals, slots of the stack, in-flight holds. The engine's side (applying slot i's
-adapter per row) is model work of its own: here a recording subclass of the real Engine takes the two seam
-calls (set_adapter_slot, a row's adapter_slot) and generates with the base weights."""
+endpoints, shapes and refusals, slots of the stack, in-flight holds, on the real engine (its adapter math:
+tests/test_engine_lora.py)."""
 import asyncio
 import json
 
@@ -13,7 +12,6 @@ from tests import fake_sglang
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout.servers import lora
 from vcpo_jax.serving import adapters, rows, server
-from vcpo_jax.serving.engine import Engine
 
 CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)  # hidden 32, 2 layers, q 32, kv 16, mlp 64
 SETTINGS = adapters.Settings(max_rank=8, targets=("q_proj", "v_proj", "down_proj"), num_slots=3)
@@ -89,21 +87,6 @@ def test_registry_refuses_as_sglang_does():
   assert calls == [(0, False), (1, False), (2, False), (0, True), (0, False)]
 
 
-class RecordingEngine(Engine):
-  """The real engine plus the two seam calls, recorded (it generates with the base weights: no LoRA math)."""
-
-  def __init__(self, *a, **k):
-    super().__init__(*a, **k)
-    self.slot_calls, self.row_slots = [], []
-
-  def set_adapter_slot(self, i, tree):
-    self.slot_calls.append((i, None if tree is None else sorted(tree)))
-
-  def submit(self, rows_):
-    self.row_slots += [getattr(r, "adapter_slot", -1) for r in rows_]
-    super().submit(rows_)
-
-
 def _args(model_dir, *extra):
   return rows.parse_args(["--model-path", model_dir, *fake_sglang.EMBEDDED_ARGS, *extra])
 
@@ -113,14 +96,11 @@ LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", 
 
 
 @pytest.mark.integration
-def test_http_endpoints_speak_sglang(tmp_path, monkeypatch):
+def test_http_endpoints_speak_sglang(tmp_path):
   torch = pytest.importorskip("torch")
   from vcpo_jax.rollout.servers import tensor as tensor_lib
   tensor_lib.require_torch()
   model_dir = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp_path / "m"))
-  with pytest.raises(ValueError, match="no Engine.set_adapter_slot"):  # the real engine has no adapter math yet
-    rows.load_state(_args(model_dir, *LORA_FLAGS))
-  monkeypatch.setattr(rows, "Engine", RecordingEngine)
   state = rows.load_state(_args(model_dir, *LORA_FLAGS))
   plain = rows.load_state(_args(model_dir))
   for name, seed, rank in (("policy-v1", 1, 4), ("policy-v2", 2, 8)):
@@ -179,9 +159,12 @@ def test_http_endpoints_speak_sglang(tmp_path, monkeypatch):
       assert status == 200 and out["loaded_adapters"]["policy-v3"] == "__tensor__"
 
   asyncio.run(run())
-  assert state.engine.slot_calls == [(0, ["layers_0", "layers_1"]), (0, None), (0, ["layers_0", "layers_1"]),
-                                     (1, ["layers_0", "layers_1"])]
-  assert state.engine.row_slots == [0, 0, -1]
+  stack = state.engine.adapter_stack  # slot 0: policy-v2 (after policy-v1 left it), 1: policy-v3, 2: empty
+  q_a = np.asarray(stack["layers_0"]["self_attn"]["q_proj"]["lora_A"])
+  want = adapters.to_tree(*peft(rank=8, seed=2), CFG, SETTINGS)["layers_0"]["self_attn"]["q_proj"]["lora_A"]
+  np.testing.assert_array_equal(q_a[0], want)
+  assert q_a[1].any() and not q_a[2].any()
+  assert plain.engine.adapter_stack is None
 
 
 def test_tree_in_the_models_stack_serves_the_merged_weights():

@@ -203,8 +203,9 @@ def test_policy_params_merge_the_adapter_for_full_weight_consumers():
 @pytest.mark.integration
 def test_the_tiny_job_trains_lora_against_an_embedded_server_and_resumes(tmp_path):
   """configs/tiny.py with model.lora.rank=4 and a KL term: the async job with its embedded server runs its
-  steps (servers get the merged weights), its per-sequence norms are the adapter's, and a rerun restores the
-  LoRA state from the last checkpoint and does nothing more."""
+  steps, its per-sequence norms are the adapter's, and a rerun restores the LoRA state from the last
+  checkpoint and does nothing more. The server keeps the base and gets adapters: v0 (B = 0) at the start,
+  then v1..v3 loaded as policy-v1..policy-v3 from small PEFT directories; no full weights are exported."""
   import json
   from configs import tiny
   from vcpo_jax.job import configuration, train
@@ -220,6 +221,22 @@ def test_the_tiny_job_trains_lora_against_an_embedded_server_and_resumes(tmp_pat
   assert [s["step"] for s in scalars] == [1, 2, 3]
   for s in scalars:
     assert s["update_applied"] == 1.0 and np.isfinite(s["loss"]) and s["seq_grad_norm/max"] > 0
+    assert s["lag/max"] <= 1  # tokens tagged by the adapter that made them (a base-tagged v0 would lag more)
+  import glob
+  import os
+  [log] = glob.glob(str(tmp_path / "logs" / "server-*.log"))
+  text = open(log).read()
+  for v in range(4):  # every version reached the server as an adapter, in order
+    assert f"LoRA adapter policy-v{v} loaded" in text
+  assert text.index("policy-v0 loaded") < text.index("policy-v1 loaded") < text.index("policy-v3 loaded")
+  assert "weights updated from" not in text  # the base was never replaced
+  weights = tmp_path / "weights"
+  assert [d for d in os.listdir(weights) if d.startswith("v")] == []  # no full-weight export at all
+  adapter_dirs = os.listdir(weights / "adapters")
+  assert adapter_dirs == ["policy-v3"]  # older ones deleted once unloaded
+  size = sum(os.path.getsize(f) for f in glob.glob(str(weights / "adapters" / "policy-v3" / "*")))
+  base_size = sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "base" / "*.safetensors")))
+  assert 0 < size < base_size / 5, (size, base_size)
   # The final adapter, as a PEFT directory next to the base it applies to.
   from vcpo_jax.model import peft_export
   model_cfg = configuration.validate_config(config())

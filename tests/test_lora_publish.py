@@ -92,6 +92,33 @@ def test_names_are_never_reused_and_every_request_names_its_adapter(pair, tmp_pa
     assert loads == ["policy-v1", "policy-v2", "policy-v3"]  # each name loaded once
 
 
+def test_a_restarted_job_unloads_an_earlier_runs_adapter_of_the_same_name_first(pair, tmp_path):
+  """A job restarted from a checkpoint publishes names an earlier run already loaded on servers given by URL
+  (it got further than the checkpoint): each is unloaded first, then loaded with this run's contents."""
+  urls, _ = pair
+
+  async def run(versions, root):
+    async with client_lib.RolloutClient(urls, vocab_size=VOCAB, health_interval=0.2) as client:
+      pub = make(client, root)
+      try:
+        for version in versions:
+          assert await pub.publish(version, version) == {u: True for u in urls}
+          samples = await generate(client, n=2)
+          assert all(list(s.token_versions) == [version] * 5 for s in samples)
+      finally:
+        await pub.close()
+
+  asyncio.run(run((1, 2, 3), tmp_path / "first"))  # the crashed run left policy-v2 and policy-v3 loaded
+  asyncio.run(run((2, 3, 4), tmp_path / "second"))  # the restart from the checkpoint of step 2
+  for url in urls:
+    stats = call(url, "/fake/lora/stats")
+    assert stats["loaded"] == ["policy-v4"]
+    events = [e[:2] for e in stats["events"] if e[0] in ("load", "unload")]
+    assert events[events.index(["load", "policy-v3"]) + 1:] == [
+        ["unload", "policy-v2"], ["load", "policy-v2"], ["unload", "policy-v3"], ["load", "policy-v3"],
+        ["unload", "policy-v2"], ["load", "policy-v4"], ["unload", "policy-v3"]], events
+
+
 def test_a_server_is_routed_to_only_after_it_confirms_and_a_failed_load_resyncs(pair, tmp_path):
   urls, _ = pair
   slow, good = urls

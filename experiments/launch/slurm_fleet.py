@@ -39,7 +39,8 @@ def fleet_from_env(env: dict, extra: list[str]) -> fleet_lib.Fleet:
       learner_hosts=tuple(learners), server_hosts=hosts, server_ports=ports,
       coordinator_port=int(env.get("COORDINATOR_PORT", "12355")), engine=env.get("ENGINE", "sglang"),
       min_servers=int(env.get("MIN_SERVERS", "0")), shared_workdir=env.get("SHARED_WORKDIR", "0") == "1",
-      publish=fleet_lib.config_publish(config, extra), server_model=env.get("SERVER_MODEL", ""),
+      publish=fleet_lib.config_publish(config, extra),
+      server_flags=fleet_lib.config_server_flags(config, extra), server_model=env.get("SERVER_MODEL", ""),
       extra=tuple(extra), python=env.get("PYTHON", ".venv/bin/python"))
 
 

@@ -51,7 +51,8 @@ def local_fleet(config: str, workdir: str, learners: int, servers: int, extra: l
       config=config, workdir=os.path.abspath(workdir), learner_hosts=("localhost",) * learners,
       server_hosts=("127.0.0.1",) * servers, server_ports=tuple(ports[1:]), coordinator_port=ports[0],
       engine=engine, min_servers=min_servers, devices_per_process=devices,
-      publish=fleet_lib.config_publish(config, extra), extra=tuple(extra))
+      publish=fleet_lib.config_publish(config, extra),
+      server_flags=fleet_lib.config_server_flags(config, extra), extra=tuple(extra))
 
 
 def _jobs(xm, xm_local, exp, procs: list[fleet_lib.Process]):

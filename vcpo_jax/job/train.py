@@ -114,7 +114,10 @@ class RLRun:
     """What start/publish get: host copies for in-process backends (the emulator keeps k + 1 of them), the
     sharded params for server backends (their export gathers one tensor at a time). Several processes: the
     sharded params always (multihost.LeaderBackend makes the host copies, gathering with the followers).
-    With model.lora: full weights with the adapter merged in (publishing adapters alone: docs/lora.md)."""
+    With model.lora: the adapter alone for a backend whose servers apply it (the http backend: docs/lora.md),
+    else full weights with the adapter merged in (the emulator)."""
+    if self.model_cfg.lora.rank and backend_lib.needs(self.config, "adapters"):
+      return self.state.params
     params = train_state.policy_params(self.state, self.model_cfg)
     if _host_params(self.config) and not processes.multi_process():
       return jax.device_get(params)

@@ -40,10 +40,21 @@ def write_adapter(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None, 
   """Writes `adapter` as a PEFT LoRA directory: lora_A.weight [r, in], lora_B.weight [out, r] per targeted
   layer (torch's [out, in] layout), r = rank, lora_alpha = alpha. base_model: the base's path or hub name
   (adapter_config.json's base_model_name_or_path). Returns out_dir."""
+  config, tensors = to_peft(adapter, model_cfg, lora_cfg, dtype, base_model)
+  os.makedirs(out_dir, exist_ok=True)
+  _atomic_write(os.path.join(out_dir, WEIGHTS_FILE), _safetensors_bytes(tensors, _DTYPES[dtype][0]))
+  _atomic_write(os.path.join(out_dir, CONFIG_FILE), json.dumps(config, indent=2).encode())
+  return out_dir
+
+
+def to_peft(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None, dtype: str = "float32",
+            base_model: str = "") -> tuple[dict, dict]:
+  """(adapter_config.json's dict, {PEFT tensor name: numpy array}) of `adapter`: what write_adapter writes,
+  and what the job publishes to servers (rollout/servers/lora.py)."""
   lora_cfg = model_cfg.lora if lora_cfg is None else lora_cfg
   if dtype not in _DTYPES:
     raise ValueError(f"write_adapter: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-  code, np_dtype = _DTYPES[dtype]
+  np_dtype = _DTYPES[dtype][1]
   host = jax.device_get(adapter)
   tensors = {}
   for i in range(model_cfg.num_layers):
@@ -56,10 +67,7 @@ def write_adapter(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None, 
             "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
             "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
             "inference_mode": True, "base_model_name_or_path": base_model or None}
-  os.makedirs(out_dir, exist_ok=True)
-  _atomic_write(os.path.join(out_dir, WEIGHTS_FILE), _safetensors_bytes(tensors, code))
-  _atomic_write(os.path.join(out_dir, CONFIG_FILE), json.dumps(config, indent=2).encode())
-  return out_dir
+  return config, tensors
 
 
 def _safetensors_bytes(tensors: dict, code: str) -> bytes:

@@ -109,12 +109,15 @@ BACKEND_FACTS = {
                    "otherwise it gets the sharded device arrays and exports them itself",
     "embedded_servers": "starts embedded SGLang-protocol server processes unless rollout.server_urls is set "
                         "(the job plans devices for them before the learner takes its own)",
+    "adapters": "with model.lora, takes the adapter alone (its servers apply it to the base they serve) rather "
+                "than full weights with the adapter merged in",
 }
 # rl.mode -> backend factory (config, ctx) -> RolloutBackend. A new backend is one module and one line here;
 # implementations are imported when chosen (the HTTP stack is not loaded for the emulator).
 BACKENDS = registry.Registry("rollout backend", facts=BACKEND_FACTS)
 # SGLang-protocol servers: embedded ones the job starts, or rollout.server_urls (real SGLang).
-BACKENDS.register_lazy("http", "vcpo_jax.rollout.http_backend:HttpBackend.from_config", embedded_servers=True)
+BACKENDS.register_lazy("http", "vcpo_jax.rollout.http_backend:HttpBackend.from_config", embedded_servers=True,
+                       adapters=True)
 # The deterministic in-process lag emulator (rollouts for step t from the params of step t - k).
 BACKENDS.register_lazy("emulate", "vcpo_jax.rollout.emulation.emulator:EmulatedBackend.from_config", host_params=True)
 RENAMED_MODES = {"async": "http"}

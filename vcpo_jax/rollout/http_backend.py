@@ -11,11 +11,12 @@ from typing import Any, Optional
 import jax
 import ml_collections
 
-from vcpo_jax.model import hf_export
-from vcpo_jax.parallel import placement
+from vcpo_jax.model import hf_export, peft_export
+from vcpo_jax.parallel import placement, processes
 from vcpo_jax.rollout import backend, dynamic_sampling, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
-from vcpo_jax.rollout.servers import background, launcher, publisher as publisher_lib, weight_store
+from vcpo_jax.rollout.servers import admin as admin_lib, background, launcher, publisher as publisher_lib
+from vcpo_jax.rollout.servers import lora as lora_sync, lora_launch, weight_store
 from vcpo_jax.rollout.servers import tensor as tensor_lib, wire as wire_lib, wire_group
 
 
@@ -84,6 +85,8 @@ class HttpBackend(backend.RolloutBackend):
   A publish runs in the background (one process): publish() waits for the previous one, dispatches the
   HF-layout copy of the params in the served dtype on their devices, and returns; the scheduler admits new
   groups at the version the servers serve until the publish has landed, so rows keep truthful version tags.
+  With model.lora the servers keep the starting weights (WORKDIR/base) and every version, 0 included, is the
+  adapter alone, loaded as `policy-v{N}` (rollout/servers/lora.py; rollout.publish disk or tensor).
   """
 
   def __init__(self, ctx: backend.RolloutContext, cfg: HttpBackendConfig):
@@ -118,6 +121,14 @@ class HttpBackend(backend.RolloutBackend):
     if cfg.publish == "tensor" and not weight_store.servers_local(self.urls):
       raise ValueError(f"invalid config: rollout.publish='tensor': the servers must run on this host (handles "
                        f"to shared memory), got rollout.server_urls={cfg.server_urls!r}")
+    lora = ctx.model_cfg.lora
+    self.lora = lora_launch.LoraServing(lora.rank, lora.target_modules, cfg.max_lag) if lora.rank else None
+    if self.lora is not None and cfg.publish == "wire":
+      raise ValueError(f"invalid config: rollout.publish='wire' with model.lora.rank={lora.rank}: adapters are "
+                       "published by 'disk' or 'tensor'")
+    if self.lora is not None and self.reference_dir is None:
+      raise ValueError(f"invalid config: model.lora.rank={lora.rank} needs the base the servers serve: "
+                       f"WORKDIR/base or model.hf_path (got {cfg.hf_path!r})")
     if cfg.publish != "disk":
       try:
         (wire_group if cfg.publish == "wire" else tensor_lib).require_torch()
@@ -135,11 +146,15 @@ class HttpBackend(backend.RolloutBackend):
     hf_export.write_hf(layout, out_dir, self.ctx.tokenizer)
 
   async def _start_embedded(self, version: int, params: Any) -> list[str]:
-    """Embedded servers start directly from the current version's directory."""
+    """Embedded servers start directly from the current version's directory (with LoRA: from the base, with
+    LoRA's flags; the adapter is published next)."""
     wire = protocol.version_to_wire(version)
-    first_dir = os.path.join(self.weights_root, wire)
-    await asyncio.to_thread(self._export, self._layout(params), first_dir)
-    self.reference_dir = first_dir
+    if self.lora is None:
+      first_dir = os.path.join(self.weights_root, wire)
+      await asyncio.to_thread(self._export, self._layout(params), first_dir)
+      self.reference_dir = first_dir
+    else:
+      first_dir = self.reference_dir
     workdir = self.ctx.workdir
     self._servers = await asyncio.to_thread(
         launcher.start_servers, self.cfg.num_servers, first_dir, weights_root=self.weights_root,
@@ -149,7 +164,8 @@ class HttpBackend(backend.RolloutBackend):
         extra_args=("--max-batch", str(max(64, self.ctx.batch_rows)),
                     # A cache named in the environment is shared (the test suite's jobs share one per run).
                     "--compilation-cache-dir",
-                    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "jax_cache")))
+                    os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(workdir, "jax_cache"),
+                    *lora_launch.server_flags(self.lora)))
     return [s.url for s in self._servers]
 
   async def start(self, version: int, params: Any) -> None:
@@ -165,14 +181,10 @@ class HttpBackend(backend.RolloutBackend):
       await self._client.wait_for_servers(self.cfg.min_servers or len(self.urls), self.cfg.server_wait_s,
                                           f"rollout.min_servers={self.cfg.min_servers} "
                                           f"(rollout.server_wait_s={self.cfg.server_wait_s:g})")
-    self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
-                                                    keep_last=self.cfg.keep_versions,
-                                                    reference_dir=self.reference_dir, wire=self._wire_sender(urls))
-    if self.urls:  # external servers: check what they serve, then load the starting weights explicitly
-      await self._publisher.check_servers()
-      await self._publisher.publish(self._layout(params), version)
-    else:  # embedded servers were started on this version's export
-      self._publisher.adopt(version, self.reference_dir)
+    if self.lora is not None:
+      await self._start_adapters(version, params)
+    else:
+      await self._start_weights(version, params, urls)
     if self.sampling_params["temperature"] != 1.0:  # SGLang's log-probs are scaled unless told otherwise
       await self._client.check_raw_logprobs(self.sampling_params["temperature"], list(range(1, 9)))
     generate = self._client.generate
@@ -187,6 +199,43 @@ class HttpBackend(backend.RolloutBackend):
     if self._restored is not None:
       self._sched.load_state_dict(self._restored)
     self._sched.set_served_version(version)
+
+  async def _start_weights(self, version: int, params: Any, urls: list[str]) -> None:
+    self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
+                                                    keep_last=self.cfg.keep_versions,
+                                                    reference_dir=self.reference_dir, wire=self._wire_sender(urls))
+    if self.urls:  # external servers: check what they serve, then load the starting weights explicitly
+      await self._publisher.check_servers()
+      await self._publisher.publish(self._layout(params), version)
+    else:  # embedded servers were started on this version's export
+      self._publisher.adopt(version, self.reference_dir)
+
+  async def _start_adapters(self, version: int, adapter: Any) -> None:
+    """LoRA: servers given by URL are checked (launched with LoRA that fits, serving the base), then every
+    server gets this version's adapter (version 0: B = 0, the base's function) like any later one."""
+    sync = lora_sync.AdapterSync(self._client, self._peft, os.path.join(self.weights_root, "adapters"),
+                                 max_kept=self.lora.max_kept, timeout_s=self.cfg.request_timeout,
+                                 transport=self.cfg.publish)
+    self._publisher = publisher_lib.WeightPublisher(self._export, self.weights_root, self._client,
+                                                    keep_last=self.cfg.keep_versions,
+                                                    reference_dir=self.reference_dir, adapters=sync)
+    if self.urls:
+      admin = admin_lib.AdminSession(self.cfg.request_timeout, lambda key, n=1: None)
+      try:
+        await lora_launch.check_servers(admin, self.urls, self.lora)
+      finally:
+        await admin.close()
+      await self._publisher.check_servers()
+    await self._publisher.publish(self._host_adapter(adapter), version)
+
+  @staticmethod
+  def _host_adapter(adapter: Any) -> Any:
+    """A host copy of the adapter (gathered with the other processes inside multihost's leader_gathers)."""
+    return jax.tree.map(processes.to_host, adapter)
+
+  def _peft(self, adapter: Any) -> tuple[dict, dict]:
+    """The learner's adapter as PEFT's config and tensors (float32: exact, and small)."""
+    return peft_export.to_peft(adapter, self.ctx.model_cfg, None, "float32")
 
   def _wire_sender(self, urls: list[str]):
     """The session transport for versions after the first (None: by disk)."""
@@ -206,7 +255,8 @@ class HttpBackend(backend.RolloutBackend):
 
   async def publish(self, version: int, params: Any) -> None:
     await self._pending.wait()  # versions go out in order; a refused one raises here
-    layout = self._layout(params)  # dispatched into fresh buffers: the next learner step may donate the params
+    # Dispatched into fresh buffers (the next learner step may donate the params); an adapter is small: a host copy.
+    layout = self._host_adapter(params) if self.lora is not None else self._layout(params)
     self._pending.start(functools.partial(self._publish, layout, version))
     if not self._background:
       await self._pending.wait()

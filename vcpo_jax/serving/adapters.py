@@ -20,6 +20,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any, Callable, Optional
@@ -28,6 +29,7 @@ import numpy as np
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+log = logging.getLogger(__name__)
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_A|lora_B)\.weight")
 
 
@@ -165,6 +167,7 @@ class Registry:
       await asyncio.to_thread(self._set_slot, slot, tree)
       self.slots[slot], self.paths[name] = name, path
       self.ever.add(name)
+      log.info("LoRA adapter %s loaded into slot %d (from %s)", name, slot, path)
       return self.loaded()
 
   async def unload(self, name: str) -> dict[str, str]:
@@ -180,6 +183,7 @@ class Registry:
         await asyncio.to_thread(self._set_slot, slot, None)
         self.slots[slot] = None
         del self.paths[name]
+        log.info("LoRA adapter %s unloaded from slot %d", name, slot)
       finally:
         self.unloading.discard(name)
       return self.loaded()

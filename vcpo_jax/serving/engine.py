@@ -9,8 +9,12 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import lora as lora_lib
 from vcpo_jax.model import sampling
+from vcpo_jax.serving import adapters as adapters_lib
 from vcpo_jax.serving import slot_pool
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,7 @@ class Row:
   finish_reason: str | None = None  # "length" | "stop" | "abort"
   matched: int | str | None = None
   request_no: int = 0  # which submit() call it came from (for the batching statistics)
+  adapter_slot: int = -1  # its slot in the engine's adapter stack (-1: the base), held until it finishes
   created: float = dataclasses.field(default_factory=time.monotonic)
   finished_at: float | None = None
   done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -55,12 +60,17 @@ StopStringCheck = Callable[[Row], "tuple[int, str] | None"]
 
 class Engine:
   """Decodes rows in a pool of `max_batch` slots; between chunks, finished rows leave, queued rows join, and
-  pause/abort/weight swaps take effect. Every token is tagged with the weight version that produced it."""
+  pause/abort/weight swaps take effect. Every token is tagged with the weight version that produced it.
+
+  With `lora` (the server's --enable-lora settings) it holds a stack of lora.num_slots adapters on the device
+  (all zeros: the base) and applies each row's `adapter_slot` in its prefill and every decode step, so one
+  batch mixes adapters. The stack is model/lora.py's at rank max_rank with alpha = rank (scale 1): the trees
+  set_adapter_slot takes have B pre-scaled (serving/adapters.py)."""
 
   def __init__(self, params, cfg, weight_version: str, *, max_batch: int = 64, chunk_steps: int = 8,
                batch_window_s: float = 0.005, max_gather_s: float = 0.05, min_batch: int = 8,
                min_prompt_len: int = 16, num_slots: int | None = None, cache_dtype: str | None = None,
-               stop_string_check: StopStringCheck | None = None):
+               stop_string_check: StopStringCheck | None = None, lora: adapters_lib.Settings | None = None):
     if max_batch < 1:
       raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if chunk_steps < 1:
@@ -71,7 +81,12 @@ class Engine:
     # Smallest pool / join / prompt buckets: larger minimums mean fewer distinct shapes, so fewer compiles.
     self._pool_kwargs = dict(max_rows=max_batch, num_slots=num_slots or cfg.max_seq_len, chunk_steps=chunk_steps,
                              cache_dtype=cache_dtype, min_rows=min_batch, min_prompt_len=min_prompt_len)
-    self.pool = slot_pool.SlotPool(cfg, **self._pool_kwargs)
+    self._pool_cfg, self.adapter_stack = cfg, None  # the kernels' config: the stack's LoRA settings with LoRA
+    if lora is not None:
+      stack_cfg = model_config.LoraConfig(rank=lora.max_rank, alpha=lora.max_rank, target_modules=lora.targets)
+      self._pool_cfg = dataclasses.replace(cfg, lora=stack_cfg)
+      self.adapter_stack = jax.device_put(lora_lib.empty_stack(self._pool_cfg, stack_cfg, lora.num_slots))
+    self.pool = self._new_pool()
     self._stop_string_check = stop_string_check
     self._pending: collections.deque[Row] = collections.deque()
     self._joining: list[Row] = []
@@ -88,6 +103,21 @@ class Engine:
     self.stats = {"max_batch_rows_seen": 0, "max_batch_requests_seen": 0, "num_batches": 0, "num_chunks": 0,
                   "num_generated_tokens": 0, "num_requests": 0}
     self._task: asyncio.Task | None = None
+
+  def _new_pool(self) -> slot_pool.SlotPool:
+    return slot_pool.SlotPool(self._pool_cfg, **self._pool_kwargs)
+
+  def set_adapter_slot(self, i: int, tree) -> None:
+    """Puts an adapter (the stack's layout, B pre-scaled) into slot i, or zeros (None). Takes effect from the
+    next chunk (a chunk in flight keeps the stack it started with); no unfinished row may use slot i (the
+    registry unloads only adapters no request holds, and loads into free slots)."""
+    if self.adapter_stack is None:
+      raise ValueError("set_adapter_slot: this engine has no adapter stack (start it with lora settings)")
+    users = [r.rid for r in self._running + list(self._pending) if r.finish_reason is None and r.adapter_slot == i]
+    assert not users, f"adapter slot {i} changed under live rows of {users}"
+    if tree is None:
+      tree = jax.tree.map(lambda x: jnp.zeros(x.shape[:-3] + x.shape[-2:], x.dtype), self.adapter_stack)
+    self.adapter_stack = lora_lib.put(self.adapter_stack, i, jax.tree.map(jnp.asarray, tree))
 
   # ---- lifecycle -------------------------------------------------------------------------------
   def start(self):
@@ -204,7 +234,7 @@ class Engine:
       r.finish("abort")
     self._pending.clear()
     self._joining = []
-    self.pool = slot_pool.SlotPool(self.cfg, **self._pool_kwargs)
+    self.pool = self._new_pool()
     self._idle.set()
 
   async def _loop_body(self):
@@ -246,17 +276,17 @@ class Engine:
 
   async def _iterate(self, joining: list[Row]):
     """Prefills `joining` into free slots, then decodes one chunk of every row in the pool."""
-    version, params = self.weight_version, self.params
+    version, params, stack = self.weight_version, self.params, self.adapter_stack
     if joining:
       self.stats["num_batches"] += 1
     self._joining = joining
     try:
-      joined, chunk = await asyncio.to_thread(self._compute, params, joining)
+      joined, chunk = await asyncio.to_thread(self._compute, params, stack, joining)
     except Exception:  # a failed step must not kill the server: abort its rows, start a fresh pool
       log.exception("decode step of %d joining and %d running rows failed", len(joining), len(self._running))
       for r in joining + self._running:
         r.finish("abort")
-      self.pool = slot_pool.SlotPool(self.cfg, **self._pool_kwargs)
+      self.pool = self._new_pool()
       return
     finally:
       self._joining = []
@@ -269,12 +299,15 @@ class Engine:
       self.stats["max_batch_requests_seen"] = max(self.stats["max_batch_requests_seen"],
                                                   len({r.request_no for r in live}))
 
-  def _compute(self, params, joining: list[Row]):
-    joined = self.pool.join(params, [r.remaining_spec() for r in joining], joining) if joining else []
+  def _compute(self, params, stack, joining: list[Row]):
+    joined = []
+    if joining:
+      joined = self.pool.join(params, [r.remaining_spec() for r in joining], joining, stack,
+                              [r.adapter_slot for r in joining])
     for t in joined:
       if t.done:
         self.pool.release(t.slot)
-    return joined, self.pool.step(params)
+    return joined, self.pool.step(params, stack)
 
   def _record(self, t: slot_pool.Tokens, version: str):
     row: Row = t.owner

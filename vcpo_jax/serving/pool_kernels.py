@@ -3,7 +3,9 @@
 Rows join (their prompts prefilled into free slots) and leave between decode chunks. A row's cache holds
 its prompt at slots [0, L) and its generated tokens after it: slot index = RoPE position, no padding.
 Shape letters: B pool slots, J joining rows, P prompt slots, S cache slots per row, C steps per chunk,
-K stop ids per row, V vocab. The cache is an opaque pytree from model.init_cache: its batch and slot axes
+K stop ids per row, V vocab. With LoRA the kernels take a stack of N adapters (`adapter`, model/lora.py)
+and each row its slot in it (adapter_B, -1: the base); without (adapter None) they are the base model's.
+The cache is an opaque pytree from model.init_cache: its batch and slot axes
 are found from abstract shapes (cache_axes), so a layer-stacked cache works unchanged.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ class PoolState(NamedTuple):
   stopped_B: jax.Array
   out_ids_BxC: jax.Array  # tokens of the last chunk: row b's are columns [0, its count in that chunk)
   out_logp_BxC: jax.Array
+  adapter_B: jax.Array  # the row's slot in the adapter stack (-1: the base); unused without a stack
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +79,7 @@ def empty(*, cfg, B, S, C, K, cache_dtype):
   zeros_i = jnp.zeros((B,), jnp.int32)
   rows = jax.tree.map(jnp.asarray, sampling_fields.row_arrays((), B, K, V)[0])
   return PoolState(cache, rows, zeros_i, zeros_i, zeros_i, jnp.ones((B,), bool), jnp.zeros((B,), bool),
-                   jnp.zeros((B, C), jnp.int32), jnp.zeros((B, C), jnp.float32))
+                   jnp.zeros((B, C), jnp.int32), jnp.zeros((B, C), jnp.float32), jnp.full((B,), -1, jnp.int32))
 
 
 class Joined(NamedTuple):
@@ -89,25 +92,33 @@ class Joined(NamedTuple):
   done_J: jax.Array
   stopped_J: jax.Array
   prompt_logp_JxP: jax.Array
+  adapter_J: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_dtype"))
-def prefill(params, tokens_JxP, lens_J, rows_J: sampling_fields.RowArrays, seeds_Jx2, *, cfg,
-            cache_dtype) -> Joined:
+def prefill(params, tokens_JxP, lens_J, rows_J: sampling_fields.RowArrays, seeds_Jx2, adapter=None,
+            adapter_J=None, *, cfg, cache_dtype) -> Joined:
   """Prefills J right-padded prompts and samples their token 0. Compiled per (J, P) only, not per pool size:
   the model's compile is the expensive one, and `place` (per pool size) holds no model."""
   J, P = tokens_JxP.shape
   small = jax.tree.map(lambda s: s.astype(cache_dtype), model_lib.init_cache(cfg, J, P))
   positions_JxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32)[None], (J, P))
   # Right padding: the causal mask alone hides the pad slots from every real prompt token.
+  if adapter_J is None:
+    adapter_J = jnp.full((J,), -1, jnp.int32)
   x_JxPxD, small = model_lib.decode(params, cfg, tokens_JxP, positions_JxP, small, 0, jnp.ones((J, P), bool),
-                                    head=False)
+                                    head=False, **_lora_args(adapter, adapter_J))
   prompt_logp_JxP, last_JxV = model_lib.prompt_logprobs_and_logits(params, cfg, x_JxPxD, tokens_JxP, lens_J - 1)
   rows_J = rows_J._replace(key_data_Bx2=kernels.row_keys(seeds_Jx2))
   active_J = rows_J.max_new_B > 0
   token_J, logp_J, stop_J = kernels.draw(last_JxV, rows_J, jnp.zeros_like(lens_J), active_J)
   done_J = ~active_J | stop_J | (active_J.astype(jnp.int32) >= rows_J.max_new_B)
-  return Joined(small, rows_J, lens_J, token_J, logp_J, done_J, stop_J, prompt_logp_JxP)
+  return Joined(small, rows_J, lens_J, token_J, logp_J, done_J, stop_J, prompt_logp_JxP, adapter_J)
+
+
+def _lora_args(adapter, adapter_B) -> dict:
+  """The model's adapter arguments: none without a stack (the base model's program, unchanged)."""
+  return {} if adapter is None else {"adapter": adapter, "adapter_B": adapter_B}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
@@ -121,24 +132,27 @@ def place(pool: PoolState, joined: Joined, slots_J, *, cfg) -> PoolState:
       cache=_write_rows(cfg, pool.cache, joined.cache, slots_J), rows=jax.tree.map(put, pool.rows, joined.rows),
       index_B=put(pool.index_B, joined.lens_J), last_token_B=put(pool.last_token_B, joined.token_J),
       num_gen_B=put(pool.num_gen_B, num_gen_J), done_B=put(pool.done_B, joined.done_J),
-      stopped_B=put(pool.stopped_B, joined.stopped_J))
+      stopped_B=put(pool.stopped_B, joined.stopped_J), adapter_B=put(pool.adapter_B, joined.adapter_J))
 
 
-def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: sampling_fields.RowArrays, seeds_Jx2, *,
-          cfg):
-  """Prefills J right-padded prompts, samples their token 0 and writes them into `slots_J` (B: dropped).
+def admit(params, pool: PoolState, tokens_JxP, lens_J, slots_J, rows_J: sampling_fields.RowArrays, seeds_Jx2,
+          adapter=None, adapter_J=None, *, cfg):
+  """Prefills J right-padded prompts, samples their token 0 and writes them into `slots_J` (B: dropped);
+  with a stack, row j uses its slot adapter_J[j] (-1: the base), now and in every later step.
 
   Returns the pool and, per joining row, (token 0, its log-prob, done, stopped, prompt log-probs [J, P]).
   """
   cache_dtype = jax.tree.leaves(pool.cache)[0].dtype
-  joined = prefill(params, tokens_JxP, lens_J, rows_J, seeds_Jx2, cfg=cfg, cache_dtype=cache_dtype)
+  joined = prefill(params, tokens_JxP, lens_J, rows_J, seeds_Jx2, adapter, adapter_J, cfg=cfg,
+                   cache_dtype=cache_dtype)
   pool = place(pool, joined, slots_J, cfg=cfg)
   return pool, (joined.token_J, joined.logp_J, joined.done_J, joined.stopped_J, joined.prompt_logp_JxP)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pool",))
-def steps(params, pool: PoolState, live_B, *, cfg):
-  """Up to C one-token steps of every live, unfinished row; slots not live are finished first."""
+def steps(params, pool: PoolState, live_B, adapter=None, *, cfg):
+  """Up to C one-token steps of every live, unfinished row (each with its own adapter slot when `adapter`
+  is a stack); slots not live are finished first."""
   B, C = pool.out_ids_BxC.shape
   S = num_slots(pool, cfg)
   everything_BxS = jnp.ones((B, S), bool)  # each row's own cache index bounds what it sees
@@ -150,7 +164,7 @@ def steps(params, pool: PoolState, live_B, *, cfg):
   def body(carry):
     i, p = carry
     logits_Bx1xV, cache = model_lib.decode(params, cfg, p.last_token_B[:, None], p.index_B[:, None], p.cache,
-                                           p.index_B, everything_BxS)
+                                           p.index_B, everything_BxS, **_lora_args(adapter, p.adapter_B))
     active_B = ~p.done_B
     token_B, logp_B, stop_B = kernels.draw(logits_Bx1xV[:, 0], p.rows, p.num_gen_B, active_B)
     step_B = active_B.astype(jnp.int32)
@@ -177,4 +191,4 @@ def take(pool: PoolState, src_N, *, cfg):
       index_B=jnp.where(keep_N, pool.index_B[src_N], 0), last_token_B=gather(pool.last_token_B),
       num_gen_B=gather(pool.num_gen_B), done_B=jnp.where(keep_N, pool.done_B[src_N], True),
       stopped_B=gather(pool.stopped_B), out_ids_BxC=gather(pool.out_ids_BxC),
-      out_logp_BxC=gather(pool.out_logp_BxC))
+      out_logp_BxC=gather(pool.out_logp_BxC), adapter_B=jnp.where(keep_N, pool.adapter_B[src_N], -1))

@@ -137,28 +137,26 @@ def load_state(args: argparse.Namespace) -> ServerState:
   if not P.INPUT_MARGIN < context_length <= cfg.max_seq_len:
     raise ValueError(f"--context-length {context_length} must be in ({P.INPUT_MARGIN}, the model's max_seq_len "
                      f"{cfg.max_seq_len}]")
+  settings = lora_settings(args)
   engine = Engine(params, cfg, args.weight_version, max_batch=args.max_batch, chunk_steps=args.chunk_steps,
                   batch_window_s=args.batch_window_ms / 1000.0, max_gather_s=args.max_gather_ms / 1000.0,
                   min_batch=args.min_batch_bucket, min_prompt_len=args.min_prompt_bucket,
                   num_slots=context_length, cache_dtype=args.kv_cache_dtype,
-                  stop_string_check=stop_string_check(tokenizer))
+                  stop_string_check=stop_string_check(tokenizer), lora=settings)
   weights_root = os.path.realpath(args.weights_root or os.path.dirname(model_dir))
   return ServerState(engine, tokenizer, model_dir, weights_root, cfg.vocab_size, _eos_ids(model_dir),
                      context_length, args.max_prompt_len, random.Random(args.seed), args.weight_version,
-                     adapter_registry(args, engine, cfg))
+                     None if settings is None else adapters_lib.Registry(settings, cfg, engine.set_adapter_slot))
 
 
-def adapter_registry(args: argparse.Namespace, engine, cfg) -> "adapters_lib.Registry | None":
-  """With --enable-lora: the registry over the engine's adapter stack (engine.set_adapter_slot)."""
+def lora_settings(args: argparse.Namespace) -> "adapters_lib.Settings | None":
+  """With --enable-lora: the adapter stack's settings (the engine's stack, the registry's checks)."""
   if not args.enable_lora:
     return None
   if args.max_lora_rank is None or not args.lora_target_modules:
     raise ValueError("--enable-lora needs --max-lora-rank and --lora-target-modules (adapters arrive at run time)")
-  if not hasattr(engine, "set_adapter_slot"):
-    raise ValueError("--enable-lora: this engine cannot apply adapters (no Engine.set_adapter_slot)")
-  settings = adapters_lib.Settings(args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch,
-                                   args.lora_strict_loading)
-  return adapters_lib.Registry(settings, cfg, engine.set_adapter_slot)
+  return adapters_lib.Settings(args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch,
+                               args.lora_strict_loading)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -93,8 +93,11 @@ class SlotPool:
         raise ValueError(f"rows[{r}]: prompt {len(spec.prompt)} + max_new_tokens {spec.max_new_tokens} exceeds "
                          f"the {self.S} cache slots per row")
 
-  def join(self, params, specs: Sequence[sampling.RowSpec], owners: Sequence[Any]) -> list[Tokens]:
-    """Prefills rows into free slots (at most num_free) and returns their token 0 and prompt log-probs."""
+  def join(self, params, specs: Sequence[sampling.RowSpec], owners: Sequence[Any], adapter=None,
+           adapter_slots: Sequence[int] | None = None) -> list[Tokens]:
+    """Prefills rows into free slots (at most num_free) and returns their token 0 and prompt log-probs.
+    With `adapter` (a stack, model/lora.py) row j uses adapter slot adapter_slots[j] (-1: the base) from
+    now on; self.cfg.lora must then be the stack's."""
     if len(specs) > self.num_free:
       raise ValueError(f"{len(specs)} rows joining a pool with {self.num_free} free slots")
     self._check(specs)
@@ -115,8 +118,14 @@ class SlotPool:
     lens = np.array([len(r.prompt) for r in specs] + [1] * (J - len(specs)), np.int32)
     slots = np.array(free + [B] * (J - len(specs)), np.int32)
     rows, seeds = sampling_fields.row_arrays(specs, J, self.K, V)
+    adapter_J = None
+    if adapter is not None:
+      adapter_J = np.full((J,), -1, np.int32)
+      adapter_J[:len(specs)] = list(adapter_slots) if adapter_slots is not None else -1
+      adapter_J = jnp.asarray(adapter_J)
     self.state, out = pk.admit(params, self.state, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(slots),
-                               jax.tree.map(jnp.asarray, rows), jnp.asarray(seeds), cfg=self.cfg)
+                               jax.tree.map(jnp.asarray, rows), jnp.asarray(seeds), adapter, adapter_J,
+                               cfg=self.cfg)
     token, logp, done, stopped, prompt_logp = jax.device_get(out)
     result = []
     for j, (spec, slot, owner) in enumerate(zip(specs, free, owners)):
@@ -127,15 +136,16 @@ class SlotPool:
                            bool(done[j]), bool(stopped[j]), prompt_logp[j, 1:len(spec.prompt)].tolist()))
     return result
 
-  def step(self, params) -> list[Tokens]:
-    """One chunk of up to chunk_steps tokens for every live row; returns what each live row produced."""
+  def step(self, params, adapter=None) -> list[Tokens]:
+    """One chunk of up to chunk_steps tokens for every live row (with `adapter`, each its own slot of the
+    stack); returns what each live row produced."""
     live = np.array([o is not None for o in self.owners])
     if not live.any():
       return []
     if live.sum() * 4 <= len(self.owners) and len(self.owners) > self.min_rows:
       self._resize(self._size_for(int(live.sum())))
       live = np.array([o is not None for o in self.owners])
-    self.state = pk.steps(params, self.state, jnp.asarray(live), cfg=self.cfg)
+    self.state = pk.steps(params, self.state, jnp.asarray(live), adapter, cfg=self.cfg)
     s = self.state
     ids, logp, num_gen, done, stopped = jax.device_get(
         (s.out_ids_BxC, s.out_logp_BxC, s.num_gen_B, s.done_B, s.stopped_B))

@@ -154,7 +154,18 @@ class AdapterSync:
     """Room made (at most max_kept loaded), then the load, confirmed; the server records the name."""
     await self._make_room(url)
     endpoint, body = self._load
-    check_loaded(await self.admin.call(url, "POST", endpoint, self._body(body)), name)
+    try:
+      answer = await self.admin.call(url, "POST", endpoint, self._body(body))
+    except admin_lib.Rejected as e:
+      if "already loaded" not in str(e) or name in self.client.server_adapters(url):
+        raise
+      # Left on a server given by URL by an earlier run of the job (restarted from a checkpoint before it):
+      # other contents under this name. Unloaded first, so the server reads this version's.
+      log.warning("adapter %s was already loaded on %s (an earlier run's): unloading it first", name, url)
+      await self.admin.call(url, "POST", "/unload_lora_adapter", {"lora_name": name})
+      self._count("adapter_unloads")
+      answer = await self.admin.call(url, "POST", endpoint, self._body(body))
+    check_loaded(answer, name)
     self.client.server_adapters(url).add(name)
     self._count("adapter_loads")
 
