@@ -29,5 +29,5 @@ def test_figures_carry_seconds_per_mb_to_the_7b_adapter():
        "transports": {"disk": {"bytes_sent": 35_000_000, "rounds": [{"publish_s": s} for s in (0.3, 0.35, 0.4)]}}}
   figs = {f["key"]: f for f in bench.figures(m)}
   assert figs["disk_publish_s"]["value"] == 0.35 and figs["disk_publish_s"]["goal_met"] is False
-  seven_b_mb = bench.adapter_bytes("7b", 16, 4) / 1e6
+  seven_b_mb = bench.adapter_bytes("7b", 16, 4) / 1e6  # the r = 16, whatever rank ran
   assert np.isclose(figs["disk_publish_7b_s"]["value"], 0.35 / 35.0 * seven_b_mb)
