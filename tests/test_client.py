@@ -12,6 +12,7 @@ import pytest
 
 from tests import fake_sglang
 from tests import waits
+from vcpo_jax.rollout import generate_reply
 from vcpo_jax.rollout import protocol
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import launcher
@@ -59,7 +60,7 @@ def test_parse_accepts_a_good_response_and_reads_two_spans():
   body = _good_body([1, 2, 3], 5)
   body["meta_info"]["weight_versions"] = [{"version": "v3", "start": 0, "end": 2},
                                           {"version": "v4", "start": 2, "end": 5}]
-  seg = protocol.parse_generate_response(body, vocab_size=VOCAB, max_new_tokens=5)
+  seg = generate_reply.parse_generate_response(body, vocab_size=VOCAB, max_new_tokens=5)
   assert seg.output_ids == body["output_ids"]
   assert seg.logprobs == [e[0] for e in body["meta_info"]["output_token_logprobs"]]
   assert seg.versions == [3, 3, 4, 4, 4] and seg.finish_type == "length"
@@ -114,8 +115,8 @@ def _broken(kind):
     ("finish", "finish_reason"), ("list", "shape"), ("float_ids", "shape"), ("too_many", "length")])
 def test_parse_rejects_each_broken_field(kind, field):
   max_new = 3 if kind == "too_many" else 4
-  with pytest.raises(protocol.BadResponseError) as info:
-    protocol.parse_generate_response(_broken(kind), vocab_size=VOCAB, max_new_tokens=max_new)
+  with pytest.raises(generate_reply.BadResponseError) as info:
+    generate_reply.parse_generate_response(_broken(kind), vocab_size=VOCAB, max_new_tokens=max_new)
   assert info.value.kind == field
   assert isinstance(info.value, ValueError)
 
@@ -123,7 +124,7 @@ def test_parse_rejects_each_broken_field(kind, field):
 def test_parse_falls_back_to_the_older_of_reported_and_dispatched_version():
   body = _good_body([1], 3, version="v5")
   del body["meta_info"]["weight_versions"]
-  parse = protocol.parse_generate_response
+  parse = generate_reply.parse_generate_response
   assert parse(body, vocab_size=VOCAB, max_new_tokens=3).versions == [5, 5, 5]
   assert parse(body, vocab_size=VOCAB, max_new_tokens=3, fallback_version=4).versions == [4, 4, 4]
   del body["meta_info"]["weight_version"]
