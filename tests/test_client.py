@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tests import fake_sglang
+from tests import embedded_tiny, fake_sglang
 from tests import waits
 from vcpo_jax.rollout import generate_reply
 from vcpo_jax.rollout import protocol
@@ -395,9 +395,9 @@ EMBEDDED_ROOT = {}
 @pytest.fixture(scope="module")
 def embedded_pair(tmp_path_factory):
   base = tmp_path_factory.mktemp("client_e2e")
-  model_dir = fake_sglang.export_tiny(fake_sglang.tiny_params(0), str(base / "weights" / "v0"))
+  model_dir = embedded_tiny.export_tiny(embedded_tiny.tiny_params(0), str(base / "weights" / "v0"))
   cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
-  servers = [fake_sglang.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
+  servers = [embedded_tiny.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
              for _ in range(2)]
   try:
     for s in servers:
@@ -413,14 +413,14 @@ def _check_real(samples, params, max_new, version=0):
   for s in samples:
     assert len(s.output_ids) == max_new and s.finish_reason == "length"
     assert list(s.token_versions) == [version] * max_new
-    ref = fake_sglang.reference_logprobs(params, s.prompt_ids, s.output_ids)
+    ref = embedded_tiny.reference_logprobs(params, s.prompt_ids, s.output_ids)
     np.testing.assert_allclose(s.output_logprobs, ref, atol=2e-4, rtol=0)
 
 
 @pytest.mark.integration
 def test_end_to_end_with_the_embedded_server(embedded_pair):
   urls = [s.url for s in embedded_pair]
-  vocab = fake_sglang.TINY_MODEL["vocab_size"]
+  vocab = embedded_tiny.TINY_MODEL["vocab_size"]
   sampling = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}
 
   async def run():
@@ -433,7 +433,7 @@ def test_end_to_end_with_the_embedded_server(embedded_pair):
       return groups, again, client.stats
 
   groups, again, stats = asyncio.run(run())
-  params = fake_sglang.tiny_params(0)
+  params = embedded_tiny.tiny_params(0)
   for samples in groups:
     _check_real(samples, params, 10)
     assert len({tuple(s.output_ids) for s in samples}) == 3  # seed + i: three different samples
@@ -448,13 +448,13 @@ def test_generation_aborted_for_a_weight_update_resumes_on_the_new_weights(embed
   runs on the new weights: old tokens match the old params' recompute, new ones the new params'."""
   from vcpo_jax.rollout.servers import publisher as publisher_lib
   urls = [s.url for s in embedded_pair]
-  vocab = fake_sglang.TINY_MODEL["vocab_size"]
-  params = {0: fake_sglang.tiny_params(0), 1: fake_sglang.tiny_params(1)}
+  vocab = embedded_tiny.TINY_MODEL["vocab_size"]
+  params = {0: embedded_tiny.tiny_params(0), 1: embedded_tiny.tiny_params(1)}
   sampling = {"max_new_tokens": 240, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 21}
 
   async def run():
     async with client_lib.RolloutClient(urls, vocab_size=vocab) as client:
-      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, EMBEDDED_ROOT["weights"], client)
+      pub = publisher_lib.WeightPublisher(embedded_tiny.export_tiny, EMBEDDED_ROOT["weights"], client)
       try:
         task = asyncio.create_task(client.generate([4, 5, 6], sampling, n=2))
         # Both requests must be inside the servers' engines (else the pause finds nothing to abort).
@@ -480,17 +480,17 @@ def test_generation_aborted_for_a_weight_update_resumes_on_the_new_weights(embed
     assert np.all(np.diff(v) >= 0) and set(v.tolist()) <= {0, 1} and v[-1] == 1
     cut = int(np.sum(v == 0))
     np.testing.assert_allclose(s.output_logprobs[:cut],
-                               fake_sglang.reference_logprobs(params[0], s.prompt_ids, s.output_ids[:cut]),
+                               embedded_tiny.reference_logprobs(params[0], s.prompt_ids, s.output_ids[:cut]),
                                atol=2e-4, rtol=0)
     np.testing.assert_allclose(s.output_logprobs[cut:],
-                               fake_sglang.reference_logprobs(params[1], s.prompt_ids, s.output_ids)[cut:],
+                               embedded_tiny.reference_logprobs(params[1], s.prompt_ids, s.output_ids)[cut:],
                                atol=2e-4, rtol=0)
 
 
 @pytest.mark.integration
 def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair):
   victim, survivor = embedded_pair
-  vocab = fake_sglang.TINY_MODEL["vocab_size"]
+  vocab = embedded_tiny.TINY_MODEL["vocab_size"]
   sampling = {"max_new_tokens": 240, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}
   prompts = [[9, i + 1] for i in range(6)]
 
@@ -514,7 +514,7 @@ def test_server_killed_mid_generation_loses_and_duplicates_nothing(embedded_pair
   # Every sample completed exactly once, all of those cut off were redone on the survivor.
   assert [len(g) for g in groups] == [2] * 6 and stats["samples_completed"] == 12
   assert sum(s.server_url == survivor.url for g in groups for s in g) >= 6
-  params = fake_sglang.tiny_params(version)
+  params = embedded_tiny.tiny_params(version)
   for prompt, samples in zip(prompts, groups):
     assert all(s.prompt_ids == prompt for s in samples)
     _check_real(samples, params, 240, version)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import safetensors
 
-from tests import fake_sglang
+from tests import embedded_tiny
 from tests.test_scheduler import SimulatedServers, _prompts
 from tests.test_validation import _config
 from vcpo_jax.job import batching, configuration, train
@@ -21,7 +21,7 @@ from vcpo_jax.rollout.client import scheduler as sched_lib
 from vcpo_jax.rollout.servers import background, weight_store
 from vcpo_jax.rollout.servers.publisher import PublishError
 
-CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+CFG = model_config.ModelConfig(**embedded_tiny.TINY_MODEL)
 
 
 def _expected(params, cfg, dtype):
@@ -47,7 +47,7 @@ def _read(path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_holds_the_params_in_hf_layout_cast_once(tmp_path, dtype):
-  params = fake_sglang.tiny_params(3)
+  params = embedded_tiny.tiny_params(3)
   out = hf_export.export_hf(params, CFG, str(tmp_path / "ckpt"), dtype=dtype)
   got, want = _read(out), _expected(params, CFG, dtype)
   assert sorted(got) == sorted(want)
@@ -63,7 +63,7 @@ def test_export_holds_the_params_in_hf_layout_cast_once(tmp_path, dtype):
 
 
 def test_bf16_export_is_half_the_bytes(tmp_path):
-  params = fake_sglang.tiny_params(1)
+  params = embedded_tiny.tiny_params(1)
   data = {}
   for d in ("float32", "bfloat16"):
     path = os.path.join(hf_export.export_hf(params, CFG, str(tmp_path / d), dtype=d), "model.safetensors")
@@ -75,7 +75,7 @@ def test_bf16_export_is_half_the_bytes(tmp_path):
 
 
 def test_layout_is_fresh_buffers_so_the_params_may_be_donated(tmp_path):
-  params = jax.device_put(fake_sglang.tiny_params(2))
+  params = jax.device_put(embedded_tiny.tiny_params(2))
   want = _expected(jax.device_get(params), CFG, "float32")
   layout = hf_export.hf_layout(params, CFG, "float32")  # unchanged leaves (norms, biases) included
   assert layout.on_device
@@ -87,7 +87,7 @@ def test_layout_is_fresh_buffers_so_the_params_may_be_donated(tmp_path):
 
 def test_unknown_export_dtype_is_refused():
   with pytest.raises(ValueError, match="export dtype must be one of .* got 'int8'"):
-    hf_export.hf_layout(fake_sglang.tiny_params(0), CFG, "int8")
+    hf_export.hf_layout(embedded_tiny.tiny_params(0), CFG, "int8")
 
 
 # -- rollout.publish_dtype, rollout.publish_dir ------------------------------------------------------------
@@ -141,7 +141,7 @@ def test_servers_share_the_host_only_on_loopback():
 
 
 def test_export_bytes_is_the_files_tensor_data(tmp_path):
-  path = os.path.join(hf_export.export_hf(fake_sglang.tiny_params(1), CFG, str(tmp_path / "c"), dtype="bfloat16"),
+  path = os.path.join(hf_export.export_hf(embedded_tiny.tiny_params(1), CFG, str(tmp_path / "c"), dtype="bfloat16"),
                       "model.safetensors")
   with open(path, "rb") as f:
     header = int.from_bytes(f.read(8), "little")
@@ -365,7 +365,7 @@ def test_a_publish_refused_before_sending_leaves_the_routing_state_as_it_was(tmp
   a call to one would fail the publish with another error."""
   from vcpo_jax.rollout.client import client as client_lib
   from vcpo_jax.rollout.servers import publisher as publisher_lib
-  reference = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp_path / "start"))
+  reference = embedded_tiny.export_tiny(embedded_tiny.tiny_version(0), str(tmp_path / "start"))
 
   def export_wide(params, out_dir):  # the reference's tensors under a config that names another MLP width
     os.makedirs(out_dir)
@@ -376,7 +376,7 @@ def test_a_publish_refused_before_sending_leaves_the_routing_state_as_it_was(tmp
   url = "http://127.0.0.1:9"  # nothing listens: the refusal must come first
 
   async def run():
-    client = client_lib.RolloutClient([url], vocab_size=fake_sglang.TINY_MODEL["vocab_size"])
+    client = client_lib.RolloutClient([url], vocab_size=embedded_tiny.TINY_MODEL["vocab_size"])
     pub = publisher_lib.WeightPublisher(export_wide, str(tmp_path / "w"), client, reference_dir=reference)
     pub.adopt(1, reference)
     client.required_version = 1
@@ -403,7 +403,7 @@ def test_a_ram_backed_root_recycles_the_deleted_versions_file_and_the_export_is_
   os.makedirs(root)
 
   def export(version):
-    return weight_store.export_version(fake_sglang.export_tiny, fake_sglang.tiny_version(version), root, version)
+    return weight_store.export_version(embedded_tiny.export_tiny, embedded_tiny.tiny_version(version), root, version)
 
   export(1), export(2)
   weight_store.delete_old(root, 1)
@@ -411,7 +411,7 @@ def test_a_ram_backed_root_recycles_the_deleted_versions_file_and_the_export_is_
   inode = os.stat(spare).st_ino
   path = export(3)
   assert os.stat(os.path.join(path, "model.safetensors")).st_ino == inode and not os.path.exists(spare)
-  got, want = _read(path), _expected(fake_sglang.tiny_version(3), CFG, "float32")
+  got, want = _read(path), _expected(embedded_tiny.tiny_version(3), CFG, "float32")
   assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
   assert sorted(os.listdir(root)) == ["v2", "v3"]
   weight_store.delete_old(str(tmp_path / "vcpo-x"), 2)
