@@ -231,10 +231,10 @@ def test_run_subprocess_timeout_ends_grandchildren_in_other_sessions(tmp_path):
 
 
 def test_decode_baseline_takes_the_faster_variant_per_round():
-  from benchmarks.cpu import bench_decode
+  from benchmarks.cpu import bench_decode, decode_engine
   assert bench_decode.best_of_rounds([1.0, 5.0, 2.0], [3.0, 1.0, 2.5]) == [1.0, 1.0, 2.0]
-  assert bench_decode.random_prompts(3, 5, 10) == bench_decode.random_prompts(3, 5, 10)
-  assert all(len(p) == 5 and all(1 <= t < 10 for t in p) for p in bench_decode.random_prompts(3, 5, 10))
+  assert decode_engine.random_prompts(3, 5, 10) == decode_engine.random_prompts(3, 5, 10)
+  assert all(len(p) == 5 and all(1 <= t < 10 for t in p) for p in decode_engine.random_prompts(3, 5, 10))
 
 
 def test_async_speedup_figures_pair_steps_and_report_failed_runs():
@@ -337,16 +337,16 @@ def _compile_result(total_s, temp_bytes, error=None):
 
 
 def test_compile_figures_goals_and_table():
-  from benchmarks.cpu import bench_compile
-  figs = {f["key"]: f for f in bench_compile.figures(_compile_result(197.0, 77e9))}
+  from benchmarks.cpu import compile_report
+  figs = {f["key"]: f for f in compile_report.figures(_compile_result(197.0, 77e9))}
   assert figs["compile_vcpo_seconds"]["value"] == 98.5 and figs["compile_vcpo_seconds"]["goal_met"] is False
   assert figs["compile_vcpo_temp_mb_per_token"]["value"] == pytest.approx(77e9 / 8192 / 1e6)
   assert figs["compile_grpo_seconds"]["error"] == "not measured"
-  fast = {f["key"]: f for f in bench_compile.figures(_compile_result(16.0, 0.5e9))}  # 8 CPU seconds
+  fast = {f["key"]: f for f in compile_report.figures(_compile_result(16.0, 0.5e9))}  # 8 CPU seconds
   assert fast["compile_vcpo_seconds"]["goal_met"] and fast["compile_vcpo_temp_mb_per_token"]["goal_met"]
-  failed = {f["key"]: f for f in bench_compile.figures(_compile_result(0, 0, error="XlaRuntimeError: boom"))}
+  failed = {f["key"]: f for f in compile_report.figures(_compile_result(0, 0, error="XlaRuntimeError: boom"))}
   assert failed["compile_vcpo_seconds"]["error"] == "XlaRuntimeError: boom"
-  md = bench_compile.render_markdown(_compile_result(197.0, 77e9))
+  md = compile_report.render_markdown(_compile_result(197.0, 77e9))
   assert "abc1234" in md and "| vcpo (defaults) | 24 | 8 x 1024 | 1.0 | 196.0 | 197.0 | 98.5 | 77.00 | 9.399 | - |" in md
 
 
@@ -359,7 +359,7 @@ def test_compile_set_parses_json_values():
 
 
 def test_temp_fit_separates_fixed_and_per_token_parts():
-  from benchmarks.cpu import bench_compile
+  from benchmarks.cpu import bench_compile, compile_report
   fixed, per_token = 6e9, 0.25e6
   f = bench_compile.temp_fit(8, 1024, fixed + per_token * 8192, 4, fixed + per_token * 4096)
   assert f["per_token_mb"] == pytest.approx(0.25) and f["fixed_gb"] == pytest.approx(6.0)
@@ -368,10 +368,10 @@ def test_temp_fit_separates_fixed_and_per_token_parts():
     bench_compile.temp_fit(8, 1024, 1, 8, 1)
   result = _compile_result(16.0, fixed + per_token * 8192)
   result["rows"][0]["temp_fit"] = f
-  figs = {fig["key"]: fig for fig in bench_compile.figures(result)}
+  figs = {fig["key"]: fig for fig in compile_report.figures(result)}
   assert figs["compile_vcpo_temp_mb_per_extra_token"]["value"] == pytest.approx(0.25)
   assert figs["compile_vcpo_temp_mb_per_extra_token"]["goal_met"] is False
-  assert "6.00 GB + 0.250 MB x tokens" in bench_compile.render_markdown(result)
+  assert "6.00 GB + 0.250 MB x tokens" in compile_report.render_markdown(result)
 
 
 @pytest.mark.slow
