@@ -61,6 +61,18 @@ def stop_server(proc: subprocess.Popen) -> None:
   proc.wait(timeout=30)
 
 
+async def set_fault_mode(request, modes: tuple[str, ...], default_count: int, target, mode_attr: str,
+                         count_attr: str):
+  """A POST /fake/... {"mode": m, "count": c} handler's body: m checked against `modes`, then set on `target`."""
+  from aiohttp import web
+  body = await request.json()
+  if body.get("mode") not in modes:
+    return web.json_response({"error": f"mode must be one of {modes}"}, status=400)
+  setattr(target, mode_attr, body["mode"])
+  setattr(target, count_attr, body.get("count", default_count))
+  return web.json_response({"success": True})
+
+
 class FakeServer:
   """State of one fake server: misbehaviour mode, weight version, pause flag."""
 
@@ -148,12 +160,7 @@ class FakeServer:
     return web.Response(text=json.dumps(result), content_type="application/json")
 
   async def set_mode(self, request):
-    from aiohttp import web
-    body = await request.json()
-    if body.get("mode") not in MODES:
-      return web.json_response({"error": f"mode must be one of {MODES}"}, status=400)
-    self.mode, self.mode_count = body["mode"], body.get("count", -1)
-    return web.json_response({"success": True})
+    return await set_fault_mode(request, MODES, -1, self, "mode", "mode_count")
 
   async def update_weights(self, request):
     from aiohttp import web
@@ -177,12 +184,7 @@ class FakeServer:
     return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
 
   async def set_update_mode(self, request):
-    from aiohttp import web
-    body = await request.json()
-    if body.get("mode") not in UPDATE_MODES:
-      return web.json_response({"error": f"mode must be one of {UPDATE_MODES}"}, status=400)
-    self.update_mode, self.update_count = body["mode"], body.get("count", 1)
-    return web.json_response({"success": True})
+    return await set_fault_mode(request, UPDATE_MODES, 1, self, "update_mode", "update_count")
 
   def app(self):
     from aiohttp import web
