@@ -14,12 +14,13 @@ import pytest
 
 from configs import dataset as dataset_config
 from tests import xla_env
+from tests.scripted_policy import ScriptedPolicy
 from vcpo_jax.tasks.files import word_problems as make_word_problems
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration, data, startup_errors
 from vcpo_jax.model import tokenizer as tokenizer_lib
 from vcpo_jax.model.tokenizer import completion_text
-from vcpo_jax.rollout import episodes, types
+from vcpo_jax.rollout import episodes
 from vcpo_jax.tasks.files import reading as dataset_files
 
 TOK = tokenizer_lib.build_tokenizer()
@@ -383,19 +384,6 @@ def test_a_users_environment_is_named_as_module_colon_class(tmp_path, monkeypatc
       tasks.get_task("arithmetic", environment=spec)
   with pytest.raises(ValueError, match=r"unknown option\(s\) \['colour'\]"):
     tasks.get_task("arithmetic", environment="user_notes:Notes", environment_options="colour=red")
-
-
-class ScriptedPolicy:
-  """Writes the given turn texts in order (n=1), as a server would."""
-
-  def __init__(self, turns):
-    self.turns, self.calls = [TOK.encode(t) for t in turns], 0
-
-  async def __call__(self, input_ids, params, n=1):
-    ids = self.turns[self.calls]
-    self.calls += 1
-    return [types.Sample(list(input_ids), ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int64),
-                         "stop", "scripted")]
 
 
 @pytest.mark.integration

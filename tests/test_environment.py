@@ -7,9 +7,9 @@ import pathlib
 import re
 import threading
 
-import numpy as np
 import pytest
 
+from tests.scripted_policy import ScriptedPolicy
 from vcpo_jax import tasks
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
 from vcpo_jax.calls import offload
@@ -31,21 +31,6 @@ def _doc_example() -> dict:
 
 
 KV = _doc_example()["KeyValueStore"]
-
-
-class ScriptedPolicy:
-  """Writes the given turns in order (n=1), after `delay` s of awaited 'generation' each."""
-
-  def __init__(self, turns, delay=0.0):
-    self.turns, self.delay, self.calls = [TOK.encode(t) for t in turns], delay, 0
-
-  async def __call__(self, input_ids, params, n=1):
-    if self.delay:
-      await asyncio.sleep(self.delay)
-    ids = self.turns[self.calls]
-    self.calls += 1
-    return [types.Sample(list(input_ids), ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int64),
-                         "stop", "scripted")]
 
 
 def _runner(env, pool=None, max_new_tokens=600):
