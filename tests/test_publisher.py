@@ -281,14 +281,7 @@ def _fake_update_mode(url, mode, count=1):
 def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_path):
   """A server that says success but reports another version is out of rotation, counted, and re-synced;
   SGLang's "cache was not flushed" 400 (weights live, version not advanced) is retried after a new pause."""
-  import sys
-  procs, urls = [], []
-  for i in range(2):
-    port = launcher.free_port()
-    urls.append(f"http://127.0.0.1:{port}")
-    procs.append(fake_sglang.launch_server(
-        [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB)], urls[-1],
-        log_path=tmp_path / f"fake{i}.log"))
+  procs, urls = _fake_servers(tmp_path, 2)
 
   def export(params, out_dir):
     embedded_tiny.export_tiny(embedded_tiny.tiny_version(0), out_dir)
@@ -315,8 +308,7 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
   try:
     result, out_of_rotation, available, infos, stats, client_stats = asyncio.run(run())
   finally:
-    for p in procs:
-      fake_sglang.stop_server(p)
+    _stop(procs)
   assert result == {urls[0]: False, urls[1]: True} and out_of_rotation == [urls[1]]
   assert stats["version_mismatches"] == 1 and stats["cache_not_flushed_retries"] == 1
   assert stats["resynced"] == 1 and available == urls and [i["weight_version"] for i in infos] == ["v3", "v3"]
@@ -335,6 +327,11 @@ def _fake_servers(tmp_path, n, info=None):
         [sys.executable, fake_sglang.__file__, "--port", str(port), "--vocab-size", str(VOCAB),
          "--info", json.dumps(info or {})], urls[-1], log_path=tmp_path / f"fake{i}.log"))
   return procs, urls
+
+
+def _stop(procs) -> None:
+  for p in procs:
+    fake_sglang.stop_server(p)
 
 
 def _fake_stats(url):
@@ -378,8 +375,7 @@ def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
   try:
     first, good, second, stats_after, stats, client_stats = asyncio.run(run())
   finally:
-    for p in procs:
-      fake_sglang.stop_server(p)
+    _stop(procs)
   assert first == ({"generate_requests": 0, "update_requests": 0, "last_model_path": None}, [])
   assert second == (good, ["v1"])
   assert stats_after["update_requests"] == 2 and stats_after["last_model_path"] == str(root / "v1")
@@ -403,17 +399,15 @@ def test_server_reporting_another_model_is_refused_at_start(tmp_path):
   try:
     message = asyncio.run(run())
   finally:
-    for p in procs:
-      fake_sglang.stop_server(p)
+    _stop(procs)
   assert f"vocab_size={2 * VOCAB}, the starting weights have {VOCAB}" in message and urls[1] in message
 
 
 def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
   """A refusal in the RL loop first writes the step (metrics with the refusal counter), then
   ends the job with one line naming the field and both values."""
-  import ml_collections
+  from tests import test_publish_pipeline as pipeline_test  # its Run: RLRun's surface that rl_loop uses
   from vcpo_jax.job import train
-  from vcpo_jax.job import batching
   from vcpo_jax.rollout import backend as backend_lib, http_backend
   procs, urls = _fake_servers(tmp_path, 1)
 
@@ -449,37 +443,28 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
       await self.client.close()
       self.closed = True
 
-  class Run:  # RLRun's surface that rl_loop uses
-    config = ml_collections.ConfigDict({"rl": {"steps": 5}})
-    layout = batching.BatchLayout(seq_len=4, pad_id=0, num_rows=1)
-    step, rollout_state, written = 0, {}, []
-    backend = Backend()
+  class Run(pipeline_test.Run):  # RLRun's surface that rl_loop uses, on the backend above
+    def __init__(self):
+      super().__init__(steps=5)
+      self.backend = Backend()
 
     def make_backend(self):
       return self.backend
 
-    def rollout_params(self):
-      return None
-
-    def learn(self, batch):
-      return {"loss": 1.0}
-
-    def after_step(self, groups, step_metrics, extra, seconds, rollout_state_fn):
-      self.step += 1
-      self.written.append((self.step, extra.get("rollout/publish_refused_shapes", 0.0)))
+  def refusals(run):
+    return [(step, extra.get("rollout/publish_refused_shapes", 0.0)) for step, extra in run.written]
 
   run = Run()
   try:
     with pytest.raises(publisher_lib.PublishError):
       asyncio.run(train.rl_loop(run, run.make_backend()))
-    written = list(run.written)
+    written = refusals(run)
     assert written == [(1, 0.0), (2, 1.0)] and run.backend.closed  # step 2 written, with the refusal
     run.step, run.written[:] = 0, []
     with pytest.raises(SystemExit) as stopped:  # as the job's entry point sees it
       train.run_rl_loop(run)
   finally:
-    for p in procs:
-      fake_sglang.stop_server(p)
-  assert run.written == written
+    _stop(procs)
+  assert refusals(run) == written
   message = str(stopped.value.code)
   assert "\n" not in message and "step 2" in message and "intermediate_size=128" in message and "64" in message
