@@ -305,10 +305,7 @@ def test_unconfirmed_update_leaves_rotation_and_unflushed_cache_is_retried(tmp_p
       finally:
         await pub.close()
 
-  try:
-    result, out_of_rotation, available, infos, stats, client_stats = asyncio.run(run())
-  finally:
-    _stop(procs)
+  result, out_of_rotation, available, infos, stats, client_stats = _run_then_stop(run, procs)
   assert result == {urls[0]: False, urls[1]: True} and out_of_rotation == [urls[1]]
   assert stats["version_mismatches"] == 1 and stats["cache_not_flushed_retries"] == 1
   assert stats["resynced"] == 1 and available == urls and [i["weight_version"] for i in infos] == ["v3", "v3"]
@@ -332,6 +329,14 @@ def _fake_servers(tmp_path, n, info=None):
 def _stop(procs) -> None:
   for p in procs:
     fake_sglang.stop_server(p)
+
+
+def _run_then_stop(run, procs):
+  """asyncio.run(run()), the fake servers stopped afterwards whatever happens."""
+  try:
+    return asyncio.run(run())
+  finally:
+    _stop(procs)
 
 
 def _fake_stats(url):
@@ -372,10 +377,7 @@ def test_refusals_with_unreadable_model_path_never_reach_the_server(tmp_path):
       finally:
         await pub.close()
 
-  try:
-    first, good, second, stats_after, stats, client_stats = asyncio.run(run())
-  finally:
-    _stop(procs)
+  first, good, second, stats_after, stats, client_stats = _run_then_stop(run, procs)
   assert first == ({"generate_requests": 0, "update_requests": 0, "last_model_path": None}, [])
   assert second == (good, ["v1"])
   assert stats_after["update_requests"] == 2 and stats_after["last_model_path"] == str(root / "v1")
@@ -396,10 +398,7 @@ def test_server_reporting_another_model_is_refused_at_start(tmp_path):
     finally:
       await pub.close()
 
-  try:
-    message = asyncio.run(run())
-  finally:
-    _stop(procs)
+  message = _run_then_stop(run, procs)
   assert f"vocab_size={2 * VOCAB}, the starting weights have {VOCAB}" in message and urls[1] in message
 
 
