@@ -1,4 +1,4 @@
-"""Your files as a dataset task: schemas, grain order, context and SFT, and every bad input named."""
+"""The dataset task: verl-schema and plain rows from JSONL and parquet, the grain order (shuffle, shards, resume),
 prompts through the chat template, warm-start targets, context fitting, and every bad input's error."""
 import json
 import os
