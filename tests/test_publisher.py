@@ -405,7 +405,7 @@ def test_server_reporting_another_model_is_refused_at_start(tmp_path):
 def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
   """A refusal in the RL loop first writes the step (metrics with the refusal counter), then
   ends the job with one line naming the field and both values."""
-  from tests import test_publish_pipeline as pipeline_test  # its Run: RLRun's surface that rl_loop uses
+  from tests import test_background_publish as loop_test  # its Run: RLRun's surface that rl_loop uses
   from vcpo_jax.job import train
   from vcpo_jax.rollout import backend as backend_lib, http_backend
   procs, urls = _fake_servers(tmp_path, 1)
@@ -442,7 +442,7 @@ def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
       await self.client.close()
       self.closed = True
 
-  class Run(pipeline_test.Run):  # RLRun's surface that rl_loop uses, on the backend above
+  class Run(loop_test.Run):  # RLRun's surface that rl_loop uses, on the backend above
     def __init__(self):
       super().__init__(steps=5)
       self.backend = Backend()
