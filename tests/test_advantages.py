@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_losses import _j
+from test_losses import _j
 from vcpo_jax.algo import advantages
 from vcpo_jax.algo import losses
 from vcpo_jax.algo import vcpo

@@ -10,7 +10,7 @@ import pytest
 from configs import dataset as dataset_config
 from tests import xla_env
 from tests.scripted_policy import ScriptedPolicy
-from tests.test_dataset import ROOT, TOK, _write_jsonl
+from test_dataset import ROOT, TOK, _write_jsonl
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration
 from vcpo_jax.model.tokenizer import completion_text

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from conftest import skip_if_not_enough_devices
-from tests.test_learner import B, CFG, T, _assert_tree_close, _batch, _logp, _params, _run, _step
+from test_learner import B, CFG, T, _assert_tree_close, _batch, _logp, _params, _run, _step
 from vcpo_jax.algo import losses as L
 from vcpo_jax.learner import batch as batch_lib
 from vcpo_jax.learner import config as learner_config

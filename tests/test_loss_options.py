@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_losses import B, T, _batch, _j, _run
+from test_losses import B, T, _batch, _j, _run
 from vcpo_jax.algo import advantages
 from vcpo_jax.algo import losses
 

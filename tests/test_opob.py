@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tests.conftest import skip_if_not_enough_devices
-from tests.test_vcpo import IS_WEIGHTS, np_aggregate, np_is_factor, random_batch
+from test_vcpo import IS_WEIGHTS, np_aggregate, np_is_factor, random_batch
 from vcpo_jax.algo import vcpo
 
 

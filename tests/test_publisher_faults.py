@@ -6,7 +6,7 @@ import pytest
 
 from tests import embedded_tiny, fake_sglang
 from tests import waits
-from tests.test_publisher import VOCAB, _files, _wide_export
+from test_publisher import VOCAB, _files, _wide_export
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import publisher as publisher_lib
 from vcpo_jax.rollout.servers import launcher
@@ -147,7 +147,7 @@ def test_server_reporting_another_model_is_refused_at_start(tmp_path):
 def test_refused_publish_ends_the_job_after_the_steps_metrics(tmp_path):
   """A refusal in the RL loop first writes the step (metrics with the refusal counter), then
   ends the job with one line naming the field and both values."""
-  from tests import test_background_publish as loop_test  # its Run: RLRun's surface that rl_loop uses
+  import test_background_publish as loop_test  # its Run: RLRun's surface that rl_loop uses
   from vcpo_jax.job import train
   from vcpo_jax.rollout import backend as backend_lib, http_backend
   procs, urls = _fake_servers(tmp_path, 1)

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_train import _jsonl, tiny_config
+from test_train import _jsonl, tiny_config
 from vcpo_jax import tasks
 from vcpo_jax.job import train
 from vcpo_jax.model import config as model_config
