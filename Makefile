@@ -56,8 +56,8 @@ test-fast: $(VENV)/.dev
 # Opt-in, not part of `make test` or CI: real SGLang 0.5.23 servers on CPU (installs a cached venv under
 # ~/.cache/vcpo_jax/sglang-cpu the first time, ~5 min; the suite then takes ~27 min on 2 busy cores).
 test-sglang: $(VENV)/.dev
-	third_party/install_sglang_cpu.sh
-	SGLANG_PYTHON="$$(third_party/install_sglang_cpu.sh | tail -n 1)/bin/python" VCPO_TEST_SGLANG=1 \
+	tests/sglang/install_sglang_cpu.sh
+	SGLANG_PYTHON="$$(tests/sglang/install_sglang_cpu.sh | tail -n 1)/bin/python" VCPO_TEST_SGLANG=1 \
 	  $(PY) -m pytest -q -s -m sglang $(PYTEST_ARGS) tests/sglang
 
 # make bench MODEL=qwen2.5-0.5b|countdown|tiny (default auto: countdown on CPU, the 0.5B shape on a GPU)

@@ -143,7 +143,7 @@ def _unit_tier_starts_nothing():
 
 @pytest.fixture()
 def cluster(tmp_path):
-  """Two embedded servers on the tiny model's version 0 (fake_sglang.embedded_cluster), stopped afterwards."""
-  from tests import fake_sglang  # noqa: PLC0415  (its imports only where a test asks for servers)
-  with fake_sglang.embedded_cluster(str(tmp_path)) as c:
+  """Two embedded servers on the tiny model's version 0 (embedded_tiny.embedded_cluster), stopped afterwards."""
+  from tests import embedded_tiny  # noqa: PLC0415  (its imports only where a test asks for servers)
+  with embedded_tiny.embedded_cluster(str(tmp_path)) as c:
     yield c

@@ -131,12 +131,8 @@ class FakeLora:
     return handler
 
   async def set_mode(self, request):
-    from aiohttp import web
-    body = await request.json()
-    if body.get("mode") not in LORA_MODES:
-      return web.json_response({"error": f"mode must be one of {LORA_MODES}"}, status=400)
-    self.mode, self.count = body["mode"], body.get("count", 1)
-    return web.json_response({"success": True})
+    import fake_sglang  # the fake server's own module: it imports this one only when started with --enable-lora
+    return await fake_sglang.set_fault_mode(request, LORA_MODES, 1, self, "mode", "count")
 
   async def stats(self, _):
     from aiohttp import web

@@ -124,7 +124,7 @@ def test_dropping_a_leaf_contribution_changes_the_total(monkeypatch):
   from vcpo_jax.learner import norm_taps
   cfg, params, tokens, mask, key_mask = _setup(False)
   want_B = sum(_brute(False)[0].values())[:3]
-  monkeypatch.setattr(norm_taps.G, "scale_sq_norms", lambda xhat, g: jnp.zeros(xhat.shape[:1], jnp.float32))
+  monkeypatch.setattr(norm_taps.op_norms, "scale_sq_norms", lambda xhat, g: jnp.zeros(xhat.shape[:1], jnp.float32))
   with jax.default_matmul_precision(HIGHEST):
     sq_B, _ = jax.jit(functools.partial(BN.per_sequence_sq_norms, cfg=cfg))(
         params, tokens_BxT=tokens, mask_BxT=mask, key_mask_BxT=key_mask)

@@ -26,6 +26,13 @@ def _code(text: str) -> str:
   return "\n".join(fenced + inline)
 
 
+def _text(page: pathlib.Path) -> str:
+  """The page's text; a page not in this checkout skips its test."""
+  if not page.exists():
+    pytest.skip(f"{page.name} not present")
+  return page.read_text()
+
+
 def _make_targets() -> set[str]:
   text = (ROOT / "Makefile").read_text()
   return {m.group(1) for m in re.finditer(r"^([a-z][\w-]*)\s*:(?!=)", text, flags=re.M)}
@@ -33,10 +40,9 @@ def _make_targets() -> set[str]:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
-  if not page.exists():
-    pytest.skip(f"{page.name} not present")
+  text = _text(page)
   broken = []
-  for target in LINK.findall(page.read_text()):
+  for target in LINK.findall(text):
     if re.match(r"^[a-z]+:", target) or target.startswith("#"):
       continue  # URLs and in-page anchors
     path = target.split("#", 1)[0]
@@ -47,11 +53,10 @@ def test_relative_links_resolve(page):
 
 @pytest.mark.parametrize("page", HAND_WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_make_targets_exist(page):
-  if not page.exists():
-    pytest.skip(f"{page.name} not present")
+  text = _text(page)
   targets = _make_targets()
   missing = set()
-  for m in MAKE.finditer(_code(page.read_text())):
+  for m in MAKE.finditer(_code(text)):
     for name in m.group(2).split():
       if name not in targets:
         missing.add(name)
@@ -60,11 +65,10 @@ def test_named_make_targets_exist(page):
 
 @pytest.mark.parametrize("page", HAND_WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_python_modules_exist(page):
-  if not page.exists():
-    pytest.skip(f"{page.name} not present")
+  text = _text(page)
   sys.path.insert(0, str(ROOT))
   try:
-    missing = sorted({name for name in MODULE.findall(_code(page.read_text()))
+    missing = sorted({name for name in MODULE.findall(_code(text))
                       if name not in EXTERNAL_MODULES and importlib.util.find_spec(name) is None})
   finally:
     sys.path.remove(str(ROOT))

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from aiohttp import test_utils
 
-from tests import fake_sglang
+from tests import embedded_tiny
 from vcpo_jax.model import config as model_config
 from vcpo_jax.rollout.servers import lora
 from vcpo_jax.serving import adapters, rows, server
 
-CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)  # hidden 32, 2 layers, q 32, kv 16, mlp 64
+CFG = model_config.ModelConfig(**embedded_tiny.TINY_MODEL)  # hidden 32, 2 layers, q 32, kv 16, mlp 64
 SETTINGS = adapters.Settings(max_rank=8, targets=("q_proj", "v_proj", "down_proj"), num_slots=3)
 
 
@@ -88,7 +88,7 @@ def test_registry_refuses_as_sglang_does():
 
 
 def _args(model_dir, *extra):
-  return rows.parse_args(["--model-path", model_dir, *fake_sglang.EMBEDDED_ARGS, *extra])
+  return rows.parse_args(["--model-path", model_dir, *embedded_tiny.EMBEDDED_ARGS, *extra])
 
 
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj", "down_proj",
@@ -100,7 +100,7 @@ def test_http_endpoints_speak_sglang(tmp_path):
   torch = pytest.importorskip("torch")
   from vcpo_jax.rollout.servers import tensor as tensor_lib
   tensor_lib.require_torch()
-  model_dir = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp_path / "m"))
+  model_dir = embedded_tiny.export_tiny(embedded_tiny.tiny_version(0), str(tmp_path / "m"))
   state = rows.load_state(_args(model_dir, *LORA_FLAGS))
   plain = rows.load_state(_args(model_dir))
   for name, seed, rank in (("policy-v1", 1, 4), ("policy-v2", 2, 8)):

@@ -1,19 +1,16 @@
 """The environment interface (tasks/environments/base.py): tools from typed methods, one instance per episode, episode
-rewards, the config's choice, the task tokenizer with new tools, and calls in the tools pool off the event loop
-(a slow tool does not hold up the other episodes or a publish; a timed-out call is a counted error reply)."""
+rewards, the config's choice, the task tokenizer with new tools, each episode's example, tool tasks' chat formats."""
 import asyncio
 import json
 import pathlib
 import re
-import threading
 
-import numpy as np
 import pytest
 
+from tests.scripted_policy import ScriptedPolicy
 from vcpo_jax import tasks
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
-from vcpo_jax.calls import offload
-from vcpo_jax.rollout import episodes, group_metrics, multiturn, rewards, types
+from vcpo_jax.rollout import episodes, multiturn, rewards, types
 from vcpo_jax.tasks.environments import base as environment, calculator, tool_calls
 
 TOK = build_tokenizer()
@@ -31,21 +28,6 @@ def _doc_example() -> dict:
 
 
 KV = _doc_example()["KeyValueStore"]
-
-
-class ScriptedPolicy:
-  """Writes the given turns in order (n=1), after `delay` s of awaited 'generation' each."""
-
-  def __init__(self, turns, delay=0.0):
-    self.turns, self.delay, self.calls = [TOK.encode(t) for t in turns], delay, 0
-
-  async def __call__(self, input_ids, params, n=1):
-    if self.delay:
-      await asyncio.sleep(self.delay)
-    ids = self.turns[self.calls]
-    self.calls += 1
-    return [types.Sample(list(input_ids), ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int64),
-                         "stop", "scripted")]
 
 
 def _runner(env, pool=None, max_new_tokens=600):
@@ -190,93 +172,6 @@ def test_the_job_builds_the_tools_pool_from_its_config():
     bad.tools[field] = value
     with pytest.raises(ValueError, match=match):
       configuration.validate_config(bad)
-
-
-# --- off the event loop -------------------------------------------------------------------------------
-
-class Blocker(environment.Environment):
-  """`hold` blocks its thread until the test releases it (a slow tool without a timing assumption)."""
-  started, release = threading.Event(), threading.Event()
-
-  def hold(self) -> str:
-    """Blocks."""
-    Blocker.started.set()
-    Blocker.release.wait(30)
-    return "released"
-
-  def quick(self) -> str:
-    """Answers at once."""
-    return "quick"
-
-
-def test_a_slow_tool_does_not_hold_up_other_episodes_or_a_publish():
-  Blocker.started.clear()
-  Blocker.release.clear()
-  env = environment.EnvironmentFactory(Blocker, max_turns=4)
-  pool = offload.CallPool("thread", workers=4, timeout_s=60, name="tools")
-  runner = _runner(env, pool)
-
-  async def run():
-    slow = asyncio.create_task(runner.run(ScriptedPolicy([C("hold"), "<answer>1</answer>" + END]), PROMPT,
-                                          {"max_new_tokens": 1}))
-    while not Blocker.started.is_set():
-      await asyncio.sleep(0.001)
-    published = []
-
-    async def publish():
-      for _ in range(5):
-        await asyncio.sleep(0.001)  # awaited I/O of an export and an HTTP update
-      published.append(True)
-
-    others = [runner.run(ScriptedPolicy([C("quick"), C("quick"), "<answer>2</answer>" + END], delay=0.001),
-                         PROMPT, {"max_new_tokens": 1}) for _ in range(6)]
-    done = await asyncio.gather(publish(), *others)
-    still_running = not slow.done() and not Blocker.release.is_set()
-    Blocker.release.set()
-    return still_running, published, done[1:], await slow
-
-  try:
-    still_running, published, others, slow = asyncio.run(run())
-  finally:
-    Blocker.release.set()
-    pool.close()
-  assert still_running and published == [True]  # everything else finished while the slow call ran
-  assert all(_replies(ep.to_sample(PROMPT)) == ["quick", "quick"] and ep.turns == 3 for ep in others)
-  assert _replies(slow.to_sample(PROMPT)) == ["released"]
-
-
-def test_a_timed_out_call_is_a_counted_error_reply_and_the_episode_goes_on():
-  Blocker.started.clear()
-  Blocker.release.clear()
-  env = environment.EnvironmentFactory(Blocker, max_turns=4)
-  pool = offload.CallPool("thread", workers=2, timeout_s=0.2, name="tools")
-  try:
-    (s,) = asyncio.run(_runner(env, pool).generate(
-        ScriptedPolicy([C("hold"), C("quick"), "<answer>1</answer>" + END]), PROMPT, {"max_new_tokens": 1}))
-    assert Blocker.started.is_set() and not Blocker.release.is_set()  # the tool was still blocked
-  finally:
-    Blocker.release.set()
-    pool.close()
-  assert _replies(s) == [tool_calls.ERROR_KINDS["timeout"], "quick"]
-  assert (s.num_turns, s.tool_calls, s.tool_errors, s.tool_error_kinds) == (3, 2, 1, {"timeout": 1})
-  assert pool.stats["errors/timeout"] == 1
-  metrics = group_metrics.episode_metrics([types.Group(0, {}, 0, 0, samples=[s])])
-  assert metrics["tools/errors/timeout"] == 1 and metrics["tools/errors/reward"] == 0
-
-
-def test_a_failing_episode_reward_scores_zero_and_is_counted():
-  class BadReward(environment.Environment):
-    def ping(self) -> str:
-      """Answers pong."""
-      return "pong"
-
-    def reward(self, completion):
-      return float("nan") if "nan" in completion else 1 / 0
-
-  env = environment.EnvironmentFactory(BadReward)
-  for answer in ("nan", "x"):
-    (s,) = asyncio.run(_runner(env).generate(ScriptedPolicy([answer + END]), PROMPT, {"max_new_tokens": 1}))
-    assert s.env_reward == 0.0 and s.tool_error_kinds == {"reward": 1}
 
 
 def test_the_scheduler_and_the_emulator_hand_each_episode_its_groups_example():

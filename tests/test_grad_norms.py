@@ -9,6 +9,7 @@ import pytest
 from flax import traverse_util
 
 from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.learner import op_norms
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import transformer as M
 
@@ -106,7 +107,7 @@ def test_norms_match_vmap_grad_per_leaf(tied, mode):
 def test_explicit_norms_one_sequence_at_a_time(monkeypatch):
   """Large explicit temporaries are formed per sequence (lax.map); forced here with a zero budget."""
   cfg, params, tokens, mask = _setup(False)
-  monkeypatch.setattr(G, "EXPLICIT_BATCH_BYTES", 0)
+  monkeypatch.setattr(op_norms, "EXPLICIT_BATCH_BYTES", 0)
   sq_B, _ = jax.jit(functools.partial(G.per_sequence_sq_norms, cfg=cfg, mode="explicit"))(
       params, tokens_BxT=tokens, mask_BxT=mask)
   np.testing.assert_allclose(sq_B[:3], sum(_leaf_sq(_brute(False)).values())[:3], rtol=1e-5)

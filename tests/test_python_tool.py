@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 
+from tests.scripted_policy import ScriptedPolicy
 from vcpo_jax import tasks
 from vcpo_jax.job import configuration
 from vcpo_jax.model.tokenizer import build_tokenizer, completion_text
@@ -211,19 +212,6 @@ def test_exact_prints_agree_with_the_sandbox():
     code = f"print({_random_expression(rng)})"
     assert _env(exact_prints=False, wall_seconds=10.0).respond(python_tool.call(code)).content == \
         _env(exact_prints=True).respond(python_tool.call(code)).content
-
-
-class ScriptedPolicy:
-  """Writes the given turn texts in order (n=1), as a server would."""
-
-  def __init__(self, turns):
-    self.turns, self.calls = [TOK.encode(t) for t in turns], 0
-
-  async def __call__(self, input_ids, params, n=1):
-    ids = self.turns[self.calls]
-    self.calls += 1
-    return [types.Sample(list(input_ids), ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int64),
-                         "stop", "scripted")]
 
 
 @pytest.mark.integration

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from tests import fake_sglang
+from tests import embedded_tiny
 from tests import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf_export
@@ -16,8 +16,8 @@ from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import admin, publisher as publisher_lib, tensor as tensor_lib
 from vcpo_jax.serving import weight_tensor
 
-VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
-CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+VOCAB = embedded_tiny.TINY_MODEL["vocab_size"]
+CFG = model_config.ModelConfig(**embedded_tiny.TINY_MODEL)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -26,7 +26,7 @@ def test_a_buckets_handles_carry_the_exporters_tensors_bit_for_bit(dtype):
   unpickler maps back is each HF tensor as the export writes it."""
   torch = tensor_lib.require_torch()
   sender = tensor_lib.TensorSender(CFG, dtype, bucket_mb=0.01)
-  layout = hf_export.hf_layout(fake_sglang.tiny_params(4), CFG, dtype)
+  layout = hf_export.hf_layout(embedded_tiny.tiny_params(4), CFG, dtype)
   want = hf_export.hf_tensors(layout)
   got = {}
   for i, bucket in enumerate(sender.buckets):
@@ -69,33 +69,33 @@ def test_two_servers_serve_the_weights_sent_as_handles_and_a_killed_one_is_resyn
   async def run():
     async with client_lib.RolloutClient(urls, vocab_size=VOCAB) as client:
       sender = KillMidway(CFG, "float32", bucket_mb=0.01, timeout_s=20.0)
-      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, cluster["root"], client,
+      pub = publisher_lib.WeightPublisher(embedded_tiny.export_tiny, cluster["root"], client,
                                           reference_dir=cluster["init_dir"], wire=sender, resync_interval=0.5)
       try:
         pub.adopt(0, cluster["init_dir"])
         for version in (2, 3):
-          assert await pub.publish(fake_sglang.tiny_version(version), version) == {u: True for u in urls}
+          assert await pub.publish(embedded_tiny.tiny_version(version), version) == {u: True for u in urls}
         assert pub.stats["tensor_versions"] == 2 and os.listdir(cluster["root"]) == []  # no file written
-        sent = await fake_sglang.served_samples(client, 4)
+        sent = await embedded_tiny.served_samples(client, 4)
         sender.victim = servers[1].proc
-        assert await pub.publish(fake_sglang.tiny_version(4), 4) == {urls[0]: True, urls[1]: False}
+        assert await pub.publish(embedded_tiny.tiny_version(4), 4) == {urls[0]: True, urls[1]: False}
         assert pub.stats["tensor_failures"] == 1 and pub.stats["disk_resync_exports"] == 1
         assert not client.is_enabled(urls[1]) and urls[1] in pub.out_of_sync
-        survivor = await fake_sglang.served_samples(client, 2)
+        survivor = await embedded_tiny.served_samples(client, 2)
         servers[1].start()
         servers[1].wait_healthy(180)
         await waits.async_wait_until(lambda: urls[1] not in pub.out_of_sync, 120, "the restarted server resynced")
-        late = await fake_sglang.served_samples(client, 4)
+        late = await embedded_tiny.served_samples(client, 4)
       finally:
         await pub.close()
       return sent, survivor, late
 
   sent, survivor, late = asyncio.run(run())
-  fake_sglang.assert_served_by(sent, 3)
+  embedded_tiny.assert_served_by(sent, 3)
   assert {s.server_url for s in sent} == set(urls)
-  fake_sglang.assert_served_by(survivor, 4)
+  embedded_tiny.assert_served_by(survivor, 4)
   assert {s.server_url for s in survivor} == {urls[0]}
-  fake_sglang.assert_served_by(late, 4)
+  embedded_tiny.assert_served_by(late, 4)
 
 
 @pytest.mark.integration

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-import fake_sglang
+import embedded_tiny
 import waits
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import sampling
@@ -63,15 +63,15 @@ def _check_episode(sample, params_by_version):
   gen_versions = sample.token_versions[mask > 0]
   assert np.all(np.diff(gen_versions) >= 0)
   for version, params in params_by_version.items():
-    ref = fake_sglang.reference_logprobs(params, sample.prompt_ids, sample.output_ids)
+    ref = embedded_tiny.reference_logprobs(params, sample.prompt_ids, sample.output_ids)
     on = (mask > 0) & (sample.token_versions == version)
     np.testing.assert_allclose(sample.output_logprobs[on], ref[on], atol=2e-4, rtol=0)
 
 
 @pytest.mark.slow  # sampler compiles for three turn shapes (~4 min on the loaded 2-core machine)
 def test_local_episodes_continue_after_tool_outputs_with_the_learners_logprobs():
-  params = fake_sglang.tiny_params(0)
-  cfg = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+  params = embedded_tiny.tiny_params(0)
+  cfg = model_config.ModelConfig(**embedded_tiny.TINY_MODEL)
   (first,) = sampling.generate(params, cfg, [PROMPT], max_new_tokens=60, temperature=1.0, seeds=[17])
   marker = _marker(first.output_ids, 8)
   runner = _runner(marker)
@@ -87,9 +87,9 @@ def test_local_episodes_continue_after_tool_outputs_with_the_learners_logprobs()
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
   base = tmp_path_factory.mktemp("tools_e2e")
-  model_dir = fake_sglang.export_tiny(fake_sglang.tiny_params(0), str(base / "weights" / "v0"))
+  model_dir = embedded_tiny.export_tiny(embedded_tiny.tiny_params(0), str(base / "weights" / "v0"))
   cache = os.environ["JAX_COMPILATION_CACHE_DIR"]  # the suite's (conftest.py): shared by every worker
-  server = fake_sglang.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
+  server = embedded_tiny.start_embedded(model_dir, str(base / "weights"), cache, str(base / "logs"))
   try:
     server.wait_healthy(300)
     yield server, str(base / "weights")
@@ -104,8 +104,8 @@ def test_http_episodes_span_an_abort_and_a_weight_update(embedded):
   turn is resumed on the new weights; tokens keep their versions across turns, tool tokens have none."""
   from vcpo_jax.rollout.servers import publisher as publisher_lib
   server, weights = embedded
-  vocab = fake_sglang.TINY_MODEL["vocab_size"]
-  params = {0: fake_sglang.tiny_params(0), 1: fake_sglang.tiny_params(1)}
+  vocab = embedded_tiny.TINY_MODEL["vocab_size"]
+  params = {0: embedded_tiny.tiny_params(0), 1: embedded_tiny.tiny_params(1)}
   sp = {"max_new_tokens": 1, "temperature": 1.0, "sampling_seed": 29, "no_stop_trim": True}
 
   async def run():
@@ -115,7 +115,7 @@ def test_http_episodes_span_an_abort_and_a_weight_update(embedded):
       runner = _runner(marker, max_new_tokens=200)
       # Undisturbed: turn 0 is the plain generation up to the marker, where the server stopped it.
       (calm,) = await runner.generate(client.generate, PROMPT, dict(sp, ignore_eos=True), n=1)
-      pub = publisher_lib.WeightPublisher(fake_sglang.export_tiny, weights, client)
+      pub = publisher_lib.WeightPublisher(embedded_tiny.export_tiny, weights, client)
       turns = []
 
       async def held_second_turn(input_ids, params, n=1):

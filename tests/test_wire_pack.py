@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from tests import fake_sglang
+from tests import embedded_tiny
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import hf, hf_export
 from vcpo_jax.model import transformer as model
 from vcpo_jax.rollout.servers import wire_pack
 
-CFG = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+CFG = model_config.ModelConfig(**embedded_tiny.TINY_MODEL)
 
 
 def _exported(params, cfg, tmp_path):

@@ -11,7 +11,7 @@
 #   DTYPE=auto          --dtype (float32 for log-prob checks against the learner; CPU default float32)
 #   RADIX_CACHE=1       0 adds --disable-radix-cache (needed only for in-place weight updates, docs/sglang.md)
 #   METRICS=1           add --enable-metrics (Prometheus /metrics)
-#   DEVICE=cuda         cpu: SGLang's CPU engine (third_party/install_sglang_cpu.sh installs it)
+#   DEVICE=cuda         cpu: SGLang's CPU engine (tests/sglang/install_sglang_cpu.sh installs it)
 #   PYTHON=python3      interpreter that has sglang installed
 # Always set: SGLANG_RETURN_ORIGINAL_LOGPROB=1, so log-probs are the raw model's at any temperature (the
 # learner's); without it SGLang returns log_softmax(logits / T). The client checks which it gets.

@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
   if not args.step_seconds >= 0:
     parser.error(f"--step-seconds must be >= 0, got {args.step_seconds}")
   if not os.path.exists(args.sglang_python):
-    parser.error(f"--sglang-python={args.sglang_python!r} does not exist (third_party/install_sglang_cpu.sh "
+    parser.error(f"--sglang-python={args.sglang_python!r} does not exist (tests/sglang/install_sglang_cpu.sh "
                  "installs SGLang's CPU venv)")
   command = "python -m benchmarks.cpu.bench_publish " + " ".join(sys.argv[1:] if argv is None else argv)
   env = environment.environment()

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests import fake_sglang
+from tests import embedded_tiny
 from tests.sglang.conftest import SGLangServer, requires_sglang
 from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import admin, launcher, lora, lora_launch, publisher as publisher_lib
@@ -22,7 +22,7 @@ from vcpo_jax.rollout.servers import admin, launcher, lora, lora_launch, publish
 pytestmark = [pytest.mark.sglang, requires_sglang, pytest.mark.integration, pytest.mark.timeout(1200)]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SERVING = lora_launch.LoraServing(rank=8, target_modules=TARGETS, max_lag=1)
-VOCAB = fake_sglang.TINY_MODEL["vocab_size"]
+VOCAB = embedded_tiny.TINY_MODEL["vocab_size"]
 ATOL = 1e-4  # the suite's tolerance for served vs recomputed log-probs of a disk publish (float32)
 
 
@@ -30,7 +30,7 @@ def adapter(version: int, rank: int = 4):
   """A PEFT adapter of the tiny checkpoint on every linear layer (values a function of `version`)."""
   from vcpo_jax.serving import adapters  # noqa: PLC0415
   from vcpo_jax.model import config as model_config  # noqa: PLC0415
-  cfg = model_config.ModelConfig(**fake_sglang.TINY_MODEL)
+  cfg = model_config.ModelConfig(**embedded_tiny.TINY_MODEL)
   rng, dims, tensors = np.random.default_rng(version), adapters.module_dims(cfg), {}
   for i in range(cfg.num_layers):
     for m in TARGETS:
@@ -58,7 +58,7 @@ def merged_dir(base: str, out: str, config: dict, tensors: dict) -> str:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("lora")
-  base = fake_sglang.export_tiny(fake_sglang.tiny_version(0), str(tmp / "base"))
+  base = embedded_tiny.export_tiny(embedded_tiny.tiny_version(0), str(tmp / "base"))
   merged = merged_dir(base, str(tmp / "merged"), *adapter(1))
   # One after the other: a server measures the host's free memory while it loads (the other's load skews it);
   # the KV pool stays capped by launch_sglang.sh's --max-total-tokens.

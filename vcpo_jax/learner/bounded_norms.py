@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.learner import op_norms
 from vcpo_jax.learner.norm_taps import Taps
 from vcpo_jax.model import lm_head
 from vcpo_jax.model import transformer as M
@@ -53,7 +54,7 @@ def _head_sq_norms(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, x_BxTxD, g_
   lse_BxT = lm_head.logsumexp(x_BxTxD, w, cfg.precision, cfg.head_chunk, vocab_major=vocab_major)
   head = dict(precision=cfg.precision, chunk=cfg.head_chunk, lse_BxT=lse_BxT, vocab_major=vocab_major)
   head_sq_B = lm_head.head_sq_norms(x_BxTxD, w, tokens_BxT, mask_BxT, mode, **head)
-  embed_sq_B = G.embedding_sq_norms(tokens_BxT, g_embed_BxTxD, cfg.vocab_size, mode)
+  embed_sq_B = op_norms.embedding_sq_norms(tokens_BxT, g_embed_BxTxD, cfg.vocab_size, mode)
   if not cfg.tie_word_embeddings:
     return {"embed_tokens": embed_sq_B, "lm_head/kernel": head_sq_B}
   cross_B = lm_head.tied_cross_terms(tokens_BxT, g_embed_BxTxD, x_BxTxD, w, mask_BxT, **head)
@@ -70,7 +71,7 @@ def sq_norms_and_vjp(params, cfg: M.ModelConfig, tokens_BxT, mask_BxT, positions
   (sums to sq_norms_B). grad_of(dlogp_BxT) -> the parameter gradient of sum(dlogp_BxT * logp_BxT) (param
   dtypes), by an ordinary backward through the same forward's residuals.
   """
-  G._check_mode(mode)
+  op_norms.check_mode(mode)
   if positions_BxT is None:
     positions_BxT = M._default_positions(tokens_BxT)
   attn_mask = M.attention_mask(positions_BxT, key_mask_BxT)

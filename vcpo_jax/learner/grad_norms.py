@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from vcpo_jax.learner import op_norms
 from vcpo_jax.model import config as model_config
 from vcpo_jax.model import lm_head
 from vcpo_jax.model import transformer as M
@@ -18,101 +19,10 @@ from vcpo_jax.model import transformer as M
 # Memory: a and g of every layer are held for the rows given at once; callers bound it by passing
 # micro-batches (learner.LearnerConfig.micro_batch_size scans over chunks of whole prompt groups).
 
-MODES = ("auto", "ghost", "explicit")
-# Explicit per-sequence dW temporaries above this size (B x I x O float32) are formed one sequence at a
-# time (lax.map) instead of all at once.
-EXPLICIT_BATCH_BYTES = 1 << 28
+MODES = op_norms.MODES  # every entry point here takes one of these
 CoefFn = Callable[..., tuple[jax.Array, Any]]
-_F32 = jnp.float32
 HEAD = ("lm_head_inputs",)  # capture() key of (x_BxTxD, w_DxV, mask_BxT) for the LM head terms
-
-
-def _check_mode(mode: str):
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got mode={mode!r}")
-
-
-def _use_ghost(mode: str, t: int, d_in: int, d_out: int) -> bool:
-  """Ghost costs ~T^2 (I+O) per sequence, explicit ~T I O: pick the smaller (static, per layer)."""
-  if mode == "auto":
-    return t * (d_in + d_out) < d_in * d_out
-  return mode == "ghost"
-
-
-def _gram(x_BxTxK):
-  return jnp.einsum("btk,bsk->bts", x_BxTxK, x_BxTxK, preferred_element_type=_F32)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Per-sequence squared norms of one parameter kind.
-# ---------------------------------------------------------------------------------------------------------
-
-def dense_sq_norms(a_BxTxI, g_BxTxO, mode: str = "auto"):
-  """||a_i^T g_i||_F^2 for each sequence i."""
-  _, t, d_in = a_BxTxI.shape
-  if _use_ghost(mode, t, d_in, g_BxTxO.shape[-1]):
-    return jnp.maximum(jnp.sum(_gram(a_BxTxI) * _gram(g_BxTxO), axis=(1, 2)), 0.0)
-  if 4 * a_BxTxI.shape[0] * d_in * g_BxTxO.shape[-1] > EXPLICIT_BATCH_BYTES:
-    def one(ag):
-      dw_IxO = jnp.einsum("ti,to->io", ag[0], ag[1], preferred_element_type=_F32)
-      return jnp.sum(jnp.square(dw_IxO))
-    return jax.lax.map(one, (a_BxTxI, g_BxTxO))
-  dw_BxIxO = jnp.einsum("bti,bto->bio", a_BxTxI, g_BxTxO, preferred_element_type=_F32)
-  return jnp.sum(jnp.square(dw_BxIxO), axis=(1, 2))
-
-
-def bias_sq_norms(g_BxTxO):
-  return jnp.sum(jnp.square(jnp.sum(g_BxTxO.astype(_F32), axis=1)), axis=-1)
-
-
-def scale_sq_norms(xhat_BxTxD, g_BxTxD):
-  """RMSNorm scale: the per-sequence gradient sum_t xhat_t * g_t is only D long, so explicit."""
-  dscale_BxD = jnp.einsum("btd,btd->bd", xhat_BxTxD, g_BxTxD, preferred_element_type=_F32)
-  return jnp.sum(jnp.square(dscale_BxD), axis=-1)
-
-
-def _one_hot(tokens_BxT, vocab_size: int):
-  return jax.nn.one_hot(tokens_BxT, vocab_size, dtype=_F32)
-
-
-def embedding_sq_norms(tokens_BxT, g_BxTxD, vocab_size: int, mode: str = "auto"):
-  """Squared norm of the row-scatter of g by token id: sum_{t,s: id_t = id_s} <g_t, g_s>."""
-  ghost = tokens_BxT.shape[1] < vocab_size if mode == "auto" else mode == "ghost"  # T^2 D vs T V D FLOPs
-  if ghost:
-    same_BxTxS = tokens_BxT[:, :, None] == tokens_BxT[:, None, :]
-    return jnp.maximum(jnp.sum(jnp.where(same_BxTxS, _gram(g_BxTxD), 0.0), axis=(1, 2)), 0.0)
-  de_BxVxD = jnp.einsum("btv,btd->bvd", _one_hot(tokens_BxT, vocab_size), g_BxTxD,
-                        preferred_element_type=_F32)
-  return jnp.sum(jnp.square(de_BxVxD), axis=(1, 2))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Per-sequence-weighted gradients sum_i c_i (per-sequence gradient_i) of one parameter kind.
-# ---------------------------------------------------------------------------------------------------------
-
-def _scaled(x_BxTxK, c_B):
-  return x_BxTxK.astype(_F32) * c_B.astype(_F32)[:, None, None]
-
-
-def dense_weighted_grad(a_BxTxI, g_BxTxO, c_B):
-  # Scale the narrower operand: the weighting costs B T min(I, O).
-  if a_BxTxI.shape[-1] <= g_BxTxO.shape[-1]:
-    return jnp.einsum("bti,bto->io", _scaled(a_BxTxI, c_B), g_BxTxO, preferred_element_type=_F32)
-  return jnp.einsum("bti,bto->io", a_BxTxI, _scaled(g_BxTxO, c_B), preferred_element_type=_F32)
-
-
-def bias_weighted_grad(g_BxTxO, c_B):
-  return jnp.einsum("bto,b->o", g_BxTxO.astype(_F32), c_B.astype(_F32))
-
-
-def scale_weighted_grad(xhat_BxTxD, g_BxTxD, c_B):
-  return jnp.einsum("btd,btd->d", _scaled(xhat_BxTxD, c_B), g_BxTxD, preferred_element_type=_F32)
-
-
-def embedding_weighted_grad(tokens_BxT, g_BxTxD, c_B, vocab_size: int):
-  d = g_BxTxD.shape[-1]
-  rows_NxD = _scaled(g_BxTxD, c_B).reshape(-1, d)
-  return jax.ops.segment_sum(rows_NxD, tokens_BxT.reshape(-1), num_segments=vocab_size)
+_F32 = jnp.float32
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -191,33 +101,32 @@ def _operands(path, inputs, out_grads):
 def _layer_sq_rule(path, mode: str):
   leaf = path[-1]
   if leaf in ("kernel", "lora_A", "lora_B"):
-    return lambda a, g: dense_sq_norms(a, g, mode)
+    return lambda a, g: op_norms.dense_sq_norms(a, g, mode)
   if leaf == "bias":
-    return lambda a, g: bias_sq_norms(g)
+    return lambda a, g: op_norms.bias_sq_norms(g)
   if leaf == "scale":
-    return scale_sq_norms
+    return op_norms.scale_sq_norms
   raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
 
 
 def _layer_grad_rule(path, c_B):
   leaf = path[-1]
   if leaf in ("kernel", "lora_A", "lora_B"):
-    return lambda a, g: dense_weighted_grad(a, g, c_B)
+    return lambda a, g: op_norms.dense_weighted_grad(a, g, c_B)
   if leaf == "bias":
-    return lambda a, g: bias_weighted_grad(g, c_B)
+    return lambda a, g: op_norms.bias_weighted_grad(g, c_B)
   if leaf == "scale":
-    return lambda a, g: scale_weighted_grad(a, g, c_B)
+    return lambda a, g: op_norms.scale_weighted_grad(a, g, c_B)
   raise ValueError(f"grad_norms: no per-sequence rule for parameter {_leaf_name(path)!r}")
 
 
 def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: model_config.ModelConfig, mode: str):
   """Per-sequence squared norm of one parameter leaf (for a tied embedding: embedding + head + cross)."""
-  module = path[:-1]
   x, w, mask, lse = inputs[HEAD]
   head = dict(precision=cfg.precision, chunk=cfg.head_chunk, lse_BxT=lse)
   if path == ("embed_tokens",):
     g_emb = out_grads[("embed_outputs",)]
-    sq_B = embedding_sq_norms(tokens_BxT, g_emb, cfg.vocab_size, mode)
+    sq_B = op_norms.embedding_sq_norms(tokens_BxT, g_emb, cfg.vocab_size, mode)
     if cfg.tie_word_embeddings:
       sq_B = sq_B + lm_head.head_sq_norms(x, w, tokens_BxT, mask, mode, **head)
       sq_B = jnp.maximum(
@@ -230,11 +139,10 @@ def _leaf_sq_norms(path, tokens_BxT, inputs, out_grads, cfg: model_config.ModelC
 
 
 def _leaf_weighted_grad(path, tokens_BxT, inputs, out_grads, c_B, cfg: model_config.ModelConfig):
-  module = path[:-1]
   x, w, mask, lse = inputs[HEAD]
   head = dict(precision=cfg.precision, chunk=cfg.head_chunk, lse_BxT=lse)
   if path == ("embed_tokens",):
-    grad = embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
+    grad = op_norms.embedding_weighted_grad(tokens_BxT, out_grads[("embed_outputs",)], c_B, cfg.vocab_size)
     if cfg.tie_word_embeddings:
       grad = grad + lm_head.head_weighted_grad(x, w, tokens_BxT, mask, c_B, **head).T
     return grad
@@ -256,7 +164,7 @@ def per_sequence_sq_norms(params, cfg: model_config.ModelConfig, tokens_BxT, mas
 
   aux: logp_BxT, ent_BxT (both masked) and leaf_sq_norms {"a/b/kernel": sq_B} (sums to sq_norms_B).
   """
-  _check_mode(mode)
+  op_norms.check_mode(mode)
   logp_BxT, ent_BxT, inputs, out_grads = capture(params, cfg, tokens_BxT, mask_BxT, positions_BxT,
                                                  key_mask_BxT, adapter)
   trainable = params if adapter is None else adapter
@@ -273,7 +181,7 @@ def per_sequence_sq_norms_and_grad(params, cfg: model_config.ModelConfig, tokens
   like params (param dtype; with an adapter: like the adapter) and aux = {logp_BxT, ent_BxT, leaf_sq_norms,
   coef_B, extra}.
   """
-  _check_mode(mode)
+  op_norms.check_mode(mode)
   logp_BxT, ent_BxT, inputs, out_grads = capture(params, cfg, tokens_BxT, mask_BxT, positions_BxT,
                                                  key_mask_BxT, adapter)
   trainable = params if adapter is None else adapter

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from vcpo_jax.learner import grad_norms as G
+from vcpo_jax.learner import op_norms
 
 # Shape letters: B batch, T length, I/O dense in/out, D hidden.
 # Each op takes a float32 zero tap_B and returns its usual output. Its VJP gives the usual cotangents and,
@@ -34,7 +34,7 @@ def _matmul_bwd(mode, precision, res, g_BxTxO):
   g_BxTxO = g_BxTxO.astype(x_BxTxI.dtype)  # the compute dtype, as an ordinary backward of the cast output
   dx = jnp.einsum("bto,io->bti", g_BxTxO, w_IxO, preferred_element_type=_F32, precision=precision)
   dw = jnp.einsum("bti,bto->io", x_BxTxI, g_BxTxO, preferred_element_type=_F32, precision=precision)
-  return dx.astype(x_BxTxI.dtype), dw.astype(w_IxO.dtype), G.dense_sq_norms(x_BxTxI, g_BxTxO, mode)
+  return dx.astype(x_BxTxI.dtype), dw.astype(w_IxO.dtype), op_norms.dense_sq_norms(x_BxTxI, g_BxTxO, mode)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -53,7 +53,7 @@ def _bias_tap_fwd(y_BxTxO, tap_B):
 
 def _bias_tap_bwd(res, g_BxTxO):
   del res
-  return g_BxTxO, G.bias_sq_norms(g_BxTxO)
+  return g_BxTxO, op_norms.bias_sq_norms(g_BxTxO)
 
 
 _bias_tap.defvjp(_bias_tap_fwd, _bias_tap_bwd)
@@ -73,7 +73,7 @@ def _scale_bwd(res, g_BxTxD):
   xhat_BxTxD, scale_D = res
   dscale_D = jnp.einsum("btd,btd->d", xhat_BxTxD, g_BxTxD, preferred_element_type=_F32)
   return (g_BxTxD * scale_D[None, None, :], dscale_D.astype(scale_D.dtype),
-          G.scale_sq_norms(xhat_BxTxD, g_BxTxD))
+          op_norms.scale_sq_norms(xhat_BxTxD, g_BxTxD))
 
 
 _scale.defvjp(_scale_fwd, _scale_bwd)

@@ -26,6 +26,16 @@ LM_HEADS = ("vocab_chunks", "token_tiles", "plain")  # model.lm_head (see the fi
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _from_dict(cls, d, what: str):
+  """cls(**d) from a dict or ConfigDict; an unknown key is an error naming it and the known ones."""
+  d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise ValueError(f"unknown {what} {unknown}; known keys: {sorted(known)}")
+  return cls(**d)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
   """Low-rank adapters on the decoder's linear layers (vcpo_jax.model.lora; docs/lora.md). rank 0 = off.
@@ -63,12 +73,7 @@ class LoraConfig:
   def from_dict(cls, d) -> "LoraConfig":
     if isinstance(d, LoraConfig):
       return d
-    d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"unknown model.lora key(s) {unknown}; known keys: {sorted(known)}")
-    return cls(**d)
+    return _from_dict(cls, d, "model.lora key(s)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +166,7 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-    d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
-    return cls(**d)
+    return _from_dict(cls, d, "model config key(s)")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 checkpoint export/import: config.json + model.safetensors + tokenizer files."""
+"""Hugging Face Qwen2 checkpoints in: tensor names, safetensors reading, the job's ModelConfig (hf_export writes)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,20 +7,18 @@ import json
 import os
 import shutil
 import uuid
-from typing import Any
 
 import jax
 import numpy as np
 import safetensors
 
 from vcpo_jax.model import config as config_lib
+from vcpo_jax.model import hf_config
 from vcpo_jax.model import transformer as model_lib
 
 
-ARCHITECTURE = "Qwen2ForCausalLM"
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-_TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _layer_names(i: int, scan: bool = False) -> list[tuple[tuple[str, ...], str, bool]]:
@@ -48,51 +46,6 @@ def tensor_names(cfg: config_lib.ModelConfig) -> list[tuple[tuple[str, ...], str
   if not cfg.tie_word_embeddings:
     names.append((("lm_head", "kernel"), "lm_head.weight", True))
   return names
-
-
-def hf_config(cfg: config_lib.ModelConfig, *, bos_token_id=None, eos_token_id=None) -> dict[str, Any]:
-  if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
-    raise ValueError(f"Qwen2 requires head_dim * num_heads == hidden_size; got model.head_dim={cfg.head_dim}, "
-                     f"model.num_heads={cfg.num_heads}, model.hidden_size={cfg.hidden_size}")
-  return {
-      "architectures": [ARCHITECTURE],
-      "model_type": "qwen2",
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.hidden_size,
-      "intermediate_size": cfg.intermediate_size,
-      "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "max_position_embeddings": cfg.max_seq_len,
-      "rms_norm_eps": cfg.rms_norm_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "rope_scaling": None,
-      "tie_word_embeddings": cfg.tie_word_embeddings,
-      "use_sliding_window": False,
-      "sliding_window": None,
-      "max_window_layers": cfg.num_layers,
-      "attention_dropout": 0.0,
-      "initializer_range": 0.02,
-      "use_cache": True,
-      "bos_token_id": bos_token_id,
-      "eos_token_id": eos_token_id,
-      "torch_dtype": _TORCH_DTYPE[cfg.param_dtype],
-      "dtype": _TORCH_DTYPE[cfg.param_dtype],
-      # Ours, ignored by transformers/SGLang: the compute dtype to use when re-imported.
-      "vcpo_compute_dtype": cfg.dtype,
-      "vcpo_head_dtype": cfg.head_dtype,
-      "vcpo_matmul_precision": cfg.matmul_precision,
-      "vcpo_scan_layers": cfg.scan_layers,
-      "vcpo_remat": cfg.remat,
-      "vcpo_attention": cfg.attention,
-      "vcpo_causal_flag": cfg.causal_flag,
-      "vcpo_logits_chunk": cfg.logits_chunk,
-      "vcpo_lm_head": cfg.lm_head,
-      "vcpo_logits_token_tile": cfg.logits_token_tile,
-  }
 
 
 def _get(tree, path):
@@ -131,43 +84,6 @@ def replace_directory(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def config_from_hf(d: dict[str, Any], *, max_seq_len: int | None = None) -> config_lib.ModelConfig:
-  archs = d.get("architectures")
-  if archs != [ARCHITECTURE]:
-    raise ValueError(f"config.json architectures={archs!r}; only {[ARCHITECTURE]} is supported")
-  if d.get("use_sliding_window"):
-    raise ValueError("config.json use_sliding_window=true is not supported")
-  heads = d["num_attention_heads"]
-  dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
-  if dtype not in _TORCH_DTYPE:
-    raise ValueError(f"config.json torch_dtype={dtype!r}; supported: {sorted(_TORCH_DTYPE)}")
-  rope_theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-  return config_lib.ModelConfig(
-      vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-      num_layers=d["num_hidden_layers"], num_heads=heads,
-      num_kv_heads=d.get("num_key_value_heads", heads),
-      head_dim=d.get("head_dim") or d["hidden_size"] // heads, rope_theta=float(rope_theta),
-      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-      max_seq_len=max_seq_len or d.get("max_position_embeddings", 2048),
-      param_dtype=dtype, dtype=d.get("vcpo_compute_dtype", dtype),
-      matmul_precision=d.get("vcpo_matmul_precision", "highest"),
-      scan_layers=bool(d.get("vcpo_scan_layers", False)), remat=d.get("vcpo_remat", "none"),
-      attention=d.get("vcpo_attention", "auto"), logits_chunk=int(d.get("vcpo_logits_chunk", 2048)),
-      causal_flag=bool(d.get("vcpo_causal_flag", config_lib.ModelConfig.causal_flag)),
-      lm_head=d.get("vcpo_lm_head", config_lib.ModelConfig.lm_head),
-      logits_token_tile=int(d.get("vcpo_logits_token_tile", config_lib.ModelConfig.logits_token_tile)),
-      head_dtype=d.get("vcpo_head_dtype", ""))
-
-
-def read_config(model_dir: str) -> dict[str, Any]:
-  path = os.path.join(model_dir, "config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
-  with open(path) as f:
-    return json.load(f)
-
-
 # Fields a config section may state next to model.hf_path; they must agree with the checkpoint's config.json.
 _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "tie_word_embeddings")
@@ -185,7 +101,7 @@ def model_config(section) -> config_lib.ModelConfig:
   path = d.pop("hf_path", "") or ""
   if not path:
     return config_lib.ModelConfig.from_dict(d)
-  cfg = config_from_hf(read_config(path))
+  cfg = hf_config.config_from_hf(hf_config.read_config(path))
   for field in _SHAPE_FIELDS:
     if field in d and d[field] != getattr(cfg, field):
       raise ValueError(f"invalid config: model.{field}={d[field]!r} but {path}/config.json gives "
@@ -212,6 +128,25 @@ def _ignorable(name: str, cfg: config_lib.ModelConfig) -> bool:
   return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
+def _leaf_layouts(cfg: config_lib.ModelConfig):
+  """(param path, its shape, stacked under scan, one layer's shape, [(HF name, transpose)] in layer order) for
+  every parameter leaf."""
+  expected = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+  leaves: dict = {}
+  for path, name, transpose in tensor_names(cfg):
+    leaves.setdefault(path, []).append((name, transpose))
+  for path, parts in leaves.items():
+    want = tuple(_get(expected, path).shape)
+    stacked = cfg.scan_layers and path[0] == "layers"
+    yield path, want, stacked, (want[1:] if stacked else want), parts
+
+
+def _check_shape(name: str, shape, layer_shape: tuple, transpose: bool) -> None:
+  want_hf = layer_shape[::-1] if transpose else layer_shape
+  if tuple(shape) != want_hf:
+    raise ValueError(f"tensor {name!r} has shape {tuple(shape)}, expected {want_hf}")
+
+
 def import_hf(model_dir: str, *, cfg: config_lib.ModelConfig | None = None, shardings=None):
   """Reads a HF Qwen2/Qwen2.5 directory; returns (params, cfg). Errors name the tensor and both shapes.
 
@@ -220,9 +155,8 @@ def import_hf(model_dir: str, *, cfg: config_lib.ModelConfig | None = None, shar
   sharding, every device reading only its own slice of the tensor from disk (no whole-model host copy).
   Without it, parameters are host numpy arrays.
   """
-  cfg = cfg or config_from_hf(read_config(model_dir))
+  cfg = cfg or hf_config.config_from_hf(hf_config.read_config(model_dir))
   files = weight_files(model_dir)
-  expected = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
   names = tensor_names(cfg)
   missing = [n for _, n, _ in names if n not in files]
   if missing:
@@ -234,19 +168,11 @@ def import_hf(model_dir: str, *, cfg: config_lib.ModelConfig | None = None, shar
   params: dict = {}
   with contextlib.ExitStack() as stack:
     handles = {f: stack.enter_context(safetensors.safe_open(f, "np")) for f in sorted(set(files.values()))}
-    leaves: dict = {}  # param path -> [(HF name, transpose)], in layer order for a stacked leaf
-    for path, name, transpose in names:
-      leaves.setdefault(path, []).append((name, transpose))
-    for path, parts in leaves.items():
-      want = tuple(_get(expected, path).shape)
-      stacked = cfg.scan_layers and path[0] == "layers"
-      layer_shape = want[1:] if stacked else want
+    for path, want, stacked, layer_shape, parts in _leaf_layouts(cfg):
       tensors = []
       for name, transpose in parts:
-        want_hf = layer_shape[::-1] if transpose else layer_shape
         tensors.append(handles[files[name]].get_slice(name))
-        if tuple(tensors[-1].get_shape()) != want_hf:
-          raise ValueError(f"tensor {name!r} has shape {tuple(tensors[-1].get_shape())}, expected {want_hf}")
+        _check_shape(name, tensors[-1].get_shape(), layer_shape, transpose)
 
       def read_one(tensor, index, transpose=parts[0][1], ndim=len(layer_shape)):
         index = tuple(index) + (slice(None),) * (ndim - len(index))
@@ -281,24 +207,15 @@ def tensors_with_layer(cfg: config_lib.ModelConfig):
 
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], cfg: config_lib.ModelConfig) -> dict:
   """Host params from HF-named arrays (a wire update's tensors); errors name the tensor and both shapes."""
-  expected = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
   dtype = np.dtype(cfg.jnp_param_dtype)
-  leaves: dict = {}
-  for path, name, transpose in tensor_names(cfg):
-    leaves.setdefault(path, []).append((name, transpose))
   params: dict = {}
-  for path, parts in leaves.items():
-    want = tuple(_get(expected, path).shape)
-    stacked = cfg.scan_layers and path[0] == "layers"
-    layer_shape = want[1:] if stacked else want
+  for path, _, stacked, layer_shape, parts in _leaf_layouts(cfg):
     blocks = []
     for name, transpose in parts:
       if name not in tensors:
         raise ValueError(f"missing tensor {name!r}")
       arr = np.asarray(tensors[name])
-      want_hf = layer_shape[::-1] if transpose else layer_shape
-      if tuple(arr.shape) != want_hf:
-        raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want_hf}")
+      _check_shape(name, arr.shape, layer_shape, transpose)
       blocks.append(np.ascontiguousarray(arr.T if transpose else arr).astype(dtype, copy=False))
     _set(params, path, np.stack(blocks) if stacked else blocks[0])
   return params

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax.model import config as config_lib
-from vcpo_jax.model import hf
+from vcpo_jax.model import hf, hf_config
 from vcpo_jax.model import transformer as model_lib
 from vcpo_jax.parallel import processes
 
@@ -160,7 +160,7 @@ def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[d
     # torch_dtype names the file's dtype; vcpo_compute_dtype stays the model's.
     cfg = dataclasses.replace(layout.cfg, param_dtype=layout.dtype)
     with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(hf.hf_config(cfg, bos_token_id=bos, eos_token_id=eos), f, indent=2)
+      json.dump(hf_config.hf_config(cfg, bos_token_id=bos, eos_token_id=eos), f, indent=2)
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
       # Every stop id, so generate() in transformers and SGLang's default stop set end where we do.
       json.dump({"bos_token_id": bos, "eos_token_id": stop, "do_sample": False}, f, indent=2)

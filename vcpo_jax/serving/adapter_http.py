@@ -33,16 +33,19 @@ async def _body(request: web.Request, keys: tuple[str, ...]) -> dict:
   return body
 
 
-async def handle_load(request: web.Request) -> web.Response:
-  registry = request.app["state"].adapters
-  try:
-    if registry is None:
-      raise adapters_lib.AdapterError(_NOT_ENABLED)
-    body = await _body(request, ("lora_name", "lora_path"))
-    path = body["lora_path"]
-    return _answer(await registry.load(body["lora_name"], path, lambda: adapters_lib.read_peft(path)))
-  except adapters_lib.AdapterError as e:
-    return _answer(error=str(e))
+def _endpoint(keys: tuple[str, ...], act):
+  """A LoRA endpoint: the registry (an error without --enable-lora), the body's required string keys, then
+  `await act(registry, body)`; an AdapterError answers in SGLang's 400 shape."""
+  async def handle(request: web.Request) -> web.Response:
+    registry = request.app["state"].adapters
+    try:
+      if registry is None:
+        raise adapters_lib.AdapterError(_NOT_ENABLED)
+      body = await _body(request, keys)
+      return _answer(await act(registry, body))
+    except adapters_lib.AdapterError as e:
+      return _answer(error=str(e))
+  return handle
 
 
 def _tensors(body: dict) -> tuple[dict, dict]:
@@ -71,26 +74,11 @@ def _tensors(body: dict) -> tuple[dict, dict]:
   return config, {k: v.detach().cpu().float().numpy() for k, v in tensors.items()}
 
 
-async def handle_load_tensors(request: web.Request) -> web.Response:
-  registry = request.app["state"].adapters
-  try:
-    if registry is None:
-      raise adapters_lib.AdapterError(_NOT_ENABLED)
-    body = await _body(request, ("lora_name",))
-    return _answer(await registry.load(body["lora_name"], "__tensor__", lambda: _tensors(body)))
-  except adapters_lib.AdapterError as e:
-    return _answer(error=str(e))
-
-
-async def handle_unload(request: web.Request) -> web.Response:
-  registry = request.app["state"].adapters
-  try:
-    if registry is None:
-      raise adapters_lib.AdapterError(_NOT_ENABLED)
-    body = await _body(request, ("lora_name",))
-    return _answer(await registry.unload(body["lora_name"]))
-  except adapters_lib.AdapterError as e:
-    return _answer(error=str(e))
+handle_load = _endpoint(("lora_name", "lora_path"), lambda registry, body: registry.load(
+    body["lora_name"], body["lora_path"], lambda: adapters_lib.read_peft(body["lora_path"])))
+handle_load_tensors = _endpoint(("lora_name",), lambda registry, body: registry.load(
+    body["lora_name"], "__tensor__", lambda: _tensors(body)))
+handle_unload = _endpoint(("lora_name",), lambda registry, body: registry.unload(body["lora_name"]))
 
 
 async def handle_server_info(request: web.Request) -> web.Response:

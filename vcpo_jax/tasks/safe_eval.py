@@ -63,6 +63,7 @@ class _Parser:
     self.pos += 1
     return tok
 
+  # expr and term look alike: they are the grammar's two precedence levels, and only term's "/" checks for zero.
   def expr(self) -> Fraction:
     value = self.term()
     while self.peek() in ("+", "-"):

@@ -10,10 +10,11 @@ from typing import Any, Iterable, Optional
 import aiohttp
 import numpy as np
 
+from vcpo_jax.rollout import generate_reply
 from vcpo_jax.rollout import protocol
-from vcpo_jax.rollout.client.pool import RolloutError, ServerPool, _is_int
-# Defined in protocol (the wire format's one module); importable from here as before.
-from vcpo_jax.rollout.protocol import BadResponseError, Segment
+from vcpo_jax.rollout.client.pool import RolloutError, ServerPool
+# Defined in generate_reply (the /generate exchange); importable from here as before.
+from vcpo_jax.rollout.generate_reply import BadResponseError, Segment
 from vcpo_jax.rollout.types import Sample
 
 
@@ -62,7 +63,7 @@ class RolloutClient(ServerPool):
     for name, value in (("vocab_size", vocab_size), ("max_retries", max_retries + 1),
                         ("max_prompt_len", 1 if max_prompt_len is None else max_prompt_len),
                         ("context_length", 8 if context_length is None else context_length - 7)):
-      if not _is_int(value) or value <= 0:
+      if not protocol.is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int{' > 7' if name == 'context_length' else ''}, "
                          f"got {value!r}")
     self.vocab_size, self.max_prompt_len, self.context_length = vocab_size, max_prompt_len, context_length
@@ -88,13 +89,13 @@ class RolloutClient(ServerPool):
   async def generate(self, prompt_ids: Any, sampling_params: dict, n: int = 1) -> list[Sample]:
     """n independent samples for one prompt. Sample i uses sampling_seed + i when a seed is given."""
     ids = self._check_prompt(prompt_ids)
-    if not _is_int(n) or n < 1:
+    if not protocol.is_int(n) or n < 1:
       raise ValueError(f"n must be a positive int, got {n!r}")
     if not isinstance(sampling_params, dict):
       raise ValueError(f"sampling_params must be a dict, got {sampling_params!r}")
     if "n" in sampling_params:
       raise ValueError("sampling_params['n'] is not allowed: pass n= to generate()")
-    if not _is_int(sampling_params.get("max_new_tokens")):
+    if not protocol.is_int(sampling_params.get("max_new_tokens")):
       raise ValueError(f"sampling_params['max_new_tokens'] is required, got {sampling_params!r}")
     # The same checks a real server makes, before anything is sent (protocol.RequestError is a ValueError).
     protocol.parse_sampling_params(sampling_params, vocab_size=self.vocab_size)
@@ -184,7 +185,7 @@ class RolloutClient(ServerPool):
   async def _post_generate(self, server, input_ids: list[int], params: dict) -> Segment:
     rid = uuid.uuid4().hex
     adapter = self.adapter  # _pick chose a server that confirmed it; the request keeps it to the end
-    payload = protocol.generate_payload(input_ids, params, rid, lora_path=adapter)
+    payload = generate_reply.generate_payload(input_ids, params, rid, lora_path=adapter)
     dispatched_version = server.version
     server.outstanding += 1
     server.in_flight[adapter] += 1
@@ -208,7 +209,7 @@ class RolloutClient(ServerPool):
       body = json.loads(text)
     except ValueError as e:
       raise BadResponseError("json", f"{e}: {text[:200]!r}") from None
-    seg = protocol.parse_generate_response(body, vocab_size=self.vocab_size,
+    seg = generate_reply.parse_generate_response(body, vocab_size=self.vocab_size,
                                            max_new_tokens=params["max_new_tokens"],
                                            fallback_version=dispatched_version)
     if adapter is not None:  # the server's weight_version is the base's: the adapter's name is the version
@@ -247,9 +248,9 @@ class RolloutClient(ServerPool):
       self._counts["raw_logprob_checks"] += 1
 
   async def _probe_one(self, url: str, probe_ids: list[int], temperature: float) -> tuple[float, int]:
-    status, body = await self.request_json(url, "POST", "/generate", protocol.generate_payload(
+    status, body = await self.request_json(url, "POST", "/generate", generate_reply.generate_payload(
         probe_ids, {"max_new_tokens": 1, "temperature": temperature}, uuid.uuid4().hex))
     if status != 200:
       raise RolloutError(f"{url}: log-prob probe answered {status}: {body!r:.300}")
-    seg = protocol.parse_generate_response(body, vocab_size=self.vocab_size, max_new_tokens=1)
+    seg = generate_reply.parse_generate_response(body, vocab_size=self.vocab_size, max_new_tokens=1)
     return seg.logprobs[0], seg.output_ids[0]

@@ -34,10 +34,6 @@ class _Server:
     return self.healthy and self.enabled
 
 
-def _is_int(x: Any) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
 class ServerPool:
   """Servers, their state and the HTTP session; RolloutClient adds generation on top.
 

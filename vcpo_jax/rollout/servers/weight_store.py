@@ -11,7 +11,7 @@ import urllib.parse
 import uuid
 from typing import Any, Callable, Iterable, Optional
 
-from vcpo_jax.model import hf, hf_export
+from vcpo_jax.model import hf, hf_config, hf_export
 from vcpo_jax.rollout import protocol
 
 ExportFn = Callable[[Any, str], Any]  # (params, out_dir) -> anything; writes a HF checkpoint directory
@@ -103,7 +103,7 @@ def publish_dtype(value: str, reference_dir: Optional[str], param_dtype: str) ->
     return value
   served = param_dtype
   if reference_dir:
-    cfg = hf.read_config(reference_dir)
+    cfg = hf_config.read_config(reference_dir)
     served = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
   return "bfloat16" if served == "bfloat16" else "float32"
 

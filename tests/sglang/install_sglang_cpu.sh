@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs SGLang 0.5.23 with its CPU engine into a cached venv (no GPU, no CUDA packages); prints the venv path.
 #
-# Usage: third_party/install_sglang_cpu.sh            (idempotent: a finished install is reused)
+# Usage: tests/sglang/install_sglang_cpu.sh          (idempotent: a finished install is reused)
 # Environment: SGLANG_CPU_HOME=~/.cache/vcpo_jax/sglang-cpu   where the venv lives
 #              PYTHON=python3.11                               interpreter for the venv (3.11: the torch wheel is cp311)
 # Takes about 3 minutes on 2 cores the first time. Only for tests and CPU experiments: on GPU nodes install SGLang
@@ -13,6 +13,7 @@ V="$HOME_DIR/venv"
 SGLANG_VERSION=0.5.23
 STAMP="$V/.vcpo-sglang-$SGLANG_VERSION"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
 
 # CPU-only torch has no pinned memory, which SGLang's LoRA asks for (sglang#31894): a start-up patch makes pinning a
 # no-op in CPU-engine processes (see its docstring). Refreshed on every run, so that an existing install gets it.
@@ -64,7 +65,7 @@ sed -i 's/^@torch.library.register_fake("torchvision::\([a-z_]*\)")/@(torch.libr
 # sgl_kernel: the compiled CPU kernels are not on PyPI; our stub (see its docstring) goes into site-packages.
 SITE="$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rm -rf "$SITE/sgl_kernel"
-cp -r "$HERE/sgl_kernel_stub/sgl_kernel" "$SITE/sgl_kernel"
+cp -r "$REPO/third_party/sgl_kernel_stub/sgl_kernel" "$SITE/sgl_kernel"
 
 install_cpu_patches
 SGLANG_USE_CPU_ENGINE=1 "$V/bin/python" -c 'import sglang.launch_server' >/dev/null
