@@ -13,6 +13,7 @@ import numpy as np
 
 from vcpo_jax.model import lora
 from vcpo_jax.model.config import LINEAR_MODULES, LoraConfig, ModelConfig
+from vcpo_jax.parallel import processes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -45,6 +46,11 @@ def write_adapter(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None, 
   _atomic_write(os.path.join(out_dir, WEIGHTS_FILE), _safetensors_bytes(tensors, _DTYPES[dtype][0]))
   _atomic_write(os.path.join(out_dir, CONFIG_FILE), json.dumps(config, indent=2).encode())
   return out_dir
+
+
+def host_copy(adapter):
+  """The adapter's leaves as host numpy arrays, each gathered over the processes that hold its shards."""
+  return jax.tree.map(processes.to_host, adapter)
 
 
 def to_peft(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None, dtype: str = "float32",

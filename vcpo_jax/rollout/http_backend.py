@@ -12,7 +12,7 @@ import jax
 import ml_collections
 
 from vcpo_jax.model import hf_export, peft_export
-from vcpo_jax.parallel import placement, processes
+from vcpo_jax.parallel import placement
 from vcpo_jax.rollout import backend, dynamic_sampling, episodes as episodes_lib, protocol, types
 from vcpo_jax.rollout.client import client as client_lib, scheduler as scheduler_lib
 from vcpo_jax.rollout.servers import admin as admin_lib, background, launcher, publisher as publisher_lib
@@ -231,7 +231,7 @@ class HttpBackend(backend.RolloutBackend):
   @staticmethod
   def _host_adapter(adapter: Any) -> Any:
     """A host copy of the adapter (gathered with the other processes inside multihost's leader_gathers)."""
-    return jax.tree.map(processes.to_host, adapter)
+    return peft_export.host_copy(adapter)
 
   def _peft(self, adapter: Any) -> tuple[dict, dict]:
     """The learner's adapter as PEFT's config and tensors (float32: exact, and small)."""

@@ -18,7 +18,8 @@ from vcpo_jax.model import sampling_fields
 from vcpo_jax.rollout import protocol
 from vcpo_jax.serving import adapters as adapters_lib
 from vcpo_jax.serving import requests as SP
-from vcpo_jax.serving.engine import Engine, Row
+from vcpo_jax.serving.engine import Engine
+from vcpo_jax.serving.sequence import Row
 
 P = protocol
 

@@ -43,7 +43,7 @@ from vcpo_jax.rollout import protocol
 from vcpo_jax.serving import adapter_http, adapters as adapters_lib
 from vcpo_jax.serving import requests as server_protocol
 from vcpo_jax.serving import weight_tensor, weight_wire
-from vcpo_jax.serving.engine import Row
+from vcpo_jax.serving.sequence import Row
 from vcpo_jax.serving.rows import (ServerState, exit_with_parent, load_state, make_rows, parse_args,
                                           row_response)
 
