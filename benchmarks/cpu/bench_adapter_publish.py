@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from benchmarks.common import environment, markdown, records, summary
-from benchmarks.cpu import sglang_server
+from benchmarks.cpu import publish_rounds as publish_rounds_lib, sglang_server
 from benchmarks.cpu.bench_publish import REPO_ROOT, job_config
 
 DEFAULT_OUT = {"0.5b": os.path.join(REPO_ROOT, "benchmarks", "results", "results-adapter-publish"),
@@ -77,15 +77,8 @@ async def publish_rounds(url: str, model_cfg, lora_cfg, root: str, transport: st
   sent = sum(a.nbytes for a in peft(adapters[versions[0]])[1].values())
   async with client_lib.RolloutClient([url], vocab_size=vocab) as client:
     sync = lora_sync.AdapterSync(client, peft, root, max_kept=3, timeout_s=120.0, transport=transport)
-    call, current = sync.admin.call, [None]
-
-    async def timed_call(u, method, path, payload=None):
-      t0 = time.perf_counter()
-      try:
-        return await call(u, method, path, payload)
-      finally:
-        calls.append((current[0], path, time.perf_counter() - t0))
-    sync.admin.call = timed_call
+    current = [None]
+    publish_rounds_lib._timed(sync.admin, calls, current)  # each admin call as (version, endpoint, seconds)
     pub = publisher_lib.WeightPublisher(lambda p, d: None, root, client, adapters=sync)
     rounds, probes = [], []
     try:
