@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from benchmarks.cpu import bench_decode
+from benchmarks.cpu import bench_decode, decode_engine
 from benchmarks.common import records
 from benchmarks.common import summary
 from benchmarks.common import timing
@@ -26,15 +26,15 @@ def equal_rows(batch: int, setup: bench_decode.DecodeSetup, vocab: int) -> list:
   """`batch` greedy rows of the same prompt length and exactly new_tokens new tokens (no EOS stop)."""
   from vcpo_jax.model import sampling
   return [sampling.RowSpec(prompt=tuple(p), max_new_tokens=setup.new_tokens, temperature=0.0, ignore_eos=True)
-          for p in bench_decode.random_prompts(batch, setup.prompt_len, vocab, seed=batch)]
+          for p in decode_engine.random_prompts(batch, setup.prompt_len, vocab, seed=batch)]
 
 
 def engine_vs_hf(setup: bench_decode.DecodeSetup, batch: int, params, cfg, hf_model) -> list[dict]:
   """Whole calls, prefill + decode + host read-back: the engine's slot pool (one row per slot) vs HF."""
   specs = equal_rows(batch, setup, cfg.vocab_size)
   prompts = [list(s.prompt) for s in specs]
-  slots, n, C = bench_decode.pool_slots(setup), setup.new_tokens, setup.chunk_steps
-  engine = lambda: bench_decode.continuous(params, cfg, specs, batch, C, slots)
+  slots, n, C = decode_engine.pool_slots(setup), setup.new_tokens, setup.chunk_steps
+  engine = lambda: decode_engine.continuous(params, cfg, specs, batch, C, slots)
   # One torch thread on a CPU: on a small, loaded CPU more threads can be many times slower (bench_decode).
   hf = lambda: bench_decode.hf_greedy_threads(hf_model, prompts, n, 1) if bench_decode.torch_device() == "cpu" \
       else bench_decode.hf_greedy(hf_model, prompts, n)
@@ -69,16 +69,16 @@ def produce(quick: bool, figs: list[dict], json_path: str | None) -> list[dict]:
       records.emit_figures(figs, json_path)
   bandwidth = None
   try:
-    bandwidth = bench_decode.measure_bandwidth(num_bytes=2**24 if quick else 2**30)
+    bandwidth = decode_engine.measure_bandwidth(num_bytes=2**24 if quick else 2**30)
     add([records.figure("hbm_bandwidth", "device memory bandwidth (jit(a * 2): bytes read + written, best of 5)",
                         unit="GB/s", value=bandwidth / 1e9)])
   except Exception as e:  # noqa: BLE001
     add([records.failed_figure("hbm_bandwidth", "device memory bandwidth", f"{type(e).__name__}: {e}")])
   for batch in setup.batches:
     if bandwidth is not None:
-      add(records.run_figure(f"decode_floor_fraction_b{batch}", f"{bench_decode.FLOOR_TITLE}, B={batch}",
-                             lambda: bench_decode.floor_fraction(setup, batch, params, cfg, bandwidth),
-                             goal=bench_decode.floor_goal(batch)))
+      add(records.run_figure(f"decode_floor_fraction_b{batch}", f"{decode_engine.FLOOR_TITLE}, B={batch}",
+                             lambda: decode_engine.floor_fraction(setup, batch, params, cfg, bandwidth),
+                             goal=decode_engine.floor_goal(batch)))
   with tempfile.TemporaryDirectory() as tmp:
     hf_model = bench_decode.load_hf_model(hf_export.export_hf(params, cfg, os.path.join(tmp, "hf")), cfg.param_dtype)
   for batch in setup.batches:
