@@ -11,6 +11,8 @@ from vcpo_jax.rollout.client import client as client_lib
 from vcpo_jax.rollout.servers import publisher as publisher_lib
 from vcpo_jax.rollout.servers import launcher
 
+pytestmark = pytest.mark.integration  # fake servers in processes, as test_publisher.py
+
 
 def _fake_update_mode(url, mode, count=1):
   import json
