@@ -14,10 +14,10 @@ import argparse
 import sys
 from typing import Optional
 
-import numpy as np
 
-from experiments.stats import analysis, loader
+from experiments.stats import loader
 from experiments.studies.lora import sweep
+from experiments.studies.optimizer import pilot as optimizer_pilot
 
 ARM = "pilot_lora"
 PICK_STEPS = (60, 80, 100)
@@ -28,13 +28,7 @@ def pilot_rows(runs: list[loader.Run]) -> list[dict]:
   """One row per pilot run, by (lr, rank): its score over PICK_STEPS and whether it may be picked (and why not)."""
   rows = []
   for r in (r for r in runs if r.arm == ARM):
-    steps, acc = r.evals()
-    at = dict(zip(steps, acc))
-    score = float(np.mean([at[s] for s in PICK_STEPS])) if all(s in at for s in PICK_STEPS) else None
-    collapse = analysis.collapse_step(steps, acc) if len(steps) > 1 else None
-    skipped = max(r.series.get("skipped_updates", {0: 0.0}).values())
-    why = ("not finished" if r.result is None else f"collapsed at step {collapse}" if collapse is not None
-           else f"skipped {skipped:g} updates" if skipped else "no score" if score is None else "")
+    score, why, at = optimizer_pilot.score_run(r, PICK_STEPS)
     rows.append({"name": r.name, "lr": float(r.config["optim"]["learning_rate"]),
                  "rank": int(r.config["model"]["lora"]["rank"]), "score": score, "excluded": why, "acc": at})
   return sorted(rows, key=lambda row: (row["lr"], row["rank"]))

@@ -23,17 +23,24 @@ PICK_STEPS = (50, 75, 100)
 EXTEND_BELOW, EXTEND_ABOVE = 0.003, 1.0   # the planned grid 0.01-0.3 extended by ~3x
 
 
+def score_run(r, pick_steps) -> tuple:
+  """(score, why it may not be picked or '', {step: accuracy}) of one pilot run: its mean greedy accuracy over
+  pick_steps, excluded when unfinished, collapsed, with skipped updates or without every pick step."""
+  steps, acc = r.evals()
+  at = dict(zip(steps, acc))
+  score = float(np.mean([at[s] for s in pick_steps])) if all(s in at for s in pick_steps) else None
+  collapse = analysis.collapse_step(steps, acc) if len(steps) > 1 else None
+  skipped = max(r.series.get("skipped_updates", {0: 0.0}).values())
+  why = ("not finished" if r.result is None else f"collapsed at step {collapse}" if collapse is not None
+         else f"skipped {skipped:g} updates" if skipped else "no score" if score is None else "")
+  return score, why, at
+
+
 def pilot_rows(runs: list[report.Run]) -> list[dict]:
   """One row per pilot run, by lr: its score over PICK_STEPS and whether it may be picked (and why not)."""
   rows = []
   for r in sorted((r for r in runs if r.arm == ARM), key=lambda r: r.config["optim"]["learning_rate"]):
-    steps, acc = r.evals()
-    at = dict(zip(steps, acc))
-    score = float(np.mean([at[s] for s in PICK_STEPS])) if all(s in at for s in PICK_STEPS) else None
-    collapse = analysis.collapse_step(steps, acc) if len(steps) > 1 else None
-    skipped = max(r.series.get("skipped_updates", {0: 0.0}).values())
-    why = ("not finished" if r.result is None else f"collapsed at step {collapse}" if collapse is not None
-           else f"skipped {skipped:g} updates" if skipped else "no score" if score is None else "")
+    score, why, at = score_run(r, PICK_STEPS)
     rows.append({"name": r.name, "lr": float(r.config["optim"]["learning_rate"]), "score": score, "excluded": why,
                  "acc": at})
   return rows
