@@ -174,6 +174,7 @@ def _run_sh(stub, root):
                         capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.integration  # runs run.sh (bash and a stand-in interpreter) as processes
 def test_run_sh_extends_once_keeps_its_pick_and_stops_when_a_launch_is_stopped(tmp_path):
   stub, log = _stub_python(tmp_path)
   root = tmp_path / "root"
