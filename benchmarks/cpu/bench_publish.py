@@ -116,10 +116,11 @@ PARTS = (
     ("blocked_s", "learner blocked per update (previous publish + HF-layout dispatch)", "<= 0.3"),
     ("publish_s", "whole publish, end to end (dispatch, export, check, update, confirm)", None),
     ("pause_s", "server out of routing (pause -> update -> confirm -> continue)", None),
-    ("export_s", "export (host copy + model.safetensors)", None),
-    ("device_s", "export part: the layout's cast and transposes finishing on the learner's device", None),
-    ("host_copy_s", "export part: the layout to host memory", None),
-    ("write_s", "export part: model.safetensors written", None),
+    ("export_s", "export (the layout finishing, each leaf written as it is ready, the directory)", None),
+    ("device_s", "export part: until the layout's last leaf was cast and transposed on the learner's device "
+                 "(the earlier leaves' writes overlap it)", None),
+    ("host_copy_s", "export part: the ready leaves to host memory, summed", None),
+    ("write_s", "export part: model.safetensors writes, summed (overlapping device)", None),
     ("files_s", "export part: config, tokenizer, modes, rename", None),
     ("update_s", "SGLang update calls (/update_weights_from_disk, or one per bucket: the wire's "
                  "/update_weights_from_distributed, the tensor's /update_weights_from_tensor)", None),

@@ -28,7 +28,8 @@ class ArmContext:
 
 class TimedExport:
   """The job's export function (HttpBackend._export: hf_export.write_hf with the job's tokenizer), timed whole
-  and in parts (hf_export.write_hf's timings: device_s, host_copy_s, write_s, files_s)."""
+  and in parts (hf_export.write_hf's timings: device_s, host_copy_s, write_s, files_s; the first three overlap:
+  each leaf is written while the later ones are still being cast)."""
 
   def __init__(self, tokenizer):
     self.tokenizer, self.seconds, self.parts = tokenizer, [], []

@@ -1,4 +1,4 @@
-"""Fast HF export: the HF-layout tensors in the export dtype made on device in one jitted call, then one file write."""
+"""Fast HF export: the HF layout made on device by a jitted call per leaf, each leaf written once it is ready."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,27 +49,28 @@ def leaf_specs(cfg: config_lib.ModelConfig) -> tuple[tuple[tuple[str, ...], bool
 
 
 @functools.lru_cache(maxsize=None)
-def _layout_fn(cfg: config_lib.ModelConfig, dtype: str):
-  specs, out_dtype = leaf_specs(cfg), jnp.dtype(dtype)
+def _leaf_fn(transpose: bool, dtype: str):
+  """One leaf's HF layout, jitted on its own: the leaves' executions run side by side on XLA:CPU's cores
+  (one program over every leaf ran them one after another: benchmarks/cpu/probe_export_layout.py) and
+  each is ready, to be written, as soon as it is done."""
+  out_dtype = jnp.dtype(dtype)
 
-  def layout(params):
-    out = []
-    for path, transpose in specs:
-      x = hf._get(params, path)
-      y = jnp.swapaxes(x, -1, -2) if transpose else x  # HF's [out, in]; a stacked leaf keeps its layer axis
-      # copy: an unchanged leaf would otherwise come back as the (soon donated) input buffer itself
-      out.append(jnp.copy(y.astype(out_dtype)) if y is x and x.dtype == out_dtype else y.astype(out_dtype))
-    return out
+  def layout(x):
+    y = jnp.swapaxes(x, -1, -2) if transpose else x  # HF's [out, in]; a stacked leaf keeps its layer axis
+    # copy: an unchanged leaf would otherwise come back as the (soon donated) input buffer itself
+    return jnp.copy(y.astype(out_dtype)) if y is x and x.dtype == out_dtype else y.astype(out_dtype)
 
   return jax.jit(layout)
 
 
 def hf_layout(params: Any, cfg: config_lib.ModelConfig, dtype: Optional[str] = None) -> HfLayout:
-  """Dispatches the layout (transposes + cast) on the params' devices; returns without waiting for it."""
+  """Dispatches the layout (transposes + cast, one jitted call per leaf) on the params' devices; returns
+  without waiting for it."""
   dtype = check_dtype(dtype or cfg.param_dtype)
-  leaves = [hf._get(params, path) for path, _ in leaf_specs(cfg)]
+  specs = leaf_specs(cfg)
+  leaves = [hf._get(params, path) for path, _ in specs]
   if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-    return HfLayout(cfg, dtype, tuple(_layout_fn(cfg, dtype)(params)), on_device=True)
+    return HfLayout(cfg, dtype, tuple(_leaf_fn(t, dtype)(x) for x, (_, t) in zip(leaves, specs)), on_device=True)
   return HfLayout(cfg, dtype, tuple(leaves), on_device=False)
 
 
@@ -79,15 +80,21 @@ def export_bytes(cfg: config_lib.ModelConfig, dtype: str) -> int:
   return sum(x.size for x in jax.tree.leaves(shapes)) * np.dtype(jnp.dtype(check_dtype(dtype))).itemsize
 
 
+def _leaf_on_host(layout: HfLayout, j: int) -> np.ndarray:
+  """Leaf j in HF layout and the export dtype as a host array: a view of its device buffer where that is host
+  memory (CPU); over several processes gathered with the followers (one leaf at a time) and converted here."""
+  leaf = layout.leaves[j]
+  if layout.on_device:
+    return np.asarray(jax.device_get(leaf))
+  arr = processes.to_host(leaf)
+  arr = np.swapaxes(arr, -1, -2) if leaf_specs(layout.cfg)[j][1] else arr
+  return np.ascontiguousarray(arr.astype(np.dtype(jnp.dtype(layout.dtype)), copy=False))
+
+
 def _host_leaves(layout: HfLayout) -> list[np.ndarray]:
   if layout.on_device:
     return [np.asarray(x) for x in jax.device_get(list(layout.leaves))]  # one transfer for all leaves
-  out, dtype = [], np.dtype(jnp.dtype(layout.dtype))
-  for (path, transpose), leaf in zip(leaf_specs(layout.cfg), layout.leaves):
-    arr = processes.to_host(leaf)  # gathered with the followers, one leaf at a time
-    arr = np.swapaxes(arr, -1, -2) if transpose else arr
-    out.append(np.ascontiguousarray(arr.astype(dtype, copy=False)))
-  return out
+  return [_leaf_on_host(layout, j) for j in range(len(layout.leaves))]
 
 
 def hf_tensors(layout: HfLayout, timings: Optional[dict] = None) -> dict[str, np.ndarray]:
@@ -108,50 +115,135 @@ def hf_tensors(layout: HfLayout, timings: Optional[dict] = None) -> dict[str, np
   return out
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str, reuse: Optional[str] = None) -> None:
-  """One .safetensors file (8-byte header length, JSON header, raw little-endian data), sized up front and
-  written from the arrays' own buffers, one unbuffered write each: no serialized copy of the model. `reuse`:
-  a file of exactly that size is renamed to `path` and overwritten in place (its memory stays allocated)."""
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+  """One HF tensor's place in model.safetensors: the leaf it comes from (layer: its slice of a stacked leaf)."""
+  name: str
+  leaf: int
+  layer: Optional[int]
+  shape: tuple[int, ...]
+  offset: int
+  nbytes: int
+
+
+def _file_plan(layout: HfLayout) -> tuple[bytes, int, list[_Placed]]:
+  """The file's header (8-byte length + JSON), its size and every tensor's place, from shapes and the dtype
+  alone: nothing waits for the layout. Tensors in hf.tensor_names order, as write_safetensors places them."""
+  specs, itemsize = leaf_specs(layout.cfg), np.dtype(jnp.dtype(layout.dtype)).itemsize
+  index = {spec: j for j, spec in enumerate(specs)}
+  placed, offset = [], 0
+  for path, name, transpose in hf.tensor_names(layout.cfg):
+    j = index[(path, transpose)]
+    shape = tuple(layout.leaves[j].shape)
+    if transpose and not layout.on_device:  # the params' own leaf: transposed on the host
+      shape = shape[:-2] + (shape[-1], shape[-2])
+    layer = int(name.split(".")[2]) if layout.cfg.scan_layers and path[0] == "layers" else None
+    shape = shape[1:] if layer is not None else shape
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    placed.append(_Placed(name, j, layer, shape, offset, nbytes))
+    offset += nbytes
+  header = _header([(p.name, p.shape, p.nbytes) for p in placed], layout.dtype)
+  return header, len(header) + offset, placed
+
+
+def _header(entries: list[tuple[str, tuple, int]], dtype: str) -> bytes:
+  """8-byte little-endian length, then the JSON header, padded with spaces so the data starts 8-byte aligned."""
   header, offset = {}, 0
-  for name, arr in tensors.items():
-    header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
+  for name, shape, nbytes in entries:
+    header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
   header["__metadata__"] = {"format": "pt"}
   blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-  size = 8 + len(blob) + offset
+  blob += b" " * (-len(blob) % 8)
+  return struct.pack("<Q", len(blob)) + blob
+
+
+def _open_sized(path: str, size: int, reuse: Optional[str]) -> int:
+  """A file descriptor of `path` sized `size` bytes; a `reuse` file of exactly that size becomes `path` (its
+  memory stays allocated and is overwritten in place)."""
   if reuse is not None and os.path.isfile(reuse) and os.path.getsize(reuse) == size:
     os.replace(reuse, path)
   fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
   try:
     os.ftruncate(fd, size)
-    _write_all(fd, memoryview(struct.pack("<Q", len(blob)) + blob))
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str, reuse: Optional[str] = None) -> None:
+  """One .safetensors file (8-byte header length, JSON header, raw little-endian data), sized up front and
+  written from the arrays' own buffers, one unbuffered write each: no serialized copy of the model. `reuse`:
+  a file of exactly that size is renamed to `path` and overwritten in place (its memory stays allocated)."""
+  header = _header([(name, arr.shape, arr.nbytes) for name, arr in tensors.items()], dtype)
+  fd = _open_sized(path, len(header) + sum(arr.nbytes for arr in tensors.values()), reuse)
+  try:
+    _write_all(fd, memoryview(header), 0)
+    offset = len(header)
     for arr in tensors.values():
-      _write_all(fd, memoryview(arr.reshape(-1).view(np.uint8)))
+      _write_all(fd, _bytes(arr), offset)
+      offset += arr.nbytes
   finally:
     os.close(fd)
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_layout(layout: HfLayout, path: str, reuse: Optional[str] = None, timings: Optional[dict] = None) -> None:
+  """The layout as one .safetensors file, the same bytes as write_safetensors(hf_tensors(layout)) writes, each
+  leaf written at its tensors' offsets as soon as it is ready: the write of a leaf overlaps the cast and
+  transposes of the ones still running. `timings` (the parts overlap): device_s (until the last leaf was
+  ready, earlier leaves' writes included), host_copy_s (the ready leaves to host arrays, summed), write_s
+  (the writes, summed)."""
+  header, size, placed = _file_plan(layout)
+  by_leaf: dict[int, list[_Placed]] = {}
+  for p in placed:
+    by_leaf.setdefault(p.leaf, []).append(p)
+  waited = host_s = write_s = 0.0
+  t_start = time.perf_counter()
+  if layout.on_device and any(d.platform != "cpu" for x in layout.leaves for d in x.devices()):
+    for x in layout.leaves:  # every transfer starts once its leaf is done, not when the writer asks for it
+      x.copy_to_host_async()
+  fd = _open_sized(path, size, reuse)
+  try:
+    _write_all(fd, memoryview(header), 0)
+    for j in range(len(layout.leaves)):
+      t0 = time.perf_counter()
+      if layout.on_device:
+        layout.leaves[j].block_until_ready()
+      t1 = time.perf_counter()
+      arr = _leaf_on_host(layout, j)
+      t2 = time.perf_counter()
+      for p in by_leaf[j]:
+        _write_all(fd, _bytes(arr[p.layer] if p.layer is not None else arr), len(header) + p.offset)
+      t3 = time.perf_counter()
+      waited, host_s, write_s = t1 - t_start, host_s + t2 - t1, write_s + t3 - t2
+  finally:
+    os.close(fd)
+  if timings is not None:
+    timings.update(device_s=waited, host_copy_s=host_s, write_s=write_s)
+
+
+def _bytes(arr: np.ndarray) -> memoryview:
+  return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
   while len(data):  # a write may take fewer bytes than given (Linux: at most ~2 GiB per call)
-    data = data[os.write(fd, data):]
+    done = os.pwrite(fd, data, offset)
+    data, offset = data[done:], offset + done
 
 
 def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[dict] = None) -> str:
   """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir.
-  `timings` gets hf_tensors' parts and write_s (model.safetensors), files_s (the rest, the rename). A file
-  out_dir/REUSE_NAME (put there by the publisher: an old version's, read by no one) is overwritten in place."""
+  `timings` gets write_layout's parts (device_s, host_copy_s, write_s: they overlap) and files_s (the rest,
+  the rename). A file out_dir/REUSE_NAME (put there by the publisher: an old version's, read by no one) is overwritten in place."""
   out_dir = os.path.abspath(out_dir)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
   timings = {} if timings is None else timings
   try:
-    tensors = hf_tensors(layout, timings)
-    t0 = time.perf_counter()
-    write_safetensors(tensors, os.path.join(tmp, hf._WEIGHTS_FILE), layout.dtype,
-                      reuse=os.path.join(out_dir, REUSE_NAME))
+    write_layout(layout, os.path.join(tmp, hf._WEIGHTS_FILE), os.path.join(out_dir, REUSE_NAME), timings)
     t1 = time.perf_counter()
     eos = bos = stop = None
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
@@ -170,7 +262,7 @@ def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[d
       os.chmod(os.path.join(tmp, name), 0o644)
     os.chmod(tmp, 0o755)
     hf.replace_directory(tmp, out_dir)
-    timings.update(write_s=t1 - t0, files_s=time.perf_counter() - t1)
+    timings.update(files_s=time.perf_counter() - t1)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

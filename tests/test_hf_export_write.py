@@ -1,0 +1,144 @@
+"""The pipelined export writes the same model.safetensors bytes as casting, transposing and writing in numpy."""
+import json
+import os
+import struct
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from tests.model_jit import init_params
+from vcpo_jax.model import config as model_config
+from vcpo_jax.model import hf, hf_export
+
+CFG = model_config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                               num_kv_heads=2, head_dim=8, max_seq_len=64, rope_theta=1e6)
+NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+             "float16": np.dtype(np.float16)}
+
+
+def _cfg(**kw):
+  return model_config.ModelConfig(**{**CFG.to_dict(), **kw})
+
+
+def _reference(params, cfg, dtype):
+  """HF name -> tensor, in hf.tensor_names order, made in numpy: layer i of a stacked leaf, [in, out] -> [out,
+  in], one cast (ml_dtypes' round to nearest even for bfloat16)."""
+  out = {}
+  for path, name, transpose in hf.tensor_names(cfg):
+    arr = np.asarray(hf._get(params, path))
+    if cfg.scan_layers and path[0] == "layers":
+      arr = arr[int(name.split(".")[2])]
+    with np.errstate(over="ignore"):  # float16: the largest float32 becomes inf, as the export makes it
+      out[name] = np.ascontiguousarray((arr.T if transpose else arr).astype(NP_DTYPES[dtype]))
+  return out
+
+
+def _reference_file(tensors, dtype):
+  """The file bytes written by hand: 8-byte header length, the JSON header (data 8-byte aligned), the data."""
+  header, offset = {}, 0
+  for name, arr in tensors.items():
+    header[name] = {"dtype": {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype],
+                    "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+    offset += arr.nbytes
+  header["__metadata__"] = {"format": "pt"}
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  return struct.pack("<Q", len(blob)) + blob + b"".join(arr.tobytes() for arr in tensors.values())
+
+
+def _params(cfg, seed=0):
+  params = init_params(cfg, jax.random.PRNGKey(seed))
+  # Values that exercise the rounding: halfway cases, a subnormal, an infinity, numbers bf16 rounds up.
+  specials = np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1e-40, np.inf, 3.3895314e38, 0.1, -0.0],
+                      np.float32)
+  embed = np.array(params["embed_tokens"], np.float32)
+  embed.reshape(-1)[:specials.size] = specials
+  return {**params, "embed_tokens": jax.numpy.asarray(embed).astype(params["embed_tokens"].dtype)}
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_exported_file_is_byte_identical_to_the_numpy_reference(tmp_path, scan, dtype):
+  cfg = _cfg(scan_layers=scan, tie_word_embeddings=not scan)
+  params = _params(cfg)
+  want = _reference(params, cfg, dtype)
+  timings = {}
+  out = hf_export.write_hf(hf_export.hf_layout(params, cfg, dtype), str(tmp_path / "ckpt"), timings=timings)
+  path = os.path.join(out, hf.WEIGHTS_FILE)
+  got = safetensors.numpy.load_file(path)
+  assert sorted(got) == sorted(want)
+  for name, arr in want.items():
+    assert got[name].shape == arr.shape and got[name].tobytes() == arr.tobytes(), name
+  with open(path, "rb") as f:
+    assert f.read() == _reference_file(want, dtype)
+  assert set(timings) == {"device_s", "host_copy_s", "write_s", "files_s"}
+  assert all(v >= 0 for v in timings.values())
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_leaves_converted_on_the_host_write_the_same_bytes(tmp_path, scan):
+  """The several-process path: the params' own leaves, each to the host, transposed and cast there."""
+  cfg = _cfg(scan_layers=scan)
+  params = _params(cfg, seed=1)
+  leaves = tuple(np.asarray(hf._get(params, path)) for path, _ in hf_export.leaf_specs(cfg))
+  layout = hf_export.HfLayout(cfg, "bfloat16", leaves, on_device=False)
+  out = hf_export.write_hf(layout, str(tmp_path / "ckpt"))
+  with open(os.path.join(out, hf.WEIGHTS_FILE), "rb") as f:
+    assert f.read() == _reference_file(_reference(params, cfg, "bfloat16"), "bfloat16")
+
+
+def test_the_reuse_file_is_overwritten_in_place(tmp_path):
+  cfg = _cfg(scan_layers=True)
+  first = hf_export.export(_params(cfg, 0), cfg, str(tmp_path / "a"), dtype="bfloat16")
+  out_dir = tmp_path / "b"
+  os.makedirs(out_dir)
+  spare = os.path.join(out_dir, hf_export.REUSE_NAME)
+  os.replace(os.path.join(first, hf.WEIGHTS_FILE), spare)
+  inode = os.stat(spare).st_ino
+  params = _params(cfg, 2)
+  hf_export.export(params, cfg, str(out_dir), dtype="bfloat16")
+  path = os.path.join(out_dir, hf.WEIGHTS_FILE)
+  assert os.stat(path).st_ino == inode and sorted(os.listdir(out_dir)) == ["config.json", "generation_config.json",
+                                                                          "model.safetensors"]
+  with open(path, "rb") as f:
+    assert f.read() == _reference_file(_reference(params, cfg, "bfloat16"), "bfloat16")
+
+
+def test_a_failure_mid_write_leaves_no_directory_and_the_old_one_intact(tmp_path, monkeypatch):
+  cfg = _cfg(scan_layers=True)
+  out = hf_export.export(_params(cfg, 0), cfg, str(tmp_path / "ckpt"), dtype="bfloat16")
+  with open(os.path.join(out, hf.WEIGHTS_FILE), "rb") as f:
+    before = f.read()
+  real, seen = hf_export._leaf_on_host, []
+
+  def failing(layout, j):
+    seen.append(j)
+    if j == 3:  # after three leaves were written at their offsets
+      raise OSError("disk full")
+    return real(layout, j)
+
+  monkeypatch.setattr(hf_export, "_leaf_on_host", failing)
+  with pytest.raises(OSError, match="disk full"):
+    hf_export.export(_params(cfg, 1), cfg, str(tmp_path / "ckpt"), dtype="bfloat16")
+  assert seen == [0, 1, 2, 3]
+  assert os.listdir(tmp_path) == ["ckpt"]
+  with open(os.path.join(out, hf.WEIGHTS_FILE), "rb") as f:
+    assert f.read() == before
+
+
+def test_each_leaf_is_its_own_fresh_buffer(tmp_path):
+  """One execution per leaf (they run side by side), none of them the params' own buffer: the learner
+  donates the params right after the dispatch."""
+  cfg = _cfg(scan_layers=True, param_dtype="bfloat16")
+  params = jax.device_put(_params(cfg))
+  want = _reference(jax.device_get(params), cfg, "bfloat16")
+  layout = hf_export.hf_layout(params, cfg, "bfloat16")  # every leaf unchanged but the transposed ones
+  pointers = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}
+  assert not pointers & {x.unsafe_buffer_pointer() for x in layout.leaves}
+  for leaf in jax.tree.leaves(params):
+    leaf.delete()
+  got = safetensors.numpy.load_file(os.path.join(hf_export.write_hf(layout, str(tmp_path / "c")), hf.WEIGHTS_FILE))
+  assert all(got[k].tobytes() == want[k].tobytes() for k in want)
