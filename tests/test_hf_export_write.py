@@ -142,3 +142,37 @@ def test_each_leaf_is_its_own_fresh_buffer(tmp_path):
     leaf.delete()
   got = safetensors.numpy.load_file(os.path.join(hf_export.write_hf(layout, str(tmp_path / "c")), hf.WEIGHTS_FILE))
   assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_recycled_layout_takes_the_next_version_and_the_params_may_still_be_donated(tmp_path, scan):
+  """The previous version's layout buffers are donated to the next one (it is deleted); the new leaves are
+  still not the params' buffers, and the file is the same bytes as a fresh layout's."""
+  cfg = _cfg(scan_layers=scan)
+  first = hf_export.hf_layout(_params(cfg, 0), cfg, "bfloat16")
+  hf_export.write_hf(first, str(tmp_path / "v1"))
+  params = jax.device_put(_params(cfg, 1))
+  want = _reference_file(_reference(jax.device_get(params), cfg, "bfloat16"), "bfloat16")
+  old_pointers = {x.unsafe_buffer_pointer() for x in first.leaves}
+  layout = hf_export.hf_layout(params, cfg, "bfloat16", recycle=first)
+  assert all(x.is_deleted() for x in first.leaves)
+  assert {x.unsafe_buffer_pointer() for x in layout.leaves} == old_pointers  # written in place
+  for leaf in jax.tree.leaves(params):
+    leaf.delete()
+  with open(os.path.join(hf_export.write_hf(layout, str(tmp_path / "v2")), hf.WEIGHTS_FILE), "rb") as f:
+    assert f.read() == want
+
+
+def test_a_layout_that_does_not_fit_is_not_recycled(tmp_path):
+  cfg = _cfg(scan_layers=True)
+  params = _params(cfg, 1)
+  other_dtype = hf_export.hf_layout(_params(cfg, 0), cfg, "float32")
+  other_model = hf_export.hf_layout(_params(_cfg(scan_layers=False), 0), _cfg(scan_layers=False), "bfloat16")
+  deleted = hf_export.hf_layout(_params(cfg, 0), cfg, "bfloat16")
+  deleted.leaves[0].delete()
+  for spare in (other_dtype, other_model, deleted):
+    layout = hf_export.hf_layout(params, cfg, "bfloat16", recycle=spare)
+    assert not any(x.is_deleted() for x in spare.leaves[1:])
+    got = safetensors.numpy.load_file(os.path.join(hf_export.write_hf(layout, str(tmp_path / "c")), hf.WEIGHTS_FILE))
+    want = _reference(params, cfg, "bfloat16")
+    assert all(got[k].tobytes() == want[k].tobytes() for k in want)

@@ -1,12 +1,16 @@
 """Probe: the bf16 export's cast + transposes on CPU at a model shape, against a plain copy of the same bytes.
 
-Every arm makes the same HF-layout bytes from the same float32 params (checked against the first arm) and is
+Every arm makes the same HF-layout bytes from the same float32 params (the numpy arms' checked against XLA's),
 timed on its own (min and median of --repeats after one untimed run); `cores` is process CPU time over wall
-time (2.0: both cores busy). Arms: memcpy floors (the output's bytes, the input's bytes); XLA: the export's one
-jit, one jit per leaf dispatched together, a cast-only jit (no transposes), per-layer transposes; numpy: a
-cast then a transpose per layer slice, 1 or 2 threads writing into preallocated output buffers.
+time (2.0: both cores busy). Arms: memcpy floors (the output's bytes, the input's bytes); XLA: every leaf in
+one jit (the export before), one jit per leaf into fresh buffers or into the last result's donated buffers
+(the export now), cast only, per-layer transposes; numpy (ml_dtypes): a cast then a transpose per layer
+slice, 1 or 2 threads, into preallocated or fresh buffers. A fresh buffer's pages are faulted in as they are
+first written: that, not the cast or the transposes, is most of XLA:CPU's time. --exports times the whole
+model.safetensors export before and now, interleaved.
 
   python -m benchmarks.cpu.probe_export_layout --shape=0.5b --repeats=5
+  python -m benchmarks.cpu.probe_export_layout --shape=0.5b --repeats=9 --exports=/dev/shm/probe-export
 """
 from __future__ import annotations
 
@@ -31,11 +35,49 @@ def _timed(fn, repeats: int) -> tuple[float, float, float]:
   return min(walls), statistics.median(walls), statistics.median(cores)
 
 
+def compare_exports(cfg, params, one_jit, repeats: int, root: str) -> None:
+  """model.safetensors into `root` (RAM-backed: a spare file of the right size overwritten in place, as the
+  publisher does), from dispatch to written: the export before (one program, then every tensor written) and
+  now (a call per leaf into the last layout's buffers, each leaf written once ready), interleaved so both see
+  the same load."""
+  import jax
+  from vcpo_jax.model import hf_export
+  path, spare = os.path.join(root, "model.safetensors"), os.path.join(root, "spare.safetensors")
+
+  def before():
+    layout = hf_export.HfLayout(cfg, "bfloat16", tuple(one_jit(params)), on_device=True)
+    hf_export.write_safetensors(hf_export.hf_tensors(layout), path, "bfloat16", reuse=spare)
+
+  last = []
+
+  def now():  # as HttpBackend: the previous version's layout buffers take the new one
+    layout = hf_export.hf_layout(params, cfg, "bfloat16", recycle=last.pop() if last else None)
+    hf_export.write_layout(layout, path, reuse=spare)
+    last.append(layout)
+
+  walls = {"before": [], "now": []}
+  for i in range(repeats + 1):
+    for name, fn in (("before", before), ("now", now)) if i % 2 else (("now", now), ("before", before)):
+      t0 = time.perf_counter()
+      fn()
+      if i:  # the first round compiles
+        walls[name].append(time.perf_counter() - t0)
+      os.replace(path, spare)
+      jax.block_until_ready(params)
+  os.remove(spare)
+  size = hf_export.export_bytes(cfg, "bfloat16") / 1e9
+  print("| export into a recycled RAM-backed file | min s | median s | s per GB |\n| --- | --- | --- | --- |")
+  for name, w in walls.items():
+    print(f"| {name} | {min(w):.3f} | {statistics.median(w):.3f} | {statistics.median(w) / size:.3f} |")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", default="0.5b")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--arms", default="", help="comma-separated arm names (default: all)")
+  parser.add_argument("--exports", default="", help="a RAM-backed directory: time the whole file export "
+                      "before and now there (interleaved) instead of the arms")
   args = parser.parse_args(argv)
   import jax
   import jax.numpy as jnp
@@ -110,12 +152,11 @@ def main(argv=None) -> None:
   cast_jobs = [(x[u], c[u]) for x, c in zip(host, casted) for u in units(x)]
   t_jobs = [(np.swapaxes(c[u], -1, -2) if t else c[u], o[u]) for c, o, (_, t) in zip(casted, outs, specs)
             for u in units(c)]
-  per_leaf_into = [jax.jit(lambda x, o, t=t: (jnp.swapaxes(x, -1, -2) if t else x).astype(jnp.bfloat16),
-                           donate_argnums=1) for _, t in specs]
-  recycled = [jax.block_until_ready(jnp.zeros(s, jnp.bfloat16)) for s in out_shapes]
+  recycled = list(hf_export.hf_layout(params, cfg, "bfloat16").leaves)
 
-  def into_donated():
-    recycled[:] = jax.block_until_ready([f(x, o) for f, x, o in zip(per_leaf_into, leaves, recycled)])
+  def into_donated():  # the export's own per-leaf calls into the previous result's (donated) buffers
+    spare = hf_export.HfLayout(cfg, "bfloat16", tuple(recycled), on_device=True)
+    recycled[:] = jax.block_until_ready(hf_export.hf_layout(params, cfg, "bfloat16", recycle=spare).leaves)
 
   def np_fresh():
     fresh = [np.empty(s, bf16) for s in out_shapes]
@@ -126,7 +167,7 @@ def main(argv=None) -> None:
       "memcpy, output bytes (1 pass)": lambda: np.copyto(dst_out, src_out),
       "memcpy, input bytes": lambda: np.copyto(dst_in, src_in),
       "xla: every leaf in one jit (a; the export before)": lambda: jax.block_until_ready(one_jit(params)),
-      "xla: one jit per leaf, dispatched together (b; the export now)": lambda: jax.block_until_ready(
+      "xla: one jit per leaf, dispatched together (b)": lambda: jax.block_until_ready(
           [f(x) for f, x in zip(per_leaf, leaves)]),
       "xla: cast only, no transposes": lambda: jax.block_until_ready(cast_only(leaves)),
       "xla: per leaf, integer RNE cast then transpose": lambda: jax.block_until_ready(
@@ -137,15 +178,21 @@ def main(argv=None) -> None:
       "xla: per leaf cast only": lambda: jax.block_until_ready([f(x) for f, x in zip(per_leaf_cast, leaves)]),
       "xla: per leaf bf16 transpose only": lambda: jax.block_until_ready(
           [f(x) for f, x in zip(per_leaf_t16, bf16_leaves)]),
-      "numpy: cast only, 2 threads": lambda: list(pool.map(lambda j: np.copyto(j[1], j[0], casting="unsafe"), cast_jobs)),
+      "numpy: cast only, 2 threads": lambda: list(pool.map(
+          lambda j: np.copyto(j[1], j[0], casting="unsafe"), cast_jobs)),
       "numpy: bf16 transpose only, 2 threads": lambda: list(pool.map(lambda j: np.copyto(j[1], j[0]), t_jobs)),
-      "xla: per leaf into donated (recycled) outputs": into_donated,
+      "xla: one jit per leaf into the last result's donated buffers (the export now)": into_donated,
       "numpy: cast then transpose, 2 threads, fresh outputs": np_fresh,
       "xla: per-layer transposes (c)": lambda: jax.block_until_ready(per_layer(leaves)),
       "numpy: cast then transpose, 1 thread (d)": lambda: [np_job(j) for j in jobs],
       "numpy: cast then transpose, 2 threads (d)": lambda: list(pool.map(np_job, jobs)),
       "numpy: copyto casting, 2 threads": lambda: list(pool.map(np_copyto_job, jobs)),
   }
+  load = os.getloadavg()
+  if args.exports:
+    print(f"shape {args.shape}; {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
+          f"repeats {args.repeats}")
+    return compare_exports(cfg, params, one_jit, args.repeats, args.exports)
   want = [a.strip() for a in args.arms.split(",") if a.strip()]
   reference = [np.asarray(y) for y in one_jit(params)]
   load = os.getloadavg()
@@ -157,7 +204,8 @@ def main(argv=None) -> None:
       continue
     best, med, cores = _timed(fn, args.repeats)
     if name.startswith("numpy") and "(d)" in name or "copyto" in name:  # the arms that fill `outs`
-      bad = [i for i, (o, r) in enumerate(zip(outs, reference)) if not np.array_equal(o.view(np.uint16), r.view(np.uint16))]
+      bad = [i for i, (o, r) in enumerate(zip(outs, reference))
+             if not np.array_equal(o.view(np.uint16), r.view(np.uint16))]
       if bad:
         raise SystemExit(f"{name}: leaves {bad} differ from the export's bytes")
     print(f"| {name} | {best:.3f} | {med:.3f} | {med / (out_bytes / 1e9):.3f} | {cores:.2f} |", flush=True)

@@ -72,6 +72,7 @@ async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids
   if pub.session is not None:
     _timed(pub.session.admin, calls, current)
   pending, rounds, versions = background.BackgroundPublish(), [], sorted(params_by_version)
+  spare = None
   async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
     before = await sglang_server.prompt_logprobs(session, ctx.url, probe_ids)
     info0 = await sglang_server.get_json(session, ctx.url, "/get_model_info")
@@ -86,9 +87,11 @@ async def publish_rounds(make_arm, ctx: ArmContext, params_by_version, probe_ids
           break
         current[0] = version
         t1 = time.perf_counter()
-        layout = hf_export.hf_layout(params_by_version[version], ctx.model_cfg, dtype)
+        # as HttpBackend: the last published layout's buffers take the new one
+        layout = hf_export.hf_layout(params_by_version[version], ctx.model_cfg, dtype, recycle=spare)
         pending.start(functools.partial(pub.publish, layout, version))
         t2 = time.perf_counter()
+        spare = layout  # published once pending.wait() returns
         rounds.append({"version": version, "dtype": dtype, "waited_s": waited, "dispatch_s": t2 - t1,
                        "blocked_s": waited + t2 - t1})
         await asyncio.sleep(step_s)  # the learner step the publish overlaps

@@ -1,4 +1,4 @@
-"""Fast HF export: the HF layout made on device by a jitted call per leaf, each leaf written once it is ready."""
+"""Fast HF export: the HF layout made on device a leaf at a time (into recycled buffers), each written once ready."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,30 +48,61 @@ def leaf_specs(cfg: config_lib.ModelConfig) -> tuple[tuple[tuple[str, ...], bool
   return tuple(dict.fromkeys((path, transpose) for path, _, transpose in hf.tensor_names(cfg)))
 
 
+def _leaf_layout(x, transpose: bool, dtype: str):
+  y = jnp.swapaxes(x, -1, -2) if transpose else x  # HF's [out, in]; a stacked leaf keeps its layer axis
+  return y.astype(jnp.dtype(dtype))
+
+
 @functools.lru_cache(maxsize=None)
 def _leaf_fn(transpose: bool, dtype: str):
-  """One leaf's HF layout, jitted on its own: the leaves' executions run side by side on XLA:CPU's cores
-  (one program over every leaf ran them one after another: benchmarks/cpu/probe_export_layout.py) and
-  each is ready, to be written, as soon as it is done."""
-  out_dtype = jnp.dtype(dtype)
-
+  """One leaf's HF layout, jitted on its own: the leaves run one after another, each ready to be written as
+  soon as it is done, while the later ones are still being cast."""
   def layout(x):
-    y = jnp.swapaxes(x, -1, -2) if transpose else x  # HF's [out, in]; a stacked leaf keeps its layer axis
-    # copy: an unchanged leaf would otherwise come back as the (soon donated) input buffer itself
-    return jnp.copy(y.astype(out_dtype)) if y is x and x.dtype == out_dtype else y.astype(out_dtype)
+    y = _leaf_layout(x, transpose, dtype)
+    return jnp.copy(y) if y is x else y  # an unchanged leaf would otherwise be the (soon donated) input itself
 
   return jax.jit(layout)
 
 
-def hf_layout(params: Any, cfg: config_lib.ModelConfig, dtype: Optional[str] = None) -> HfLayout:
+@functools.lru_cache(maxsize=None)
+def _leaf_into_fn(transpose: bool, dtype: str):
+  """_leaf_fn into a donated buffer of the output's shape (the previous version's leaf). On XLA:CPU a fresh
+  output's pages are faulted in as they are first written, which cost most of the layout's time
+  (benchmarks/cpu/probe_export_layout.py); a recycled buffer's pages are mapped already."""
+  def layout_into(x, out):
+    return jax.lax.dynamic_update_slice(out, _leaf_layout(x, transpose, dtype), (0,) * out.ndim)
+
+  return jax.jit(layout_into, donate_argnums=1)
+
+
+def _recyclable(recycle: Optional[HfLayout], leaves: list, cfg: config_lib.ModelConfig, dtype: str):
+  """recycle's leaves when they can take this layout: the same model and dtype, made on the same devices, none
+  deleted; else None."""
+  if recycle is None or not recycle.on_device or (recycle.cfg, recycle.dtype) != (cfg, dtype):
+    return None
+  for x, old, (_, transpose) in zip(leaves, recycle.leaves, leaf_specs(cfg)):
+    shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if transpose else x.shape
+    if (not isinstance(x, jax.Array) or not isinstance(old, jax.Array) or old.is_deleted()
+        or old.shape != shape or old.sharding.device_set != x.sharding.device_set):
+      return None
+  return recycle.leaves
+
+
+def hf_layout(params: Any, cfg: config_lib.ModelConfig, dtype: Optional[str] = None,
+              recycle: Optional[HfLayout] = None) -> HfLayout:
   """Dispatches the layout (transposes + cast, one jitted call per leaf) on the params' devices; returns
-  without waiting for it."""
+  without waiting for it. `recycle`: a layout no one reads any more (the previous version's, published): its
+  buffers are donated and overwritten (it is deleted), where they fit."""
   dtype = check_dtype(dtype or cfg.param_dtype)
   specs = leaf_specs(cfg)
   leaves = [hf._get(params, path) for path, _ in specs]
-  if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+  if not all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+    return HfLayout(cfg, dtype, tuple(leaves), on_device=False)
+  old = _recyclable(recycle, leaves, cfg, dtype)
+  if old is None:
     return HfLayout(cfg, dtype, tuple(_leaf_fn(t, dtype)(x) for x, (_, t) in zip(leaves, specs)), on_device=True)
-  return HfLayout(cfg, dtype, tuple(leaves), on_device=False)
+  return HfLayout(cfg, dtype, tuple(_leaf_into_fn(t, dtype)(x, o) for x, o, (_, t) in zip(leaves, old, specs)),
+                  on_device=True)
 
 
 def export_bytes(cfg: config_lib.ModelConfig, dtype: str) -> int:
@@ -150,7 +181,8 @@ def _header(entries: list[tuple[str, tuple, int]], dtype: str) -> bytes:
   """8-byte little-endian length, then the JSON header, padded with spaces so the data starts 8-byte aligned."""
   header, offset = {}, 0
   for name, shape, nbytes in entries:
-    header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
   header["__metadata__"] = {"format": "pt"}
   blob = json.dumps(header, separators=(",", ":")).encode()
@@ -236,7 +268,8 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[dict] = None) -> str:
   """Writes a HF directory atomically (temporary sibling directory, then rename); returns out_dir.
   `timings` gets write_layout's parts (device_s, host_copy_s, write_s: they overlap) and files_s (the rest,
-  the rename). A file out_dir/REUSE_NAME (put there by the publisher: an old version's, read by no one) is overwritten in place."""
+  the rename). A file out_dir/REUSE_NAME (put there by the publisher: an old version's, read by no one) is
+  overwritten in place."""
   out_dir = os.path.abspath(out_dir)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)

@@ -105,6 +105,7 @@ class HttpBackend(backend.RolloutBackend):
     self._sched: Optional[scheduler_lib.RolloutScheduler] = None
     self._restored: Optional[dict] = None
     self._pending = background.BackgroundPublish()
+    self._spare: Optional[hf_export.HfLayout] = None  # a published layout; the next one is written into it
     self._background = jax.process_count() == 1  # followers join a publish's gathers only inside publish()
     # External servers were launched on the job's starting weights; exports and served models are checked
     # against them (embedded servers: against the directory they are started on).
@@ -140,7 +141,8 @@ class HttpBackend(backend.RolloutBackend):
     return cls(ctx, backend.read_config(HttpBackendConfig, config))
 
   def _layout(self, params: Any) -> hf_export.HfLayout:
-    return hf_export.hf_layout(params, self.ctx.model_cfg, self.export_dtype)
+    spare, self._spare = self._spare, None
+    return hf_export.hf_layout(params, self.ctx.model_cfg, self.export_dtype, recycle=spare)
 
   def _export(self, layout: hf_export.HfLayout, out_dir: str) -> None:
     hf_export.write_hf(layout, out_dir, self.ctx.tokenizer)
@@ -264,6 +266,8 @@ class HttpBackend(backend.RolloutBackend):
   async def _publish(self, layout: hf_export.HfLayout, version: int) -> None:
     await self._publisher.publish(layout, version)
     self._sched.set_served_version(version)  # new groups may now start at this version
+    if isinstance(layout, hf_export.HfLayout):  # read by no one now (a failed or cancelled publish's may be)
+      self._spare = layout
 
   async def wait_published(self) -> None:
     await self._pending.wait()
