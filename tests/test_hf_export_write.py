@@ -176,3 +176,46 @@ def test_a_layout_that_does_not_fit_is_not_recycled(tmp_path):
     got = safetensors.numpy.load_file(os.path.join(hf_export.write_hf(layout, str(tmp_path / "c")), hf.WEIGHTS_FILE))
     want = _reference(params, cfg, "bfloat16")
     assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+
+
+class _Publisher:
+  """Writes each layout it is given; refuses the versions in `refuse` after reading it."""
+
+  def __init__(self, root, refuse=()):
+    self.root, self.refuse, self.layouts = root, set(refuse), []
+
+  async def publish(self, layout, version):
+    self.layouts.append(layout)
+    hf_export.write_hf(layout, os.path.join(self.root, f"v{version}"))
+    if version in self.refuse:
+      raise RuntimeError(f"v{version} refused")
+
+
+def test_http_backend_writes_each_version_into_the_last_published_layout(tmp_path):
+  """HttpBackend.publish: version 2's layout takes version 1's buffers once v1 is live; a refused version's
+  layout is never recycled (a failed publish's readers may still hold it)."""
+  import asyncio
+  import types
+  from vcpo_jax.rollout import http_backend
+  from vcpo_jax.rollout.servers import background
+  cfg = _cfg(scan_layers=True)
+  backend = object.__new__(http_backend.HttpBackend)
+  backend.ctx, backend.export_dtype, backend.lora = types.SimpleNamespace(model_cfg=cfg), "bfloat16", None
+  backend._pending, backend._background, backend._spare = background.BackgroundPublish(), True, None
+  backend._publisher = _Publisher(str(tmp_path), refuse={2})
+  backend._sched = types.SimpleNamespace(set_served_version=lambda v: None)
+
+  async def run():
+    await backend.publish(1, _params(cfg, 1))
+    await backend.publish(2, _params(cfg, 2))  # waits for v1, then writes into its buffers
+    with pytest.raises(RuntimeError, match="v2 refused"):
+      await backend.publish(3, _params(cfg, 3))
+    await backend.publish(3, _params(cfg, 3))  # v2 was refused: fresh buffers again
+    await backend.wait_published()
+
+  asyncio.run(run())
+  v1, v2, v3 = backend._publisher.layouts
+  assert all(x.is_deleted() for x in v1.leaves) and not any(x.is_deleted() for x in v2.leaves + v3.leaves)
+  for version in (2, 3):
+    with open(os.path.join(tmp_path, f"v{version}", hf.WEIGHTS_FILE), "rb") as f:
+      assert f.read() == _reference_file(_reference(_params(cfg, version), cfg, "bfloat16"), "bfloat16")
