@@ -41,12 +41,12 @@ def compare_exports(cfg, params, one_jit, repeats: int, root: str) -> None:
   now (a call per leaf into the last layout's buffers, each leaf written once ready), interleaved so both see
   the same load."""
   import jax
-  from vcpo_jax.model import hf_export
+  from vcpo_jax.model import hf_export, safetensors_file
   path, spare = os.path.join(root, "model.safetensors"), os.path.join(root, "spare.safetensors")
 
   def before():
     layout = hf_export.HfLayout(cfg, "bfloat16", tuple(one_jit(params)), on_device=True)
-    hf_export.write_safetensors(hf_export.hf_tensors(layout), path, "bfloat16", reuse=spare)
+    safetensors_file.write(hf_export.hf_tensors(layout), path, "bfloat16", reuse=spare)
 
   last = []
 

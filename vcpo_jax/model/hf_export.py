@@ -6,7 +6,6 @@ import functools
 import json
 import os
 import shutil
-import struct
 import tempfile
 import time
 from typing import Any, Optional
@@ -16,12 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcpo_jax.model import config as config_lib
-from vcpo_jax.model import hf, hf_config
+from vcpo_jax.model import hf, hf_config, safetensors_file
 from vcpo_jax.model import transformer as model_lib
 from vcpo_jax.parallel import processes
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 REUSE_NAME = ".reuse.safetensors"
 
 
@@ -75,15 +73,22 @@ def _leaf_into_fn(transpose: bool, dtype: str):
   return jax.jit(layout_into, donate_argnums=1)
 
 
+def worth_recycling(layout: HfLayout) -> bool:
+  """Whether to keep a published layout for the next one to be written into: on CPU devices only. A GPU's
+  allocator hands freed memory back without faults, and a kept layout would hold device memory through the
+  learner's steps."""
+  return layout.on_device and all(isinstance(x, jax.Array) and not x.is_deleted()
+                                  and all(d.platform == "cpu" for d in x.devices()) for x in layout.leaves)
+
+
 def _recyclable(recycle: Optional[HfLayout], leaves: list, cfg: config_lib.ModelConfig, dtype: str):
-  """recycle's leaves when they can take this layout: the same model and dtype, made on the same devices, none
-  deleted; else None."""
-  if recycle is None or not recycle.on_device or (recycle.cfg, recycle.dtype) != (cfg, dtype):
+  """recycle's leaves when they can take this layout: on CPU, the same model and dtype, made on the same
+  devices, none deleted; else None."""
+  if recycle is None or (recycle.cfg, recycle.dtype) != (cfg, dtype) or not worth_recycling(recycle):
     return None
   for x, old, (_, transpose) in zip(leaves, recycle.leaves, leaf_specs(cfg)):
     shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if transpose else x.shape
-    if (not isinstance(x, jax.Array) or not isinstance(old, jax.Array) or old.is_deleted()
-        or old.shape != shape or old.sharding.device_set != x.sharding.device_set):
+    if not isinstance(x, jax.Array) or old.shape != shape or old.sharding.device_set != x.sharding.device_set:
       return None
   return recycle.leaves
 
@@ -92,7 +97,7 @@ def hf_layout(params: Any, cfg: config_lib.ModelConfig, dtype: Optional[str] = N
               recycle: Optional[HfLayout] = None) -> HfLayout:
   """Dispatches the layout (transposes + cast, one jitted call per leaf) on the params' devices; returns
   without waiting for it. `recycle`: a layout no one reads any more (the previous version's, published): its
-  buffers are donated and overwritten (it is deleted), where they fit."""
+  buffers are donated and overwritten (it is deleted), where they fit and on CPU (worth_recycling)."""
   dtype = check_dtype(dtype or cfg.param_dtype)
   specs = leaf_specs(cfg)
   leaves = [hf._get(params, path) for path, _ in specs]
@@ -159,7 +164,7 @@ class _Placed:
 
 def _file_plan(layout: HfLayout) -> tuple[bytes, int, list[_Placed]]:
   """The file's header (8-byte length + JSON), its size and every tensor's place, from shapes and the dtype
-  alone: nothing waits for the layout. Tensors in hf.tensor_names order, as write_safetensors places them."""
+  alone: nothing waits for the layout. Tensors in hf.tensor_names order, as safetensors_file.write places them."""
   specs, itemsize = leaf_specs(layout.cfg), np.dtype(jnp.dtype(layout.dtype)).itemsize
   index = {spec: j for j, spec in enumerate(specs)}
   placed, offset = [], 0
@@ -173,55 +178,12 @@ def _file_plan(layout: HfLayout) -> tuple[bytes, int, list[_Placed]]:
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
     placed.append(_Placed(name, j, layer, shape, offset, nbytes))
     offset += nbytes
-  header = _header([(p.name, p.shape, p.nbytes) for p in placed], layout.dtype)
+  header = safetensors_file.header([(p.name, p.shape, p.nbytes) for p in placed], layout.dtype)
   return header, len(header) + offset, placed
 
 
-def _header(entries: list[tuple[str, tuple, int]], dtype: str) -> bytes:
-  """8-byte little-endian length, then the JSON header, padded with spaces so the data starts 8-byte aligned."""
-  header, offset = {}, 0
-  for name, shape, nbytes in entries:
-    header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape),
-                    "data_offsets": [offset, offset + nbytes]}
-    offset += nbytes
-  header["__metadata__"] = {"format": "pt"}
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)
-  return struct.pack("<Q", len(blob)) + blob
-
-
-def _open_sized(path: str, size: int, reuse: Optional[str]) -> int:
-  """A file descriptor of `path` sized `size` bytes; a `reuse` file of exactly that size becomes `path` (its
-  memory stays allocated and is overwritten in place)."""
-  if reuse is not None and os.path.isfile(reuse) and os.path.getsize(reuse) == size:
-    os.replace(reuse, path)
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-  try:
-    os.ftruncate(fd, size)
-  except BaseException:
-    os.close(fd)
-    raise
-  return fd
-
-
-def write_safetensors(tensors: dict[str, np.ndarray], path: str, dtype: str, reuse: Optional[str] = None) -> None:
-  """One .safetensors file (8-byte header length, JSON header, raw little-endian data), sized up front and
-  written from the arrays' own buffers, one unbuffered write each: no serialized copy of the model. `reuse`:
-  a file of exactly that size is renamed to `path` and overwritten in place (its memory stays allocated)."""
-  header = _header([(name, arr.shape, arr.nbytes) for name, arr in tensors.items()], dtype)
-  fd = _open_sized(path, len(header) + sum(arr.nbytes for arr in tensors.values()), reuse)
-  try:
-    _write_all(fd, memoryview(header), 0)
-    offset = len(header)
-    for arr in tensors.values():
-      _write_all(fd, _bytes(arr), offset)
-      offset += arr.nbytes
-  finally:
-    os.close(fd)
-
-
 def write_layout(layout: HfLayout, path: str, reuse: Optional[str] = None, timings: Optional[dict] = None) -> None:
-  """The layout as one .safetensors file, the same bytes as write_safetensors(hf_tensors(layout)) writes, each
+  """The layout as one .safetensors file, the same bytes as safetensors_file.write(hf_tensors(layout)), each
   leaf written at its tensors' offsets as soon as it is ready: the write of a leaf overlaps the cast and
   transposes of the ones still running. `timings` (the parts overlap): device_s (until the last leaf was
   ready, earlier leaves' writes included), host_copy_s (the ready leaves to host arrays, summed), write_s
@@ -235,9 +197,9 @@ def write_layout(layout: HfLayout, path: str, reuse: Optional[str] = None, timin
   if layout.on_device and any(d.platform != "cpu" for x in layout.leaves for d in x.devices()):
     for x in layout.leaves:  # every transfer starts once its leaf is done, not when the writer asks for it
       x.copy_to_host_async()
-  fd = _open_sized(path, size, reuse)
+  fd = safetensors_file.open_sized(path, size, reuse)
   try:
-    _write_all(fd, memoryview(header), 0)
+    safetensors_file.write_at(fd, header, 0)
     for j in range(len(layout.leaves)):
       t0 = time.perf_counter()
       if layout.on_device:
@@ -246,23 +208,13 @@ def write_layout(layout: HfLayout, path: str, reuse: Optional[str] = None, timin
       arr = _leaf_on_host(layout, j)
       t2 = time.perf_counter()
       for p in by_leaf[j]:
-        _write_all(fd, _bytes(arr[p.layer] if p.layer is not None else arr), len(header) + p.offset)
+        safetensors_file.write_at(fd, arr[p.layer] if p.layer is not None else arr, len(header) + p.offset)
       t3 = time.perf_counter()
       waited, host_s, write_s = t1 - t_start, host_s + t2 - t1, write_s + t3 - t2
   finally:
     os.close(fd)
   if timings is not None:
     timings.update(device_s=waited, host_copy_s=host_s, write_s=write_s)
-
-
-def _bytes(arr: np.ndarray) -> memoryview:
-  return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-
-
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-  while len(data):  # a write may take fewer bytes than given (Linux: at most ~2 GiB per call)
-    done = os.pwrite(fd, data, offset)
-    data, offset = data[done:], offset + done
 
 
 def write_hf(layout: HfLayout, out_dir: str, tokenizer=None, timings: Optional[dict] = None) -> str:

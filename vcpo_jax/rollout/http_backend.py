@@ -266,7 +266,8 @@ class HttpBackend(backend.RolloutBackend):
   async def _publish(self, layout: hf_export.HfLayout, version: int) -> None:
     await self._publisher.publish(layout, version)
     self._sched.set_served_version(version)  # new groups may now start at this version
-    if isinstance(layout, hf_export.HfLayout):  # read by no one now (a failed or cancelled publish's may be)
+    # read by no one now (a failed or cancelled publish's may be: never kept)
+    if isinstance(layout, hf_export.HfLayout) and hf_export.worth_recycling(layout):
       self._spare = layout
 
   async def wait_published(self) -> None:
