@@ -4,8 +4,9 @@ One real SGLang server started by `third_party/launch_sglang.sh` on an exported 
 `--server-dtype`; random weights at configs/qwen2_5.py's 0.5b shape (or configs/tiny.py's model). Each arm
 (ARMS: a name -> a function making its publisher and export dtype) publishes versions in turn the way
 HttpBackend does in the RL loop (benchmarks/cpu/publish_rounds.py): wait for the previous publish, dispatch the
-HF-layout copy of the params (hf_export.hf_layout) and start the publish in the background, then a learner
-step, emulated by a sleep of `--step-seconds` (no CPU benchmark times a real one at this shape). Timed per
+HF-layout copy of the params (hf_export.hf_layout, into the last published layout's buffers as HttpBackend
+does) and start the publish in the background, then a learner step, emulated by a sleep of
+`--step-seconds` (no CPU benchmark times a real one at this shape). Timed per
 publish, in the same run: the learner blocked (the wait for the previous publish + the dispatch), the whole
 publish (dispatch to confirmed), the export and its parts, SGLang's update call and the server's pause.
 The disk arms export where the job does (rollout.publish_dir empty: RAM-backed when the server shares the
