@@ -7,7 +7,7 @@ one jit (the export before), one jit per leaf into fresh buffers or into the las
 (the export now), cast only, per-layer transposes; numpy (ml_dtypes): a cast then a transpose per layer
 slice, 1 or 2 threads, into preallocated or fresh buffers. A fresh buffer's pages are faulted in as they are
 first written: that, not the cast or the transposes, is most of XLA:CPU's time. --exports times the whole
-model.safetensors export before and now, interleaved.
+model.safetensors export before and now, interleaved. All arms at 0.5b hold ~14 GB at once (--arms picks some).
 
   python -m benchmarks.cpu.probe_export_layout --shape=0.5b --repeats=5
   python -m benchmarks.cpu.probe_export_layout --shape=0.5b --repeats=9 --exports=/dev/shm/probe-export
