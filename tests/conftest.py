@@ -147,3 +147,11 @@ def cluster(tmp_path):
   from tests import embedded_tiny  # noqa: PLC0415  (its imports only where a test asks for servers)
   with embedded_tiny.embedded_cluster(str(tmp_path)) as c:
     yield c
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+  """The embedded server of tests/test_server_*.py (server_harness.serve): one per test process, shared by those
+  files; each test leaves it as it found it (weights m0, version v0). tests/sglang's files use their own."""
+  from tests import server_harness  # noqa: PLC0415  (its imports only where a test asks for the server)
+  yield from server_harness.serve(tmp_path_factory)
