@@ -1,4 +1,4 @@
-"""The embedded server's control endpoints (SGLang 0.5.23's shapes): weights from disk, the weight version, pause,
+"""The embedded server's control handlers (SGLang 0.5.23's shapes): weights from disk, the weight version, pause,
 continue, abort and flush_cache."""
 from __future__ import annotations
 
@@ -119,13 +119,3 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
   if request.app["state"].engine.num_in_flight:
     return web.Response(status=400, text="Cache not flushed: requests are still running or queued.\n")
   return web.Response(text="Cache flushed.\n")
-
-
-def add_routes(app: web.Application) -> None:
-  app.router.add_post("/update_weights_from_disk", handle_update_weights)
-  app.router.add_post("/update_weight_version", handle_update_weight_version)
-  app.router.add_post("/pause_generation", handle_pause)
-  app.router.add_post("/continue_generation", handle_continue)
-  app.router.add_post("/abort_request", handle_abort)
-  app.router.add_route("GET", "/flush_cache", handle_flush_cache)
-  app.router.add_route("POST", "/flush_cache", handle_flush_cache)
