@@ -147,3 +147,35 @@ def cluster(tmp_path):
   from tests import embedded_tiny  # noqa: PLC0415  (its imports only where a test asks for servers)
   with embedded_tiny.embedded_cluster(str(tmp_path)) as c:
     yield c
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+  """The embedded server of tests/test_server_*.py (server_harness.serve): one per test process, shared by those
+  files; each test leaves it as it found it (weights m0, version v0). tests/sglang's files use their own."""
+  from tests import server_harness  # noqa: PLC0415  (its imports only where a test asks for the server)
+  yield from server_harness.serve(tmp_path_factory)
+
+
+# VCPO_TEST_TIMES=FILE: one line per test (wall s, CPU s of the test process and the processes it waited for,
+# node id), appended as each test ends, so a stopped run keeps what it measured. CPU seconds, unlike wall time,
+# do not grow with a busy host: they rank the tests by what they cost (issue: the suite's time).
+TIMES_FILE = os.environ.get("VCPO_TEST_TIMES")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  if not TIMES_FILE:
+    yield
+    return
+  import resource  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  def cpu():
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+  t0, c0 = time.perf_counter(), cpu()
+  yield
+  with open(TIMES_FILE, "a") as f:
+    f.write(f"{time.perf_counter() - t0:.2f}\t{cpu() - c0:.2f}\t{item.nodeid}\n")

@@ -93,6 +93,19 @@ def test_render_markdown_rows_values_and_errors():
   assert "Test CPU" in md and "backend: cpu" in md and '"B": 64' in md
 
 
+def test_write_results_records_json_and_a_page_with_the_command_under_its_title(tmp_path, capsys):
+  fig = records.figure("a", "publish s", unit="s", stats=summary.summarize([0.5, 0.7]))
+  results = {**_results([fig]), "command": "python -m benchmarks.cpu.bench_x --shape=tiny"}
+  out = str(tmp_path / "sub" / "results-x")
+  text = records.write_results(results, out, "Cost of x", ["## Extra\n\nsection body"])
+  with open(out + ".json") as f:
+    assert json.load(f)["command"] == results["command"]
+  with open(out + ".md") as f:
+    assert f.read() == text
+  assert text.startswith("# Cost of x\n\n`python -m benchmarks.cpu.bench_x --shape=tiny`\n")
+  assert "section body" in text and text in capsys.readouterr().out
+
+
 def test_figure_goal_reflects_median():
   fig = records.figure("x", "t", unit="x", goal=">= 4", stats=summary.summarize([3.0, 3.5, 5.0]))
   assert fig["value"] == 3.5 and fig["goal_met"] is False

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import logging
 import os
 import time
 
 from benchmarks.aot import hlo
+from vcpo_jax.job import config_file
 
 # The step kinds: the GPU check's three (bench_gpu_step.learner_configs) and the job's own learner.
 STEPS = ("grpo", "vcpo_bounded", "vcpo_book_keeping", "job")
@@ -37,9 +37,7 @@ def load_config(spec: str):
   full = path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
   if not os.path.exists(full):
     raise ValueError(f"--config must be one of {model_choice.MODELS} or a config file, got {spec!r}")
-  module_spec = importlib.util.spec_from_file_location(f"aot_config_{abs(hash(full))}", full)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  module = config_file.load(full)
   return module.get_config(arg) if arg else module.get_config()
 
 

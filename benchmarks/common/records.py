@@ -8,6 +8,7 @@ import traceback
 from typing import Any, Callable, Mapping
 
 from benchmarks.common import goals
+from benchmarks.common import markdown
 from benchmarks.common import model_choice
 from benchmarks.common import summary
 
@@ -99,3 +100,17 @@ def emit_figures(figures: list[dict], json_path: str | None) -> list[dict]:
   else:
     print(text)
   return figures
+
+
+def write_results(results: Mapping[str, Any], out: str, title: str, sections: list[str]) -> str:
+  """A measurement's record: OUT.json (the results) and OUT.md (their page under TITLE with results["command"]
+  beneath it, also printed); returns the page."""
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out + ".json", "w") as f:
+    json.dump(results, f, indent=2, default=float)
+  text = markdown.render_markdown(results, goals=(), title=title, sections=sections)
+  text = text.replace(f"# {title}\n", f"# {title}\n\n`{results['command']}`\n", 1)
+  with open(out + ".md", "w") as f:
+    f.write(text)
+  print(text)
+  return text

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
 import time
 
-from benchmarks.common import environment, markdown, records, summary
+from benchmarks.common import environment, records, summary
 from benchmarks.cpu import publish_rounds as publish_rounds_lib, sglang_server
 from benchmarks.cpu.bench_publish import REPO_ROOT, job_config
 
@@ -184,11 +183,6 @@ def main(argv=None) -> dict:
   results = {"command": command, "environment": env, "figures": figures(m), **m}
   if args.note:
     results["note"] = args.note
-  out = args.out or DEFAULT_OUT[args.shape]
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out + ".json", "w") as f:
-    json.dump(results, f, indent=2, default=float)
-  title = "Cost of a LoRA adapter publish, per transport"
   lines = ["## Publishes", "", f"Server (LoRA enabled) ready in {m['server_ready_s']:.1f} s.", "",
            "| transport | version | publish s | admin calls, s |", "| --- | --- | --- | --- |"]
   for name, t in m["transports"].items():
@@ -199,11 +193,8 @@ def main(argv=None) -> dict:
   for name, t in m["transports"].items():
     lines.append(f"Served log-probs ({name}): a {len(PROBE)}-token probe moved by up to {t['probe']['moved']:.3g} "
                  "between the last two adapters.")
-  text = markdown.render_markdown(results, goals=(), title=title, sections=["\n".join(lines)])
-  text = text.replace(f"# {title}\n", f"# {title}\n\n`{command}`\n", 1)
-  with open(out + ".md", "w") as f:
-    f.write(text)
-  print(text)
+  records.write_results(results, args.out or DEFAULT_OUT[args.shape], "Cost of a LoRA adapter publish, per transport",
+                        ["\n".join(lines)])
   return results
 
 

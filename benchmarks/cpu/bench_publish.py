@@ -19,13 +19,12 @@ own published bytes, which scale with the parameter count: the estimates at 1.5B
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 from typing import Any, Callable
 
-from benchmarks.common import environment, markdown, records, summary
+from benchmarks.common import environment, records, summary
 from benchmarks.cpu import publish_rounds, sglang_server
 from benchmarks.cpu.publish_rounds import ArmContext, TimedExport
 
@@ -268,18 +267,8 @@ def main(argv=None) -> dict:
              "learner_step": {"measured": False, "note": STEP_NOTE}, **m}
   if args.note:
     results["note"] = args.note
-  out = args.out or DEFAULT_OUT[args.shape]
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out + ".json", "w") as f:
-    json.dump(results, f, indent=2, default=float)
-  title = "Cost of a weight update, per publish arm"
-  text = markdown.render_markdown(results, goals=(), title=title,
-                                  sections=[split_section(m, figs), estimates_section(results["estimates"], args.shape),
-                                            rounds_section(m)])
-  text = text.replace(f"# {title}\n", f"# {title}\n\n`{command}`\n", 1)
-  with open(out + ".md", "w") as f:
-    f.write(text)
-  print(text)
+  records.write_results(results, args.out or DEFAULT_OUT[args.shape], "Cost of a weight update, per publish arm",
+                        [split_section(m, figs), estimates_section(results["estimates"], args.shape), rounds_section(m)])
   return results
 
 

@@ -10,11 +10,11 @@ address is found by the client's health checks.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 import sys
 
+from vcpo_jax.job import config_file
 from vcpo_jax.parallel import placement
 from vcpo_jax.rollout.servers import lora_launch
 
@@ -166,9 +166,7 @@ def load_config(config: str):
   path, _, variant = config.partition(":")
   if not os.path.isfile(path):
     raise LayoutError(f"--config file does not exist: {path!r}")
-  spec = importlib.util.spec_from_file_location(f"fleet_config_{os.path.basename(path)[:-3]}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = config_file.load(path)
   return module.get_config(variant) if variant else module.get_config()
 
 

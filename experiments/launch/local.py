@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ import sys
 from typing import Awaitable, Callable
 
 from experiments.launch import workunit
+from vcpo_jax.job import config_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,10 +29,7 @@ def load_sweep(spec: str) -> list[dict]:
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise ValueError(f"--sweep file does not exist: {path!r}")
-  module_spec = importlib.util.spec_from_file_location(f"sweep_{os.path.basename(path)[:-3]}", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_sweep(arg)
+  return config_file.load(path).get_sweep(arg)
 
 
 def absolute_config_spec(spec: str) -> str:

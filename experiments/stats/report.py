@@ -151,6 +151,19 @@ def page_parser(doc: str) -> argparse.ArgumentParser:
   return p
 
 
+def page_main(doc: str, write, argv=None, **options: tuple[str, str]) -> None:
+  """A study page's command line over its units: UNITS, --out, --no_plots and the page's string OPTIONS
+  (name=(default, help)); calls write(units, out=, plots=, **options) and says where the page went."""
+  p = page_parser(doc)
+  p.add_argument("units", help="the study's unit directories (a run root or its archive)")
+  for name, (default, help_) in options.items():
+    p.add_argument(f"--{name}", default=default, help=help_)
+  a = vars(p.parse_args(argv))
+  out = a.pop("out")
+  write(a.pop("units"), out=out, plots=not a.pop("no_plots"), **a)
+  print(f"wrote {os.path.join(out, 'results.md')}")
+
+
 def write_report(root: str, out: str, *, fraction: float = analysis.COLLAPSE_FRACTION,
                  ess_threshold: float = analysis.ESS_DROP_THRESHOLD, plots: bool = True,
                  claims_metric: str = "endpoint", claims_lag: int | None = None) -> str:

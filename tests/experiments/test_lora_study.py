@@ -137,7 +137,7 @@ def test_page_renders_the_verdict_curves_and_pilot_from_archived_units(tmp_path)
   assert saved["pairs"] == 5 and np.allclose(saved["per_seed_pts"], [100 * g for g in gaps.values()])
 
 
-def test_decision_rule_and_the_not_run_page(tmp_path):
+def test_decision_rule_and_the_not_run_page(tmp_path, capsys):
   from experiments.stats import verdicts  # noqa: PLC0415
   d = lambda xs: verdicts.Diff("lora - full", xs)  # noqa: E731
   assert page.decide(d([-1.0, 0.5, 0.0]), True, 0) == "LoRA learns like full fine-tuning"
@@ -147,8 +147,9 @@ def test_decision_rule_and_the_not_run_page(tmp_path):
   assert page.decide(d([-9.0, 8.0, 0.0]), True, 0) == "undecided"
   assert page.decide(d([-1.0, 0.5, 0.0]), False, 0).startswith("not testable here")
   assert page.decide(d([-1.0, 0.5]), True, 0).startswith("not decided yet (2 paired seeds")
-  text = page.write(str(tmp_path / "none"), str(tmp_path / "out"), plots=False)
-  assert "**Status: not run.**" in text
+  page.main([str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--no_plots", "--machine_time", ""])
+  assert "**Status: not run.**" in (tmp_path / "out" / "results.md").read_text()
+  assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'out' / 'results.md'}"
 
 
 def _stub_python(tmp_path, launch_code: int = 0):

@@ -98,7 +98,8 @@ def test_results_apply_the_rules_and_tabulate_pilot_and_diagnostics(tmp_path):
     _unit(units, f"sgd_ess_only-k8-s{s}", "sgd_ess_only", 8, s, evals(0.6))
     _unit(units, f"sgd_vcpo-k8-s{s}", "sgd_vcpo", 8, s, evals(0.6 + gap), diagnostics=diag)
   _unit(units, "sgd_vcpo-k8-s3", "sgd_vcpo", 8, 3, {0: 0.4, 25: 0.5}, finished=False)
-  text = results.write(str(units), str(theirs), str(tmp_path / "out"), plots=False)
+  results.main([str(units), "--horizon", str(theirs), "--out", str(tmp_path / "out"), "--no_plots"])  # the CLI
+  text = (tmp_path / "out" / "results.md").read_text()
   m, lo, hi = analysis.interval([100 * g for g in gaps.values()])
   assert f"+{m:.1f} [+{lo:.1f}, +{hi:.1f}] pts, n=3" in text and lo > 0
   assert "interim (3 of 4 planned seeds finished; 1 of 10 units still running): OPOB helps under SGD" in text

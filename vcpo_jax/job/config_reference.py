@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import inspect
 import pathlib
 import sys
@@ -11,6 +10,7 @@ from typing import Any, Iterator
 
 import ml_collections
 
+from vcpo_jax.job import config_file
 from vcpo_jax.job.source_comments import config_comments, dataclass_comments, registration_comments
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -27,10 +27,7 @@ Variants: `--config=configs/countdown.py` (the main job), `:sync` (k = 0), `:emu
 
 
 def load_config() -> ml_collections.ConfigDict:
-  spec = importlib.util.spec_from_file_location("configs_countdown_reference", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return config_file.load(CONFIG).get_config()
 
 
 def _flat(cd: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -87,6 +87,19 @@ def config_field(section: str, default: Any = dataclasses.MISSING) -> Any:
   return dataclasses.field(default=default, metadata={"section": section})
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingFields:
+  """The fields every backend's typed config shares (it subclasses this): the job's seed and how a step's
+  groups are sampled and filtered."""
+  seed: int = config_field("")  # each sample's sampling_seed derives from it
+  max_new_tokens: int = config_field("rl")
+  temperature: float = config_field("rl")
+  group_size: int = config_field("rl")
+  prompts_per_step: int = config_field("rl")
+  max_lag: int = config_field("rl")
+  dynamic_sampling: Optional[dict[str, Any]] = config_field("rl", None)  # the group filter's section
+
+
 def read_config(config_cls: type[ConfigT], config: ml_collections.ConfigDict) -> ConfigT:
   """The one place a backend's typed config is built: each field from its section, under its own name."""
   values = {}

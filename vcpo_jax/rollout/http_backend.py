@@ -42,15 +42,8 @@ def starting_weights_dir(workdir: str, hf_path: str = "") -> Optional[str]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HttpBackendConfig:
+class HttpBackendConfig(backend.SamplingFields):
   """The config fields the http backend reads, named as in the config (backend.read_config builds it)."""
-  seed: int = backend.config_field("")  # each sample's sampling_seed derives from it
-  max_new_tokens: int = backend.config_field("rl")
-  temperature: float = backend.config_field("rl")
-  group_size: int = backend.config_field("rl")
-  prompts_per_step: int = backend.config_field("rl")
-  max_lag: int = backend.config_field("rl")
-  dynamic_sampling: Optional[dict] = backend.config_field("rl", None)  # the group filter's section
   hf_path: str = backend.config_field("model", "")  # external servers' starting weights, when no WORKDIR/base
   server_urls: str = backend.config_field("rollout")
   num_servers: int = backend.config_field("rollout")

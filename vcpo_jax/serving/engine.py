@@ -274,32 +274,10 @@ class Engine:
   def _record(self, t: slot_pool.Tokens, version: str):
     row: Row = t.owner
     if row.finish_reason is None:
-      if t.prompt_logprobs is not None and row.prompt_logprobs is None:  # a resumed row keeps its first
-        row.prompt_logprobs = t.prompt_logprobs[:len(row.spec.prompt) - 1]
-      row.output_ids += t.ids
-      row.logprobs += t.logprobs
-      row.versions += [version] * len(t.ids)
-      self.stats["num_generated_tokens"] += len(t.ids)
-      if t.ids:
-        row.updated.set()
-      self._finish_if_done(row, t.done, t.stopped)
+      self.stats["num_generated_tokens"] += row.take(t, version, self._stop_string_check)
     if row.finish_reason is not None:
       # By identity, not t.slot: a join's tokens carry the slot from before the chunk, and the chunk's step
       # may have compacted the pool since (the slot index then names another row, or none).
       slot = next((s for s, owner in enumerate(self.pool.owners) if owner is row), None)
       if slot is not None:
         self.pool.release(slot)
-
-  def _finish_if_done(self, row: Row, done: bool, stopped: bool):
-    if row.stop_strings and self._stop_string_check is not None:
-      hit = self._stop_string_check(row)
-      if hit is not None:
-        keep, matched = hit
-        del row.output_ids[keep:], row.logprobs[keep:], row.versions[keep:]
-        row.finish("stop", matched)
-        return
-    if done:
-      if stopped:
-        row.finish("stop", row.output_ids[-1])
-      else:
-        row.finish("length")

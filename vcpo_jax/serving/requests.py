@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
@@ -17,6 +18,17 @@ GENERATE_KEYS = (
 INERT_KEYS = ("return_hidden_states", "custom_logit_processor", "image_data", "priority",
               "log_metrics", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
               "token_ids_logprob", "modalities", "session_params")
+
+
+async def json_body(request) -> Any:
+  """An aiohttp request's JSON body ({} when empty); invalid JSON is a RequestError (a 400)."""
+  raw = await request.read()
+  if not raw.strip():
+    return {}
+  try:
+    return json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise RequestError(f"request body is not valid JSON: {e}") from None
 
 
 def weight_version_spans(versions: Sequence[str]) -> list[dict]:

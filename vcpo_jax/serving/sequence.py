@@ -36,6 +36,27 @@ class Row:
         s, prompt=tuple(s.prompt) + tuple(self.output_ids), max_new_tokens=s.max_new_tokens - done,
         min_new_tokens=max(s.min_new_tokens - done, 0), sample_offset=s.sample_offset + done)
 
+  def take(self, t, version: str, stop_string_check: StopStringCheck | None) -> int:
+    """A decode step's tokens for this unfinished row (a slot_pool.Tokens), each tagged with the weights' version;
+    finishes the row at a stop string, a stop token or its length. Returns how many tokens it took."""
+    if t.prompt_logprobs is not None and self.prompt_logprobs is None:  # a resumed row keeps its first
+      self.prompt_logprobs = t.prompt_logprobs[:len(self.spec.prompt) - 1]
+    self.output_ids += t.ids
+    self.logprobs += t.logprobs
+    self.versions += [version] * len(t.ids)
+    if t.ids:
+      self.updated.set()
+    hit = stop_string_check(self) if self.stop_strings and stop_string_check is not None else None
+    if hit is not None:
+      keep, matched = hit
+      del self.output_ids[keep:], self.logprobs[keep:], self.versions[keep:]
+      self.finish("stop", matched)
+    elif t.done and t.stopped:
+      self.finish("stop", self.output_ids[-1])
+    elif t.done:
+      self.finish("length")
+    return len(t.ids)
+
   def finish(self, reason: str, matched=None):
     if self.finish_reason is None:
       self.finish_reason, self.matched, self.finished_at = reason, matched, time.monotonic()

@@ -32,15 +32,13 @@ import logging
 import os
 import sys
 import uuid
-from typing import Any
 
 import jax
 from aiohttp import web
 
-from vcpo_jax.model import hf
 from vcpo_jax.model import sampling
 from vcpo_jax.rollout import protocol
-from vcpo_jax.serving import adapter_http, adapters as adapters_lib
+from vcpo_jax.serving import adapter_http, adapters as adapters_lib, control_http
 from vcpo_jax.serving import requests as server_protocol
 from vcpo_jax.serving import weight_tensor, weight_wire
 from vcpo_jax.serving.sequence import Row
@@ -50,28 +48,11 @@ from vcpo_jax.serving.rows import (ServerState, exit_with_parent, load_state, ma
 log = logging.getLogger("vcpo_jax.serving.server")
 P = protocol
 
-_UPDATE_KEYS = ("model_path", "weight_version", "abort_all_requests", "flush_cache", "load_format",
-                "torch_empty_cache", "keep_pause", "is_async")
-# SGLang 0.5.23's own words (the publisher looks for protocol.CACHE_NOT_FLUSHED in them).
-_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-                "queued. Retract or finish them, then call /flush_cache.")
-
-
-async def _json_body(request: web.Request) -> Any:
-  raw = await request.read()
-  if not raw.strip():
-    return {}
-  try:
-    return json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise P.RequestError(f"request body is not valid JSON: {e}") from None
-
-
 async def handle_generate(request: web.Request) -> web.StreamResponse:
   st: ServerState = request.app["state"]
   encode = None if st.tokenizer is None else (lambda text: st.tokenizer.encode(text).ids)
   req = server_protocol.parse_generate_request(
-      await _json_body(request), vocab_size=st.vocab_size, encode=encode, context_length=st.context_length,
+      await server_protocol.json_body(request), vocab_size=st.vocab_size, encode=encode, context_length=st.context_length,
       max_prompt_len=st.max_prompt_len)
   names = [name for name, sp in zip(req.lora_paths or [None] * len(req.params), req.params) for _ in range(sp.n)]
   rows = make_rows(req, st)
@@ -156,105 +137,6 @@ async def handle_model_info(request: web.Request) -> web.Response:
   })
 
 
-def _bool_field(body: dict, key: str, default: bool) -> bool:
-  value = body.get(key, default)
-  if not isinstance(value, bool):
-    raise P.RequestError(f"{key} must be a boolean, got {value!r}.")
-  return value
-
-
-def _update_error(message: str) -> web.Response:
-  return web.json_response({"success": False, "message": message}, status=400)
-
-
-async def handle_update_weights(request: web.Request) -> web.Response:
-  st: ServerState = request.app["state"]
-  try:
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-      raise P.RequestError("request body must be a JSON object.")
-    for key in body:
-      if key not in _UPDATE_KEYS:
-        raise P.unknown_field_error(key, _UPDATE_KEYS)
-    path = body.get("model_path")
-    if not isinstance(path, str) or not path:
-      raise P.RequestError(f"model_path must be a non-empty string, got {path!r}.")
-    version = body.get("weight_version")
-    if version is not None and not isinstance(version, str):
-      raise P.RequestError(f"weight_version must be a string, got {version!r}.")
-    abort_all = _bool_field(body, "abort_all_requests", False)
-    flush = _bool_field(body, "flush_cache", True)
-    real = os.path.realpath(path)
-    if os.path.commonpath([real, st.weights_root]) != st.weights_root:
-      raise P.RequestError(f"model_path={path!r} is outside the weights root {st.weights_root!r}.")
-    if not os.path.isdir(real):
-      raise P.RequestError(f"model_path={path!r} is not a directory.")
-  except P.RequestError as e:
-    return _update_error(str(e))
-  try:
-    num_paused, busy = await st.engine.update_weights(lambda: hf.import_hf(real), version, abort_all=abort_all)
-  except Exception as e:  # any loader failure (bad json, safetensors, shapes) is the request's fault
-    return _update_error(f"failed to load weights from model_path={path!r}: {e}")
-  if flush and busy:  # as SGLang: the weights are live, but the reported version stays the old one
-    log.warning("weights from %s applied with %d requests in flight; cache not flushed", real, busy)
-    return _update_error(_NOT_FLUSHED)
-  if version is not None:
-    st.reported_version = version
-  log.info("weights updated from %s, weight_version=%s", real, st.engine.weight_version)
-  return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}.",
-                            "num_paused_requests": num_paused})
-
-
-async def handle_update_weight_version(request: web.Request) -> web.Response:
-  st: ServerState = request.app["state"]
-  body = await _json_body(request)
-  if not isinstance(body, dict):
-    raise P.RequestError("request body must be a JSON object.")
-  version = body.get("new_version")
-  if not isinstance(version, str) or not version:
-    raise P.RequestError(f"new_version must be a non-empty string, got {version!r}.")
-  if _bool_field(body, "abort_all_requests", True):
-    st.engine.abort()
-  st.engine.weight_version = st.reported_version = version
-  return web.json_response({"success": True, "message": f"Weight version updated to {version}."})
-
-
-async def handle_pause(request: web.Request) -> web.Response:
-  st: ServerState = request.app["state"]
-  body = await _json_body(request)
-  mode = body.get("mode", "abort") if isinstance(body, dict) else None
-  if mode not in P.PAUSE_MODES:
-    raise P.RequestError(f"mode must be one of {list(P.PAUSE_MODES)}, got {mode!r}.")
-  num = await st.engine.pause(mode)
-  return web.json_response({"message": "Generation paused successfully.", "num_paused_requests": num})
-
-
-async def handle_continue(request: web.Request) -> web.Response:
-  request.app["state"].engine.resume()
-  return web.json_response({"message": "Generation continued successfully."})
-
-
-async def handle_abort(request: web.Request) -> web.Response:
-  st: ServerState = request.app["state"]
-  body = await _json_body(request)
-  if not isinstance(body, dict):
-    raise P.RequestError("request body must be a JSON object.")
-  if _bool_field(body, "abort_all", False):
-    st.engine.abort()
-  elif isinstance(body.get("rid"), str):
-    st.engine.abort(body["rid"])
-  else:
-    raise P.RequestError(f"rid must be a string (or set abort_all), got {body.get('rid')!r}.")
-  return web.Response(status=200)
-
-
-async def handle_flush_cache(request: web.Request) -> web.Response:
-  # No prefix cache to flush, but the same answer as SGLang's, which flushes only when idle.
-  if request.app["state"].engine.num_in_flight:
-    return web.Response(status=400, text="Cache not flushed: requests are still running or queued.\n")
-  return web.Response(text="Cache flushed.\n")
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler):
   try:
@@ -274,13 +156,13 @@ def build_app(state: ServerState) -> web.Application:
   app.router.add_get("/health", handle_health)
   app.router.add_get("/health_generate", handle_health_generate)
   app.router.add_get("/get_model_info", handle_model_info)
-  app.router.add_post("/update_weights_from_disk", handle_update_weights)
-  app.router.add_post("/update_weight_version", handle_update_weight_version)
-  app.router.add_post("/pause_generation", handle_pause)
-  app.router.add_post("/continue_generation", handle_continue)
-  app.router.add_post("/abort_request", handle_abort)
-  app.router.add_route("GET", "/flush_cache", handle_flush_cache)
-  app.router.add_route("POST", "/flush_cache", handle_flush_cache)
+  app.router.add_post("/update_weights_from_disk", control_http.handle_update_weights)
+  app.router.add_post("/update_weight_version", control_http.handle_update_weight_version)
+  app.router.add_post("/pause_generation", control_http.handle_pause)
+  app.router.add_post("/continue_generation", control_http.handle_continue)
+  app.router.add_post("/abort_request", control_http.handle_abort)
+  app.router.add_route("GET", "/flush_cache", control_http.handle_flush_cache)
+  app.router.add_route("POST", "/flush_cache", control_http.handle_flush_cache)
   weight_wire.add_routes(app)
   weight_tensor.add_routes(app)
   adapter_http.add_routes(app)

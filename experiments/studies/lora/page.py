@@ -188,12 +188,7 @@ def write(units: str, out: str, machine_time: str = "", plots: bool = True) -> s
 
 
 def main(argv=None) -> None:
-  p = report.page_parser(__doc__)
-  p.add_argument("units", help="the study's unit directories (a run root or its archive)")
-  p.add_argument("--machine_time", default="", help="experiments.launch.machine_time's table to include")
-  a = p.parse_args(argv)
-  write(a.units, a.out, a.machine_time, plots=not a.no_plots)
-  print(f"wrote {os.path.join(a.out, 'results.md')}")
+  report.page_main(__doc__, write, argv, machine_time=("", "experiments.launch.machine_time's table to include"))
 
 
 if __name__ == "__main__":

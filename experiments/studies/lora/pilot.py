@@ -42,14 +42,9 @@ def extended(rows: list[dict]) -> bool:
 def pick(rows: list[dict], extended: bool) -> tuple[str, Optional[float], Optional[int]]:
   """('pick', lr, rank); ('extend', lr, None): run the pilot at lr too (every rank), then pick again; ('none',
   None, None): no run qualifies. `extended`: the grid was extended once already (an edge pick then stands)."""
-  ok = [r for r in rows if not r["excluded"]]
-  if not ok:
-    return "none", None, None
-  best = max(ok, key=lambda r: (r["score"], -r["rank"], -r["lr"]))
-  lrs = sorted({r["lr"] for r in rows})
-  if not extended and len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]):
-    return "extend", EXTEND_BELOW if best["lr"] == lrs[0] else EXTEND_ABOVE, None
-  return "pick", best["lr"], best["rank"]
+  kind, best, extend_to = optimizer_pilot.edge_pick(rows, extended, EXTEND_BELOW, EXTEND_ABOVE,
+                                                    tie=lambda r: (-r["rank"],))
+  return (kind, best["lr"], best["rank"]) if kind == "pick" else (kind, extend_to, None)
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -46,17 +46,26 @@ def pilot_rows(runs: list[report.Run]) -> list[dict]:
   return rows
 
 
+def edge_pick(rows: list[dict], extended: bool, below: float, above: float,
+              tie: Callable[[dict], tuple] = lambda r: ()) -> tuple[str, Optional[dict], Optional[float]]:
+  """The pilots' rule (this study's and the LoRA study's): the eligible row with the best score, ties to the
+  larger tie(row), then the smaller lr. ('pick', row, None); ('extend', None, below or above) when that row's lr
+  is an end of the lr grid and the grid was not `extended` yet; ('none', None, None) when no row qualifies."""
+  ok = [r for r in rows if not r["excluded"]]
+  if not ok:
+    return "none", None, None
+  best = max(ok, key=lambda r: (r["score"], *tie(r), -r["lr"]))
+  lrs = sorted({r["lr"] for r in rows})
+  if not extended and len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]):
+    return "extend", None, below if best["lr"] == lrs[0] else above
+  return "pick", best, None
+
+
 def pick(rows: list[dict], extended: bool) -> tuple[str, Optional[float]]:
   """('lr', x): the pick; ('extend', x): run the pilot at x too, then pick again; ('none', None): no run
   qualifies. `extended`: the grid was extended once already (an edge pick then stands)."""
-  ok = [r for r in rows if not r["excluded"]]
-  if not ok:
-    return "none", None
-  best = max(ok, key=lambda r: (r["score"], -r["lr"]))
-  lrs = sorted(r["lr"] for r in rows)
-  if not extended and best["lr"] in (lrs[0], lrs[-1]) and len(lrs) > 1:
-    return "extend", EXTEND_BELOW if best["lr"] == lrs[0] else EXTEND_ABOVE
-  return "lr", best["lr"]
+  kind, best, extend_to = edge_pick(rows, extended, EXTEND_BELOW, EXTEND_ABOVE)
+  return ("lr", best["lr"]) if kind == "pick" else (kind, extend_to)
 
 
 def main(argv=None) -> int:

@@ -107,16 +107,9 @@ class LagEmulator:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EmulatedBackendConfig:
+class EmulatedBackendConfig(backend.SamplingFields):
   """The config fields the emulate backend reads, named as in the config (backend.read_config builds it)."""
-  seed: int = backend.config_field("")
-  max_new_tokens: int = backend.config_field("rl")
-  temperature: float = backend.config_field("rl")
-  group_size: int = backend.config_field("rl")
-  prompts_per_step: int = backend.config_field("rl")
-  max_lag: int = backend.config_field("rl")
   emulation: Optional[Mapping[str, Any]] = backend.config_field("rl", None)  # lag_model and its options
-  dynamic_sampling: Optional[Mapping[str, Any]] = backend.config_field("rl", None)  # the group filter's section
 
 
 class EmulatedBackend(backend.RolloutBackend):

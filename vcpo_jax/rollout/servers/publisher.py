@@ -236,15 +236,7 @@ class WeightPublisher:
     if self.reference.spec is None:
       log.warning("no reference weights: the served models are not cross-checked")
       return
-    problems = []
-    for url in self.urls:
-      try:
-        problem = await self.reference.served_mismatch(self._admin, url)
-      except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
-        log.warning("cannot cross-check the model %s serves: %r", url, e)  # checked again at its resync
-        continue
-      if problem is not None:
-        problems.append(f"{url}: {problem}")
+    problems = await self.reference.served_problems(self._admin, self.urls)
     if problems:
       raise PublishError(f"refusing to start: servers serve another model than {self.reference.source}: "
                          + "; ".join(problems))

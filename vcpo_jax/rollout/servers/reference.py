@@ -55,6 +55,20 @@ class Reference:
         problem = f"its model_path {model_path}: {problem}"
     return problem
 
+  async def served_problems(self, admin: admin_lib.AdminSession, urls: Iterable[str]) -> list[str]:
+    """"URL: problem" for each server whose served model is not the reference's (served_mismatch); one that
+    cannot answer is logged and passed over (a publish checks it again at its resync)."""
+    problems = []
+    for url in urls:
+      try:
+        problem = await self.served_mismatch(admin, url)
+      except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
+        log.warning("cannot cross-check the model %s serves: %r", url, e)
+        continue
+      if problem is not None:
+        problems.append(f"{url}: {problem}")
+    return problems
+
   async def adopt_served(self, admin: admin_lib.AdminSession, urls: Iterable[str]) -> None:
     """Without a reference: the first server's model_path readable here."""
     for url in urls:
