@@ -68,6 +68,7 @@ def test_dense_with_an_adapter_is_xw_plus_scaled_xab_in_float64():
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
 def test_fresh_adapter_is_the_base_and_merge_matches(scan):
   cfg = _cfg(scan=scan)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
@@ -96,6 +97,7 @@ def test_only_the_targeted_layers_get_adapters_with_their_shapes():
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
 def test_mixed_rows_pick_their_own_adapters(scan):
   cfg = _cfg(scan=scan)
   params = M.init_params(cfg, jax.random.PRNGKey(0))
@@ -112,6 +114,7 @@ def test_mixed_rows_pick_their_own_adapters(scan):
   assert float(jnp.abs(want[0] - want[1]).max()) > 1e-3
 
 
+@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
 def test_decode_with_a_stack_equals_the_full_forward_per_row():
   cfg = _cfg()
   params = M.init_params(cfg, jax.random.PRNGKey(0))
@@ -138,6 +141,7 @@ def test_put_refuses_what_does_not_fit():
     lora.put(stack, 2, lora.init_adapter(jax.random.PRNGKey(0), cfg))
 
 
+@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
 def test_bfloat16_compute_accumulates_in_float32():
   cfg = _cfg(dtype="bfloat16")
   params = M.init_params(cfg, jax.random.PRNGKey(0))
