@@ -26,7 +26,7 @@ def _qkv(B, H, K, E, seed=0):
 
 
 @skip_if_not_enough_devices(2)
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_model_logprobs_and_gradients_with_splash_equal_the_einsum_path():
   """Row 1 has three left-pad keys (its first query rows see no key: the mean of v, as the reference gives) and
   right padding. Splash runs under a 2-device mesh, each device on its own row (shard_map), as on a slice."""

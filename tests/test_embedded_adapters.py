@@ -167,7 +167,7 @@ def test_http_endpoints_speak_sglang(tmp_path):
   assert plain.engine.adapter_stack is None
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_tree_in_the_models_stack_serves_the_merged_weights():
   """The seam, against model/lora.py's stack (skipped until the model has adapters): the registry's tree in a
   slot of a stack with scale 1 (alpha = rank = --max-lora-rank) gives the logits of the base with the PEFT

@@ -103,7 +103,7 @@ def test_policy_loss_example(run_page):
     config.LearnerConfig(policy_loss="example_capped_is", policy_loss_options={"cpa": 1.0})
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_advantage_estimator_example(run_page):
   ns = run_page(SETUP, ESTIMATOR)
   batch = ns["toy_batch"]()

@@ -67,12 +67,15 @@ def test_dense_with_an_adapter_is_xw_plus_scaled_xab_in_float64():
   np.testing.assert_array_equal(np.asarray(y0), np.asarray(plain))
 
 
-@pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
-def test_fresh_adapter_is_the_base_and_merge_matches(scan):
+def _model_and_tokens(scan, shape):
   cfg = _cfg(scan=scan)
-  params = M.init_params(cfg, jax.random.PRNGKey(0))
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 7), 0, 64)
+  return cfg, M.init_params(cfg, jax.random.PRNGKey(0)), jax.random.randint(jax.random.PRNGKey(1), shape, 0, 64)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
+def test_fresh_adapter_is_the_base_and_merge_matches(scan):
+  cfg, params, tokens = _model_and_tokens(scan, (2, 7))
   base = M.forward(params, cfg, tokens)
   fresh = lora.init_adapter(jax.random.PRNGKey(2), cfg)
   assert float(jnp.abs(jax.tree.leaves(fresh)[0]).max()) > 0  # A random, B zeros
@@ -97,11 +100,9 @@ def test_only_the_targeted_layers_get_adapters_with_their_shapes():
 
 
 @pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_mixed_rows_pick_their_own_adapters(scan):
-  cfg = _cfg(scan=scan)
-  params = M.init_params(cfg, jax.random.PRNGKey(0))
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (5, 6), 0, 64)
+  cfg, params, tokens = _model_and_tokens(scan, (5, 6))
   ads = [_nonzero(lora.init_adapter(jax.random.PRNGKey(10 + i), cfg), seed=i) for i in range(2)]
   stack = lora.empty_stack(cfg, None, 4, jnp.float32)
   stack = lora.put(lora.put(stack, 1, ads[0]), 3, ads[1])
@@ -114,7 +115,7 @@ def test_mixed_rows_pick_their_own_adapters(scan):
   assert float(jnp.abs(want[0] - want[1]).max()) > 1e-3
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_decode_with_a_stack_equals_the_full_forward_per_row():
   cfg = _cfg()
   params = M.init_params(cfg, jax.random.PRNGKey(0))
@@ -141,7 +142,7 @@ def test_put_refuses_what_does_not_fit():
     lora.put(stack, 2, lora.init_adapter(jax.random.PRNGKey(0), cfg))
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_bfloat16_compute_accumulates_in_float32():
   cfg = _cfg(dtype="bfloat16")
   params = M.init_params(cfg, jax.random.PRNGKey(0))

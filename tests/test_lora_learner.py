@@ -63,7 +63,7 @@ def _brute_sq(cfg, params, adapter, tokens, mask):
 @pytest.mark.parametrize("scan,targets", [(False, C.LINEAR_MODULES), (True, C.LINEAR_MODULES),
                                           (False, ("k_proj", "o_proj", "up_proj"))])
 @pytest.mark.parametrize("path", ["book_keeping", "bounded"])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_per_sequence_norms_are_the_adapters(scan, targets, path):
   cfg, params, adapter, tokens, mask = _setup(scan, targets)
   want, want_leaf = _brute_sq(cfg, params, adapter, tokens, mask)
@@ -81,7 +81,7 @@ def test_per_sequence_norms_are_the_adapters(scan, targets, path):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_weighted_gradient_of_the_adapter_matches_autodiff(scan):
   cfg, params, adapter, tokens, mask = _setup(scan)
   c_B = jnp.linspace(-1.0, 2.0, B)
@@ -114,7 +114,7 @@ def _opt():
   return optax.chain(optax.sgd(1.0), O.scale_by_ess(base_ess_ratio=1.0, rule="sqrt"))
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_state_trains_the_adapter_alone_with_its_own_optimizer_state():
   cfg = _cfg()
   opt = O.build_optimizer(learning_rate=1e-2)
@@ -141,7 +141,7 @@ def test_state_trains_the_adapter_alone_with_its_own_optimizer_state():
 
 @pytest.mark.parametrize("advantage,grad_path", [("opob", "book_keeping"), ("opob", "bounded"),
                                                  ("opob", "two_pass"), ("grpo", "auto")])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_every_gradient_path_takes_the_same_adapter_step(advantage, grad_path):
   cfg, params, adapter, _, _ = _setup()
   opt = _opt()
@@ -160,7 +160,7 @@ def test_every_gradient_path_takes_the_same_adapter_step(advantage, grad_path):
 
 
 @skip_if_not_enough_devices(8)
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_sharded_state_keeps_the_base_sharded_and_shards_the_adapter():
   cfg = _cfg()
   opt = O.build_optimizer(learning_rate=1e-2)
@@ -271,7 +271,7 @@ def test_bookkeeping_estimate_counts_the_adapters_activations(targets):
   assert GP.stored_elements_per_token(cfg) > GP.stored_elements_per_token(dataclasses.replace(cfg, lora=C.LoraConfig()))
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_micro_batched_lora_step_equals_the_whole_batch():
   cfg, params, adapter, _, _ = _setup()
   opt = _opt()

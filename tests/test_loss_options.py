@@ -54,7 +54,7 @@ def test_a_new_loss_is_one_function_and_its_registration():
   np.testing.assert_allclose(np.asarray(out), -3.0 * adv[:, None] * logp * mask, rtol=1e-6)
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_kl_k3_term_is_composable():
   logp, mu, _, ref, mask, adv = _batch(9)
   base, _, _, gbase = _run('vcpo', logp, mu, mask, adv)

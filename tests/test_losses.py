@@ -162,7 +162,7 @@ def test_ppo_decoupled():
   np.testing.assert_allclose(grad, -rho * np_ppo_grad(log_r, adv[:, None], 0.2, 0.2) * keep, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_m2po_mask_is_minimal_and_meets_threshold():
   logp, mu, prox, _, mask, adv = _batch(6)
   d2 = np.square(np.nan_to_num(mu - prox)) * mask

@@ -54,7 +54,7 @@ def test_logprobs_are_log_softmax_of_next_token(params):
 
 
 @pytest.mark.parametrize("lm_head", ["token_tiles", "plain"])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_lm_head_choices_give_the_same_logprobs_and_grads(params, lm_head):
   """model.lm_head: token tiles (5 tokens, the last tile padded) and plain full logits equal the default
   vocabulary chunks (3 chunks of 24 over 64 columns, the last overlapping): log-probs, entropies, gradients."""
@@ -72,7 +72,7 @@ def test_lm_head_choices_give_the_same_logprobs_and_grads(params, lm_head):
     np.testing.assert_allclose(g / scale, want / scale, atol=1e-5)
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_kv_cache_decode_matches_full_forward(params):
   B, P, N = 3, 5, 7
   toks = jax.random.randint(jax.random.PRNGKey(2), (B, P + N), 0, CFG.vocab_size)

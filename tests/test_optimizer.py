@@ -54,7 +54,7 @@ def _numpy_adamw(lrs, b1=0.9, b2=0.999, eps=1e-8):
 
 
 @pytest.mark.parametrize('rule,fn', [('sqrt', np.sqrt), ('linear', lambda s: s)])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_chain_equals_adamw_with_scaled_learning_rate(rule, fn):
   base = 0.8
   tx = optimizer.build_optimizer(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP,

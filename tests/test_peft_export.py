@@ -26,7 +26,7 @@ def _trained(cfg, seed=0):
 
 
 @pytest.mark.parametrize("targets", [C.LINEAR_MODULES, ("q_proj", "v_proj", "down_proj")])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_peft_on_the_exported_base_gives_the_learners_logprobs(tmp_path, targets):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def test_peft_on_the_exported_base_gives_the_learners_logprobs(tmp_path, targets
 
 
 @pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_round_trip_and_file_layout(tmp_path, scan):
   cfg = dataclasses.replace(CFG, scan_layers=scan)
   _, adapter = _trained(cfg)
@@ -112,7 +112,7 @@ def test_tensors_that_do_not_fit_the_model_are_refused(tmp_path):
     peft_export.read_adapter(str(tmp_path), CFG)
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_fit_pads_rank_and_rescales_into_a_stack():
   small = C.LoraConfig(rank=2, alpha=3.0, target_modules=("q_proj", "up_proj"))
   cfg_small = dataclasses.replace(CFG, lora=small)

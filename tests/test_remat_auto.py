@@ -100,7 +100,7 @@ def test_auto_picks_the_least_recompute_that_fits_and_full_when_nothing_does():
 
 
 @skip_if_not_enough_devices(2)
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_the_rl_step_resolves_auto_and_logs_why(caplog):
   """A tiny model whose every estimate is over a tiny budget: the step compiles with full and warns."""
   from vcpo_jax.learner import config as learner_config, optimizer as optimizer_lib

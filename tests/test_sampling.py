@@ -173,7 +173,7 @@ def test_bad_rows_raise_naming_the_field(params):
     sampling.start_batch(params, CFG, [sampling.RowSpec(prompt=(1, 2), max_new_tokens=63)])
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_sampler_dots_run_at_the_model_precision():
   """The sampler's log-probs are computed like the learner's: same model.matmul_precision on every dot."""
   import re

@@ -54,7 +54,7 @@ def _outputs(p, cfg, tokens, mask, key_mask):
           jax.grad(_loss)(p, cfg, tokens, mask, key_mask))
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_stacked_layout_and_helpers():
   params, stacked, _, _, _ = _setup()
   assert set(stacked) == {"embed_tokens", "layers", "norm", "lm_head"}
@@ -82,7 +82,7 @@ def test_scanned_equals_unrolled():
     np.testing.assert_allclose(g1 / scale, g0 / scale, atol=1e-5, err_msg=str(path))
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_stacked_kv_cache_decode_with_per_row_index():
   """Prefill + one-token steps on a stacked cache, each row at its own slot, equal the full forward."""
   params, stacked, tokens, _, _ = _setup()
@@ -107,7 +107,7 @@ def _coef_fn(sq_B, logp_BxT, ent_BxT):
   return -jnp.sqrt(sq_B) / (1.0 + jnp.sqrt(sq_B)) + 0.1 * jnp.sum(ent_BxT, axis=1), {}
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_per_sequence_norms_and_weighted_grad_under_scan_and_remat():
   """Under scan + remat (stacked a and g), per-leaf per-sequence norms equal vmap(grad), and the book-keeping
   weighted gradient equals sum_i c_i grad_i; every stacked leaf contributes; log-probs equal the plain path."""
@@ -181,7 +181,7 @@ def test_dot_product_attention_equals_einsum_with_fully_masked_rows(implementati
     assert "einsum path" in caplog.text
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_causal_flag_equals_the_boolean_mask_on_right_padded_rows(monkeypatch):
   """model.causal_flag: the learner's full forward (no key mask) hands jax.nn is_causal=True and no mask; its
   log-probs, per-sequence norms and grads equal the einsum path's on right-padded rows (the response mask)."""
@@ -212,7 +212,7 @@ def test_causal_flag_equals_the_boolean_mask_on_right_padded_rows(monkeypatch):
   assert set(seen) == {(False, False)}
 
 
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_per_sequence_norms_with_token_tiles_equal_vocabulary_chunks():
   """model.lm_head="token_tiles" (7-token tiles, the last padded) under both VCPO paths: the book-keeping
   norms and weighted gradient, and the bounded path's norms, equal those with vocabulary chunks."""

@@ -102,7 +102,7 @@ def test_params_from_hf_tensors_inverts_the_export(tmp_path):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-@pytest.mark.slow  # >= 5 CPU-s: make test runs it, the unit tier (make test-fast) leaves it out
+@pytest.mark.slow
 def test_the_embedded_receiver_replaces_exactly_the_received_tensors(tmp_path, scan):
   import types
   import jax.numpy as jnp
