@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from vcpo_jax.model import lora
+from vcpo_jax.model import lora, safetensors_file
 from vcpo_jax.model.config import LINEAR_MODULES, LoraConfig, ModelConfig
 from vcpo_jax.parallel import processes
 
@@ -43,7 +43,7 @@ def write_adapter(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None, 
   (adapter_config.json's base_model_name_or_path). Returns out_dir."""
   config, tensors = to_peft(adapter, model_cfg, lora_cfg, dtype, base_model)
   os.makedirs(out_dir, exist_ok=True)
-  _atomic_write(os.path.join(out_dir, WEIGHTS_FILE), _safetensors_bytes(tensors, _DTYPES[dtype][0]))
+  _atomic_write(os.path.join(out_dir, WEIGHTS_FILE), _safetensors_bytes(tensors, dtype))
   _atomic_write(os.path.join(out_dir, CONFIG_FILE), json.dumps(config, indent=2).encode())
   return out_dir
 
@@ -76,16 +76,9 @@ def to_peft(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None,
   return config, tensors
 
 
-def _safetensors_bytes(tensors: dict, code: str) -> bytes:
-  header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
-  for name, x in tensors.items():
-    blob = x.tobytes()
-    header[name] = {"dtype": code, "shape": list(x.shape), "data_offsets": [offset, offset + len(blob)]}
-    offset += len(blob)
-    blobs.append(blob)
-  head = json.dumps(header, separators=(",", ":")).encode()
-  head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-  return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+def _safetensors_bytes(tensors: dict, dtype: str) -> bytes:
+  head = safetensors_file.header([(name, x.shape, x.nbytes) for name, x in tensors.items()], dtype)
+  return head + b"".join(x.tobytes() for x in tensors.values())
 
 
 def _atomic_write(path: str, data: bytes):
