@@ -67,3 +67,29 @@ def test_as_subreaper_no_zombie_or_leftover_process():
   report = _check([], "--subreaper")
   assert report["pid"] != 1
   assert report["leftovers"] == []
+
+
+
+def test_wait_session_gone_waits_for_every_live_member_of_a_session():
+  """A leader that has exited leaves a member behind: the wait reports it for as long as it lives, and returns once
+  it is dead (the sandbox relies on this: a SIGKILLed process still dying never outlives a call). Its zombie goes to
+  this host's PID 1, which may be slow to reap it: that is waited for only briefly."""
+  import time
+  from vcpo_jax import orphans
+  leader = subprocess.Popen([sys.executable, "-c", "import subprocess\n"
+                             "print(subprocess.Popen(['sleep', '60']).pid, flush=True)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+  member = int(leader.stdout.readline())
+  try:
+    assert orphans.wait_exited(leader.pid)
+    assert sorted(orphans.session_members(leader.pid)) == sorted([(leader.pid, "Z"), (member, "S")])
+    start = time.monotonic()
+    assert not orphans.wait_session_gone(leader.pid, timeout_s=0.3)
+    assert time.monotonic() - start >= 0.3
+    os.kill(member, 9)
+    gone = orphans.wait_session_gone(leader.pid, timeout_s=30.0, zombie_grace_s=0.5)
+    left = [state for pid, state in orphans.session_members(leader.pid) if pid != leader.pid]
+    assert gone == (left == []) and all(state == "Z" for state in left), left
+  finally:
+    leader.wait()
+    leader.stdout.close()

@@ -49,6 +49,33 @@ def children_in_session(session: int) -> list[int]:
   return found
 
 
+def session_members(session: int) -> list[tuple[int, str]]:
+  """(pid, state) of every process this one can see in session `session`, zombies included."""
+  found = []
+  for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+    if entry.isdigit():
+      stat = _stat(int(entry))
+      if stat is not None and stat[2] == session:
+        found.append((int(entry), stat[0]))
+  return found
+
+
+def wait_session_gone(leader: int, timeout_s: float = 5.0, zombie_grace_s: float = 0.5) -> bool:
+  """Waits until no process but `leader` (a child killed with its group, not reaped yet, so its session id is not
+  reused) is left in its session; whether none is. A SIGKILLed process can run on for a moment (a pid namespace's
+  init first kills and reaps all it holds), so without this wait a caller could return while the code it ran still
+  exists. Zombies left to a PID 1 that is slow to reap them are waited for only `zombie_grace_s`."""
+  start = time.monotonic()
+  while True:
+    left = [state for pid, state in session_members(leader) if pid != leader]
+    if not left:
+      return True
+    waited = time.monotonic() - start
+    if waited >= timeout_s or (waited >= zombie_grace_s and all(state == "Z" for state in left)):
+      return False
+    time.sleep(0.002)
+
+
 def wait_exited(pid: int, timeout_s: float = 10.0) -> bool:
   """Waits up to `timeout_s` for child `pid` to exit, leaving it unreaped: then its children have been re-parented,
   and its pid (its session's id too) cannot be reused by a new session leader while we reap that session."""

@@ -89,6 +89,8 @@ class _Worker:
       except OSError:
         pass
     orphans.reap_session(self.proc.pid)  # what the kill orphaned, where this process is PID 1 (a container)
+    if orphans.wait_exited(self.proc.pid):
+      orphans.wait_session_gone(self.proc.pid)  # its children finish dying before the call returns
     try:
       self.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

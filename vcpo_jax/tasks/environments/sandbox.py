@@ -110,6 +110,8 @@ def _run(code: str, limits: SandboxLimits, workdir: str, start: float) -> Sandbo
   finally:
     _kill_group(proc)  # whatever is left; the leader is not reaped yet, so its group id cannot be reused
     orphans.reap_session(proc.pid)  # what the kill orphaned, where this process is PID 1 (a container)
+    if orphans.wait_exited(proc.pid):  # unreaped, so its session id is still its own
+      orphans.wait_session_gone(proc.pid)  # none of the code's processes outlives the call, even a dying one
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()
