@@ -17,7 +17,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # are most of its time (measured, -n 0: tests/test_bounded_norms.py + tests/test_grad_path_job.py 289 s -> 121 s;
 # tests/test_model.py 126 s -> 97 s). Off for the tests and the jobs they start; no fast-math either way, and
 # the benchmarks, which time programs, never run under them. VCPO_TEST_XLA_OPT=1 keeps XLA's defaults.
-CPU_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# XLA:CPU's older fusion emitters compile a third faster than its MLIR ones (a one-op program: 25 -> 17 ms;
+# tests/test_lora_learner.py + tests/test_bounded_norms.py, -n 0: 218 -> 137 CPU-s, the same results).
+CPU_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                    "--xla_cpu_use_fusion_emitters=false")
 if os.environ["JAX_PLATFORMS"] == "cpu" and os.environ.get("VCPO_TEST_XLA_OPT") != "1":
   _flags = os.environ["XLA_FLAGS"].split()
   os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in CPU_FAST_COMPILE if f.split("=")[0] not in
@@ -166,7 +169,7 @@ def server(tmp_path_factory):
 
 
 # VCPO_TEST_TIMES=FILE: one line per test (wall s, CPU s of the test process and the processes it waited for,
-# node id), appended as each test ends, so a stopped run keeps what it measured. CPU seconds, unlike wall time,
+# the test process's XLA compiles and their seconds, node id), appended as each test ends, so a stopped run keeps what it measured. CPU seconds, unlike wall time,
 # do not grow with a busy host: they rank the tests by what they cost (issue: the suite's time).
 TIMES_FILE = os.environ.get("VCPO_TEST_TIMES")
 
@@ -183,7 +186,18 @@ def pytest_runtest_protocol(item, nextitem):
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
-  t0, c0 = time.perf_counter(), cpu()
+  t0, c0, n0, s0 = time.perf_counter(), cpu(), _COMPILES[0], _COMPILES[1]
   yield
   with open(TIMES_FILE, "a") as f:
-    f.write(f"{time.perf_counter() - t0:.2f}\t{cpu() - c0:.2f}\t{item.nodeid}\n")
+    f.write(f"{time.perf_counter() - t0:.2f}\t{cpu() - c0:.2f}\t{_COMPILES[0] - n0}\t{_COMPILES[1] - s0:.2f}\t"
+            f"{item.nodeid}\n")
+
+
+_COMPILES = [0, 0.0]  # XLA compiles in this process (cache hits are not compiles) and their seconds
+if TIMES_FILE:
+  def _count_compile(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      _COMPILES[0] += 1
+      _COMPILES[1] += seconds
+
+  jax.monitoring.register_event_duration_secs_listener(_count_compile)
