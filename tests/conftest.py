@@ -46,6 +46,8 @@ if importlib.util.find_spec("filelock"):  # a size bound turns on the cache's fi
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+pytest_plugins = ["timing_plugin"]  # VCPO_TEST_TIMES=FILE: what each test costs (tests/timing_plugin.py)
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Explicit precision for every comparison in the suite (the model's own dots also carry
 # model.matmul_precision); this covers the rest (per-sequence norms, oracles, reference computations).
@@ -166,38 +168,3 @@ def server(tmp_path_factory):
   files; each test leaves it as it found it (weights m0, version v0). tests/sglang's files use their own."""
   from tests import server_harness  # noqa: PLC0415  (its imports only where a test asks for the server)
   yield from server_harness.serve(tmp_path_factory)
-
-
-# VCPO_TEST_TIMES=FILE: one line per test (wall s, CPU s of the test process and the processes it waited for,
-# the test process's XLA compiles and their seconds, node id), appended as each test ends, so a stopped run keeps what it measured. CPU seconds, unlike wall time,
-# do not grow with a busy host: they rank the tests by what they cost (issue: the suite's time).
-TIMES_FILE = os.environ.get("VCPO_TEST_TIMES")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-  if not TIMES_FILE:
-    yield
-    return
-  import resource  # noqa: PLC0415
-  import time  # noqa: PLC0415
-
-  def cpu():
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-  t0, c0, n0, s0 = time.perf_counter(), cpu(), _COMPILES[0], _COMPILES[1]
-  yield
-  with open(TIMES_FILE, "a") as f:
-    f.write(f"{time.perf_counter() - t0:.2f}\t{cpu() - c0:.2f}\t{_COMPILES[0] - n0}\t{_COMPILES[1] - s0:.2f}\t"
-            f"{item.nodeid}\n")
-
-
-_COMPILES = [0, 0.0]  # XLA compiles in this process (cache hits are not compiles) and their seconds
-if TIMES_FILE:
-  def _count_compile(event, seconds, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      _COMPILES[0] += 1
-      _COMPILES[1] += seconds
-
-  jax.monitoring.register_event_duration_secs_listener(_count_compile)
