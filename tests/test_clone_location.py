@@ -12,7 +12,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What `python -m pytest tests/test_sandbox.py` needs from a checkout.
-COPIED = ("vcpo_jax", "pyproject.toml", "tests/conftest.py", "tests/calibration.py", "tests/test_sandbox.py")
+COPIED = ("vcpo_jax", "pyproject.toml", "tests/conftest.py", "tests/calibration.py", "tests/timing_plugin.py",
+          "tests/test_sandbox.py")
 ESCAPES = ("writes_outside or no_connection or killing_its_parent or environment_is_not_readable or "
            "leaves_the_group or dies_with_its_caller or fork_bomb or under_tmp")
 
