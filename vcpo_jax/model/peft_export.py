@@ -17,9 +17,8 @@ from vcpo_jax.parallel import processes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", ml_dtypes.bfloat16),
-           "float16": ("F16", np.float16)}
-_BY_CODE = {code: dtype for code, dtype in _DTYPES.values()}
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_BY_CODE = {safetensors_file.DTYPE_NAMES[name]: dtype for name, dtype in _DTYPES.items()}
 # PEFT's config fields whose non-default values change the adapter's meaning: refused on reading.
 _MUST_BE = {"bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
             "layers_to_transform": None, "modules_to_save": None}
@@ -60,7 +59,7 @@ def to_peft(adapter, model_cfg: ModelConfig, lora_cfg: LoraConfig | None = None,
   lora_cfg = model_cfg.lora if lora_cfg is None else lora_cfg
   if dtype not in _DTYPES:
     raise ValueError(f"write_adapter: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-  np_dtype = _DTYPES[dtype][1]
+  np_dtype = _DTYPES[dtype]
   host = jax.device_get(adapter)
   tensors = {}
   for i in range(model_cfg.num_layers):
