@@ -34,3 +34,27 @@ def test_busy_seconds_of_sorted_moments():
 def test_a_root_without_logs_is_an_error(tmp_path, capsys):
   assert machine_time.main([str(tmp_path)]) == 1
   assert "no unit logs" in capsys.readouterr().err
+
+
+def test_the_ledger_keeps_earlier_roots_and_updates_the_same_run(tmp_path, capsys):
+  ledger = tmp_path / "machine_time.json"
+  ledger.write_text('[{"root": "/old", "units": 3, "first": "2026-01-01 10:00", "last": "2026-01-01 12:00", '
+                    '"hours": 2.0}]')
+  root = tmp_path / "root"
+  _log(str(root / "a" / "log.txt"), ["I1125 10:00:00.0 1 x.py:1] start", "I1125 10:06:00.0 1 x.py:1] end"])
+  assert machine_time.main([str(root), "--ledger", str(ledger)]) == 0
+  assert capsys.readouterr().out.splitlines()[-1] == "| total | | | | 2.10 |"
+  # The same run published again after it went on: its row is replaced, not added.
+  _log(str(root / "b" / "log.txt"), ["I1125 10:06:00.0 1 x.py:1] start", "I1125 10:12:00.0 1 x.py:1] end"])
+  assert machine_time.main([str(root), "--ledger", str(ledger)]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[-1] == "| total | | | | 2.20 |" and len(out) == 5 and out[2].startswith("| /old | 3 |")
+  year = datetime.date.today().year  # absl stamps carry no year: the log file's modification year
+  assert out[3].endswith(f"| 2 | {year}-11-25 10:00 | {year}-11-25 10:12 | 0.20 |")
+
+
+def test_a_ledger_that_is_not_rows_is_an_error_naming_it(tmp_path, capsys):
+  _log(str(tmp_path / "r" / "a" / "log.txt"), ["I1125 10:00:00.0 1 x.py:1] start"])
+  (tmp_path / "bad.json").write_text('{"root": "/x"}')
+  assert machine_time.main([str(tmp_path / "r"), "--ledger", str(tmp_path / "bad.json")]) == 1
+  assert "bad.json" in capsys.readouterr().err and (tmp_path / "bad.json").read_text() == '{"root": "/x"}'

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Archives the LoRA study's finished units into the repository and regenerates its page from them; writes the
-# run root's machine time. Run from the repository root whose docs should change (not the study's clean clone):
+# machine time of its runs (machine_time.json keeps earlier roots' rows). Run from the repository root whose docs
+# should change (not the study's clean clone):
 #   experiments/studies/lora/publish.sh ROOT          env: PY (python)
 set -eu
 ROOT=${1:?usage: publish.sh ROOT}
 PY=${PY:-python}
 OUT=docs/results/lora
 "$PY" -m experiments.launch.archive save "$ROOT" "$OUT/units"
-"$PY" -m experiments.launch.machine_time "$ROOT" | tee "$OUT/machine_time.md"
+"$PY" -m experiments.launch.machine_time "$ROOT" --ledger "$OUT/machine_time.json" | tee "$OUT/machine_time.md"
 "$PY" -m experiments.studies.lora.page "$OUT/units" --out "$OUT" --machine_time "$OUT/machine_time.md"

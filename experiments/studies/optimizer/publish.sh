@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Archives the optimizer study's finished units into the repository and regenerates its page from them (and the
-# horizon study's archived units); prints the run root's machine time. Run from the repository root whose docs
-# should change (not the study's clean clone):
+# horizon study's archived units); prints the machine time of its runs (machine_time.json keeps earlier roots'
+# rows). Run from the repository root whose docs should change (not the study's clean clone):
 #   experiments/studies/optimizer/publish.sh ROOT          env: PY (python)
 set -eu
 ROOT=${1:?usage: publish.sh ROOT}
@@ -9,4 +9,4 @@ PY=${PY:-python}
 OUT=docs/results/optimizer
 "$PY" -m experiments.launch.archive save "$ROOT" "$OUT/units"
 "$PY" -m experiments.studies.optimizer.results "$OUT/units" --horizon docs/results/horizon/units --out "$OUT"
-"$PY" -m experiments.launch.machine_time "$ROOT" | tee "$OUT/machine_time.md"
+"$PY" -m experiments.launch.machine_time "$ROOT" --ledger "$OUT/machine_time.json" | tee "$OUT/machine_time.md"
