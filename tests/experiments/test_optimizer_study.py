@@ -1,10 +1,13 @@
 """The optimizer study's sweep (every unit validates; arms, seeds, steps, optimizer) and its pilot's pick rule."""
 import os
+import types
 
+import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 from experiments.launch import local as launch, workunit
-from experiments.studies.optimizer import pilot
+from experiments.studies.optimizer import direction, pilot
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(REPO, "experiments", "studies", "claims", "config.py") + ":trace"
@@ -158,3 +161,38 @@ def test_run_sh_orders_the_parts_keeps_its_pick_and_stops_when_a_launch_is_stopp
   result = _run_sh(stopped, tmp_path / "root2")
   assert result.returncode == 130 and not (tmp_path / "root2" / "pilot_lr.txt").exists()
   assert len(log.read_text().splitlines()) == 1  # the stopped pilot launch, then nothing
+
+
+def test_the_direction_slope_is_ols_with_one_intercept_per_arm_in_float64():
+  rng = np.random.default_rng(0)
+  arm = np.array(["a"] * 4 + ["b"] * 5)
+  x = rng.uniform(0.1, 0.3, 9)
+  y = np.where(arm == "a", 0.02, -0.05) - 0.4 * x + rng.normal(0, 0.01, 9)
+  slope, lo, hi, dof = direction.within_slope(arm, x, y)
+  # The same fit from the full design matrix (two arm dummies and x), its textbook covariance.
+  X = np.stack([(arm == "a").astype(float), (arm == "b").astype(float), x], 1)
+  beta, rss, *_ = np.linalg.lstsq(X, y, rcond=None)
+  se = np.sqrt(rss[0] / (9 - 3) * np.linalg.inv(X.T @ X)[2, 2])
+  assert dof == 6 and np.isclose(slope, beta[2], rtol=1e-12)
+  assert np.isclose(hi - slope, scipy_stats.t.ppf(0.975, 6) * se, rtol=1e-10) and np.isclose(slope - lo, hi - slope)
+  assert hi < 0 and direction.verdict((slope, lo, hi, dof)) == "a larger turn goes with a worse endpoint"
+  assert direction.within_slope(["a", "a", "b"], [0.1, 0.2, 0.3], [1, 2, 3]) is None  # no residual dof
+  assert direction.within_slope(["a", "a", "a", "a"], [0.2] * 4, [1, 2, 3, 4]) is None  # no spread in x
+  assert direction.verdict(None).startswith("not enough runs")
+
+
+def _run(name, seed, cos=()):
+  return types.SimpleNamespace(name=name, seed=seed, series={direction.COS: dict(enumerate(cos))})
+
+
+def test_direction_points_pair_each_opob_run_with_its_seeds_group_mean_twin():
+  runs = [_run("v0", 0, [0.7, 0.8, 0.9]), _run("v1", 1, [0.6]), _run("v2", 2, [0.5]),  # sgd_vcpo
+          _run("e0", 0), _run("e1", 1), _run("o0", 0, [0.9]), _run("t0", 0)]
+  groups = {8: {"sgd_vcpo": runs[:3], "sgd_ess_only": runs[3:5], "opob_only": [runs[5]], "seq_tis": [runs[6]]}}
+  ends = {"v0": 0.5, "v1": 0.4, "v2": 0.9, "e0": 0.45, "e1": 0.5, "o0": 0.7, "t0": 0.6}
+  summaries = {n: {"done": n != "e1", "endpoint": e} for n, e in ends.items()}  # e1 unfinished: v1 has no twin
+  pts = direction.points(groups, summaries)
+  assert [(p["arm"], p["seed"]) for p in pts] == [("sgd_vcpo", 0), ("opob_only", 0)]  # v2: no twin on seed 2
+  assert np.isclose(pts[0]["turn"], 0.2) and np.isclose(pts[0]["effect"], 0.05)
+  assert np.isclose(pts[1]["turn"], 0.1) and np.isclose(pts[1]["effect"], 0.1)
+  assert "not enough runs" in "\n".join(direction.section(groups, summaries))

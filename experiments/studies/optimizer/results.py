@@ -1,5 +1,6 @@
 """The optimizer study's results.md (docs/results/optimizer/): the pilot, the SGD test of OPOB, C3 with the
-OPOB-only arm, and the update diagnostics, by the page's pre-registered rules, from archived or running units.
+OPOB-only arm, the update diagnostics and the direction test, by the page's pre-registered rules, from archived or
+running units.
 
     python -m experiments.studies.optimizer.results UNITS --horizon docs/results/horizon/units --out DIR
 """
@@ -13,7 +14,7 @@ import numpy as np
 from experiments.stats import analysis, claims, verdicts
 from experiments.stats import loader, report
 from experiments.studies.horizon import page as horizon_page
-from experiments.studies.optimizer import pilot, sweep
+from experiments.studies.optimizer import direction, pilot, sweep
 
 K = sweep.K
 SGD_ARMS = (("sgd_sync", 0), ("sgd_ess_only", K), ("sgd_vcpo", K))
@@ -120,7 +121,8 @@ def write(units: str, horizon: str, out: str, plots: bool = True) -> str:
         "scale' predicts for VCPO a gradient-norm ratio below 1 with an update-norm ratio near 1 under AdamW "
         "(opob_only), and the two ratios alike under SGD; the shared optimizer history (momentum, Adam's moments) "
         "pulls the update ratio toward 1 in both, so compare the arms' own update norms too (README.md).", "",
-        *diagnostics_table(groups), ""]
+        *diagnostics_table(groups), "", "## Direction: does a larger turn from the group-mean gradient go with a "
+        "better or a worse endpoint?", "", *direction.section(groups, summaries), ""]
   if plots:
     arms = {f"{arm} (k={k})": groups[k][arm] for arm, k in (*SGD_ARMS, ("opob_only", K))
             if groups.get(k, {}).get(arm)}
