@@ -62,10 +62,15 @@ def test_page_verdict_and_skeleton(tmp_path):
     _unit(root, "off", seed, lambda s: 0.3, 100.0, steps=60)
     _unit(root, "on", seed, lambda s, seed=seed: 0.4 + 0.01 * seed, 100.0, dropped_per_step=10.0, steps=60)
   out = str(tmp_path / "page")
-  assert page.main([root, "--out", out]) == 0
+  (tmp_path / "machine_time.md").write_text("| root | units |\n|---|---|\n| /runs/ds | 6 |\n")
+  assert page.main([root, "--out", out, "--machine_time", str(tmp_path / "machine_time.md")]) == 0
   summary = json.load(open(os.path.join(out, "results.json")))
   assert summary["verdict"] == "pays" and summary["effect"][0] == pytest.approx(0.11)
   text = open(os.path.join(out, "README.md")).read()
   assert "**Verdict: pays**" in text and "Pre-registered rule" in text
+  assert "## Machine time" in text and "| /runs/ds | 6 |" in text
+  assert "](accuracy.png)" in text and os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
+  with pytest.raises(SystemExit):
+    page.main([root, "--out", out, "--machine_time", str(tmp_path / "missing.md")])
   assert page.main([str(tmp_path / "none"), "--out", out]) == 0
   assert "this comparison has not been run" in open(os.path.join(out, "README.md")).read()
