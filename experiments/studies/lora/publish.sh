@@ -5,8 +5,6 @@
 #   experiments/studies/lora/publish.sh ROOT          env: PY (python)
 set -eu
 ROOT=${1:?usage: publish.sh ROOT}
-PY=${PY:-python}
 OUT=docs/results/lora
-"$PY" -m experiments.launch.archive save "$ROOT" "$OUT/units"
-"$PY" -m experiments.launch.machine_time "$ROOT" --ledger "$OUT/machine_time.json" | tee "$OUT/machine_time.md"
+source experiments/studies/archive_and_time.sh  # PY, the units, the machine time
 "$PY" -m experiments.studies.lora.page "$OUT/units" --out "$OUT" --machine_time "$OUT/machine_time.md"

@@ -5,8 +5,6 @@
 #   experiments/studies/optimizer/publish.sh ROOT          env: PY (python)
 set -eu
 ROOT=${1:?usage: publish.sh ROOT}
-PY=${PY:-python}
 OUT=docs/results/optimizer
-"$PY" -m experiments.launch.archive save "$ROOT" "$OUT/units"
+source experiments/studies/archive_and_time.sh  # PY, the units, the machine time
 "$PY" -m experiments.studies.optimizer.results "$OUT/units" --horizon docs/results/horizon/units --out "$OUT"
-"$PY" -m experiments.launch.machine_time "$ROOT" --ledger "$OUT/machine_time.json" | tee "$OUT/machine_time.md"
