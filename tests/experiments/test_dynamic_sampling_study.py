@@ -68,6 +68,7 @@ def test_page_verdict_and_skeleton(tmp_path):
   assert summary["verdict"] == "pays" and summary["effect"][0] == pytest.approx(0.11)
   text = open(os.path.join(out, "README.md")).read()
   assert "**Verdict: pays**" in text and "Pre-registered rule" in text
+  assert "| off | 100 | - | 0.000 | 2 (2) | - |" in text  # no filter: its counters were not measured, not 0
   assert "## Machine time" in text and "| /runs/ds | 6 |" in text
   assert "](accuracy.png)" in text and os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
   with pytest.raises(SystemExit):

@@ -83,15 +83,16 @@ def summarize(runs: list[loader.Run]) -> dict:
              verdict=verdict)
   for a in ARMS:
     rs = [arms[a] for arms in pairs.values()]
-    last = lambda r, key: r.series.get(key, {}).get(max(r.series.get(key, {0: 0})), float("nan"))  # noqa: E731
+    last = lambda r, key: [r.series[key][max(r.series[key])]] if r.series.get(key) else []  # noqa: E731
+    filtered = lambda key, f: float(f(v)) if (v := [x for r in rs for x in last(r, key)]) else None  # noqa: E731
     out["arms"][a] = {
         "tokens_per_step": float(np.mean([evals_with_tokens(r)[-1][1] / evals_with_tokens(r)[-1][0] for r in rs])),
-        "samples_per_kept_sample": float(np.mean([last(r, "dynamic_sampling/samples_per_kept_sample") for r in rs])),
+        "samples_per_kept_sample": filtered("dynamic_sampling/samples_per_kept_sample", np.mean),
         "zero_spread_groups": float(np.mean([np.mean(list(r.series.get("reward/zero_spread_groups", {}).values()))
                                              for r in rs])),
         "max_lag": float(max(max(r.series.get("lag/max", {0: 0}).values()) for r in rs)),
         "k": float(max(r.lag for r in rs)),
-        "prompt_drops_max": float(max(last(r, "dynamic_sampling/prompt_drops_max") for r in rs))}
+        "prompt_drops_max": filtered("dynamic_sampling/prompt_drops_max", max)}  # None: no filter, not measured
   return out
 
 
@@ -140,7 +141,8 @@ def render(root: str, summary: dict, runs: list[loader.Run], machine_time: str =
     return "\n".join(lines)
   mean, lo, hi = summary["effect"]
   lines += [f"**Verdict: {summary['verdict']}** ({summary['pairs']} pairs; budget {summary['budget']:.0f} generated "
-            f"tokens): on - off = {100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] points.", "",
+            f"tokens): on - off = {100 * mean:+.1f} "
+            + (f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" if np.isfinite(lo) else "(one pair: no interval)") + " points.", "",
             "| seed | off | on |", "| --- | --- | --- |"]
   for seed, sc in summary["scores"].items():
     fmt = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
@@ -148,8 +150,10 @@ def render(root: str, summary: dict, runs: list[loader.Run], machine_time: str =
   lines += ["", "| arm | tokens per step | samples per kept sample | zero-spread groups in batches | max lag (k) | "
             "most drops of one prompt |", "| --- | --- | --- | --- | --- | --- |"]
   for a, s in summary["arms"].items():
-    lines.append(f"| {a} | {s['tokens_per_step']:.0f} | {s['samples_per_kept_sample']:.2f} | "
-                 f"{s['zero_spread_groups']:.3f} | {s['max_lag']:.0f} ({s['k']:.0f}) | {s['prompt_drops_max']:.0f} |")
+    opt = lambda v, f: "-" if v is None else f"{v:{f}}"  # noqa: E731
+    lines.append(f"| {a} | {s['tokens_per_step']:.0f} | {opt(s['samples_per_kept_sample'], '.2f')} | "
+                 f"{s['zero_spread_groups']:.3f} | {s['max_lag']:.0f} ({s['k']:.0f}) | "
+                 f"{opt(s['prompt_drops_max'], '.0f')} |")
   lines += ["", "Accuracy against generated tokens, by evaluation step:", "", *_curve_rows(runs), ""]
   if plot:
     lines += ["![accuracy against generated tokens](accuracy.png)", ""]
