@@ -108,8 +108,8 @@ def _curve_rows(runs: list[loader.Run]) -> list[str]:
   return rows
 
 
-def figure(runs: list[loader.Run], path: str) -> None:
-  """Held-out greedy accuracy against generated tokens: each finished run thin, colour by arm."""
+def figure(runs: list[loader.Run], path: str, budget: Optional[float] = None) -> None:
+  """Held-out greedy accuracy against generated tokens: each finished run thin, colour by arm; the budget T."""
   from experiments.stats import plots as plots_lib  # noqa: PLC0415
   plt = plots_lib.pyplot()
   fig, ax = plt.subplots(figsize=(6.0, 3.6))
@@ -118,6 +118,8 @@ def figure(runs: list[loader.Run], path: str) -> None:
       pts = evals_with_tokens(r)
       ax.plot([t / 1e3 for _, t, _ in pts], [acc for _, _, acc in pts], color=color, linewidth=1.0, alpha=0.8,
               marker=".", label=a if i == 0 else None)
+  if budget:
+    ax.axvline(budget / 1e3, color="k", linestyle=":", linewidth=1.0, label="budget T")
   ax.set_xlabel("generated tokens (thousands)")
   ax.set_ylabel("held-out greedy accuracy")
   ax.grid(alpha=0.3)
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   plot = bool(summary["pairs"]) and not args.no_plots
   if plot:
-    figure(runs, os.path.join(args.out, "accuracy.png"))
+    figure(runs, os.path.join(args.out, "accuracy.png"), summary.get("budget"))
   table = ""
   if args.machine_time:
     if not os.path.exists(args.machine_time):
