@@ -72,6 +72,6 @@ def test_page_verdict_and_skeleton(tmp_path):
   assert "## Machine time" in text and "| /runs/ds | 6 |" in text
   assert "](accuracy.png)" in text and os.path.getsize(os.path.join(out, "accuracy.png")) > 1000
   with pytest.raises(SystemExit):
-    page.main([root, "--out", out, "--machine_time", str(tmp_path / "missing.md")])
+    page.main([root, "--out", out, "--machine_time", str(tmp_path / "absent_table")])
   assert page.main([str(tmp_path / "none"), "--out", out]) == 0
   assert "this comparison has not been run" in open(os.path.join(out, "README.md")).read()
