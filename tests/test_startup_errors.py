@@ -70,6 +70,12 @@ def test_the_traceback_when_asked_for(tmp_path):
      'error: rl.max_lagg: not a config field; did you mean "max_lag"?'),
     (["--config=configs/countdown.py", "--config.rl.max_lag=abc"],
      "error: rl.max_lag: invalid literal for int() with base 10: 'abc'"),
+    (["--config=configs/countdown.py", "--config.rl.dynamic_sampling=true"],  # a section given a value
+     "error: rl.dynamic_sampling: a section, not a value (got 'true'): to switch it on, "
+     "--config.rl.dynamic_sampling.enabled=true"),
+    (["--config=configs/countdown.py", "--config.rl.overlong=3"],
+     "error: rl.overlong: a section, not a value (got '3'): set its fields (cache_length, mask_truncated, "
+     "max_length, penalty)"),
     (["--config=configs/no_such_config.py"],
      "error: config: cannot load the config file: [Errno 2] No such file or directory: "
      "'configs/no_such_config.py'"),

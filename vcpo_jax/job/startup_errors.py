@@ -82,6 +82,22 @@ def _override_named(key: str, argv: Sequence[str]) -> str | None:
   return None
 
 
+def _section_hint(path: str, value: str) -> str:
+  """What to write instead of a value for a whole section (`--config.rl.dynamic_sampling=true`): its fields."""
+  try:
+    section = flags.FLAGS["config"].value
+    for key in path.split("."):
+      section = section[key]
+    fields = sorted(section.keys())
+  except (KeyError, AttributeError, TypeError):
+    fields = []
+  text = f"a section, not a value (got {value!r})"
+  if "enabled" in fields and value.strip().lower() in ("true", "false", "1", "0"):
+    on = value.strip().lower() in ("true", "1")
+    return f"{text}: to switch it {'on' if on else 'off'}, --config.{path}.enabled={str(on).lower()}"
+  return f"{text}: set its fields ({', '.join(fields)})" if fields else f"{text}: set its fields"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) with its errors as one line and exit status 2: a value of
   the wrong type, an unknown or missing flag, an override that names no config field."""
@@ -89,6 +105,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:  # `flag --config.rl.max_lag=abc: invalid literal ...`, unknown or missing flags
     m = re.match(r"flag --(?:config\.)?([\w.-]+)=.*?: (.*)", str(e), re.S)
+    section = m and re.match(r"Failed to parse '(.*)' as a ConfigDict", m[2], re.S)
+    if section:
+      _exit(f"error: {m[1]}: {_section_hint(m[1], section[1])}")
     _exit(f"error: {m[1]}: {m[2]}" if m else f"error: flags: {e}")
   except (AttributeError, KeyError) as e:  # ml_collections: an override naming no field ("Did you mean ...")
     text = str(e.args[0]) if e.args else str(e)
