@@ -144,7 +144,8 @@ def render(root: str, summary: dict, runs: list[loader.Run], machine_time: str =
   mean, lo, hi = summary["effect"]
   lines += [f"**Verdict: {summary['verdict']}** ({summary['pairs']} pairs; budget {summary['budget']:.0f} generated "
             f"tokens): on - off = {100 * mean:+.1f} "
-            + (f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" if np.isfinite(lo) else "(one pair: no interval)") + " points.", "",
+            + (f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" if np.isfinite(lo) else "(one pair: no interval)")
+            + " points.", "",
             "| seed | off | on |", "| --- | --- | --- |"]
   for seed, sc in summary["scores"].items():
     fmt = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
