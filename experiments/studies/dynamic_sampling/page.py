@@ -60,6 +60,13 @@ def score_at(run: loader.Run, budget: float) -> Optional[float]:
   return float(np.mean(within[-n:])) if len(within) >= n else None
 
 
+def _over_last(runs: list[loader.Run], key: str, f) -> Optional[float]:
+  """f over the runs' last logged values of a filter counter; None where no run logged it (no filter: not
+  measured, rather than 0)."""
+  values = [r.series[key][max(r.series[key])] for r in runs if r.series.get(key)]
+  return float(f(values)) if values else None
+
+
 def summarize(runs: list[loader.Run]) -> dict:
   """The budget, the paired scores, the effect and the verdict, plus what each arm's filter did."""
   finished = [r for r in runs if r.result is not None and r.arm in ARMS and evals_with_tokens(r)]
@@ -83,16 +90,14 @@ def summarize(runs: list[loader.Run]) -> dict:
              verdict=verdict)
   for a in ARMS:
     rs = [arms[a] for arms in pairs.values()]
-    last = lambda r, key: [r.series[key][max(r.series[key])]] if r.series.get(key) else []  # noqa: E731
-    filtered = lambda key, f: float(f(v)) if (v := [x for r in rs for x in last(r, key)]) else None  # noqa: E731
     out["arms"][a] = {
         "tokens_per_step": float(np.mean([evals_with_tokens(r)[-1][1] / evals_with_tokens(r)[-1][0] for r in rs])),
-        "samples_per_kept_sample": filtered("dynamic_sampling/samples_per_kept_sample", np.mean),
+        "samples_per_kept_sample": _over_last(rs, "dynamic_sampling/samples_per_kept_sample", np.mean),
         "zero_spread_groups": float(np.mean([np.mean(list(r.series.get("reward/zero_spread_groups", {}).values()))
                                              for r in rs])),
         "max_lag": float(max(max(r.series.get("lag/max", {0: 0}).values()) for r in rs)),
         "k": float(max(r.lag for r in rs)),
-        "prompt_drops_max": filtered("dynamic_sampling/prompt_drops_max", max)}  # None: no filter, not measured
+        "prompt_drops_max": _over_last(rs, "dynamic_sampling/prompt_drops_max", max)}
   return out
 
 

@@ -13,7 +13,10 @@ import math
 import numpy as np
 from scipy import stats
 
-K = 8
+from experiments.stats import claims
+from experiments.studies.optimizer import sweep
+
+K = sweep.K
 PAIRS = (("sgd_vcpo", "sgd_ess_only"), ("opob_only", "seq_tis"))  # (OPOB arm, its group-mean twin), both at k
 COS = "grad/cos_group_mean"
 TURN_UNIT = 0.1  # the slope is reported per 0.1 of turn (1 - cos): the runs' turns span ~0.1-0.3
@@ -21,9 +24,9 @@ TURN_UNIT = 0.1  # the slope is reported per 0.1 of turn (1 - cos): the runs' tu
 
 def points(groups, summaries) -> list[dict]:
   """{arm, seed, turn, effect} per finished OPOB run whose twin on its seed finished too."""
-  out = []
+  out, find = [], claims.finder(groups, summaries)
   for arm, twin in PAIRS:
-    twins = {r.seed: summaries[r.name] for r in groups.get(K, {}).get(twin, []) if summaries[r.name]["done"]}
+    twins = find(twin, K)
     for run in groups.get(K, {}).get(arm, []):
       mine, other = summaries[run.name], twins.get(run.seed)
       cos = [v for v in run.series.get(COS, {}).values() if math.isfinite(v)]
