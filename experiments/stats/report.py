@@ -119,6 +119,12 @@ def _settings(runs: list[loader.Run]) -> list[str]:
   return lines
 
 
+def _distinct(values: list[str]) -> list[str]:
+  """'- value' per distinct value in first-seen order, with its unit count when they differ."""
+  counts = collections.Counter(values)
+  return [f"- {v}" + (f": {n} unit{'s' * (n != 1)}" if len(counts) > 1 else "") for v, n in counts.items()]
+
+
 def _provenance(runs: list[loader.Run]) -> list[str]:
   launches = [r.record["launches"][-1] for r in runs if r.record.get("launches")]
   envs = [r.record["environment"] for r in runs if r.record.get("environment")]
@@ -127,10 +133,10 @@ def _provenance(runs: list[loader.Run]) -> list[str]:
     shas = sorted({f"{l['git_sha'][:10] if l.get('git_sha') else '?'}{'+dirty' if l.get('git_dirty') else ''}"
                    for l in launches})
     lines.append(f"- git: {', '.join(shas)}; launcher: {', '.join(sorted({l['launcher'] for l in launches}))}")
-  if envs:
-    e = envs[0]
-    lines.append(f"- host {e.get('host')} ({e.get('cpus')} CPUs), {e.get('platform')}, Python {e.get('python')}")
-    lines.append("- " + ", ".join(f"{k} {v}" for k, v in sorted(e.get("packages", {}).items())))
+  # one line per distinct machine and package set, so units run on a changed host (a new kernel) say so
+  lines += _distinct([f"host {e.get('host')} ({e.get('cpus')} CPUs), {e.get('platform')}, Python {e.get('python')}"
+                      for e in envs])
+  lines += _distinct([", ".join(f"{k} {v}" for k, v in sorted(e.get("packages", {}).items())) for e in envs])
   return lines
 
 

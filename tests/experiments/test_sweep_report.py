@@ -41,6 +41,21 @@ def test_mean_ci_and_iqm_bootstrap():
   assert lo <= point <= hi and (point, lo, hi) == analysis.bootstrap_iqm([[0.1, 0.2, 0.3], [0.5, 0.6, 0.7]])
 
 
+def _run_on(platform: str) -> loader.Run:
+  env = {"host": "vm", "cpus": 2, "platform": platform, "python": "3.11.7", "packages": {"jax": "0.10.2"}}
+  record = {"launches": [{"git_sha": "e0bb5a26da00", "launcher": "local"}], "environment": env}
+  return loader.Run("u", "vcpo", 8, 0, {}, record, None, {})
+
+
+def test_provenance_names_every_host_its_units_ran_on():
+  one = report._provenance([_run_on("Linux-a"), _run_on("Linux-a")])
+  assert one == ["- git: e0bb5a26da; launcher: local", "- host vm (2 CPUs), Linux-a, Python 3.11.7", "- jax 0.10.2"]
+  two = report._provenance([_run_on("Linux-b"), _run_on("Linux-a"), _run_on("Linux-b")])
+  assert two[1:3] == ["- host vm (2 CPUs), Linux-b, Python 3.11.7: 2 units",
+                      "- host vm (2 CPUs), Linux-a, Python 3.11.7: 1 unit"]
+  assert two[3] == "- jax 0.10.2"
+
+
 # ----------------------------------------------------------------------------- report on synthetic runs
 def _synthetic_unit(root, arm_name, lag, seed, collapse_at=None, steps=40, eval_every=10):
   """A workdir as the job leaves it: unit.json, config.json, metrics.jsonl (ESS falls at step 5 when the run
